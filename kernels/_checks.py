@@ -1,0 +1,31 @@
+"""Argument checks shared by the kernel launchers.
+
+Every launcher validates before it launches and raises ValueError naming the problem: a bad
+launch on a GPU is otherwise an illegal memory access reported far from its cause, or silently
+wrong numbers.
+"""
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise ValueError(message) unless condition holds."""
+    if not condition:
+        raise ValueError(message)
+
+
+def check_head_dim(head_dim: int) -> None:
+    check(head_dim in SUPPORTED_HEAD_DIMS,
+          f"head_dim {head_dim} is not supported; use a power of two in {SUPPORTED_HEAD_DIMS}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    check(len(set(devices.values())) == 1, f"tensors are on different devices: {devices}")
+
+
+def no_window() -> int:
+    """The sliding window used when there is none: longer than any sequence, still an int32."""
+    return 2**31 - 1
