@@ -1,0 +1,111 @@
+"""The one interface between the model and attention: batch metadata plus a backend.
+
+The model's forward takes a flat batch: the new tokens of several sequences packed one after
+another (`[T]`), as paged attention needs them. `BatchMetadata` says where each sequence's
+tokens start, how long its whole context is, and where its K/V live in the page pool. A backend
+(`torch` reference or `triton` kernels, from the top-level `kernels` package) writes the new K/V
+into the pool and attends. Nothing is global: the metadata is passed into every forward.
+
+Backend choice: `triton` on CUDA, `torch` elsewhere; `MINISPEC_BACKEND=triton|torch` or the
+`backend=` argument overrides it (tests run the Triton kernels on CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchMetadata:
+    """Where the T packed new tokens of B sequences sit.
+
+    positions:       [T] int64, position of each new token in its sequence
+    query_start_loc: [B+1] int32, sequence b's new tokens are rows query_start_loc[b]:query_start_loc[b+1]
+    seq_lens:        [B] int32, context length of each sequence INCLUDING its new tokens
+    max_query_len, max_seq_len: host ints (launch sizes; no device sync needed)
+    slot_mapping:    [T] int64, pool slot (page * page_size + offset) for each new token's K/V, or None
+    block_tables:    [B, max_pages] int32 page ids, or None when there is no KV cache
+    logits_indices:  [N] int64 rows whose logits are wanted (None: all T rows)
+    is_prefill:      True when every sequence starts at position 0 (no cached context), so
+                     attention can run on the contiguous new K/V alone
+    """
+
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
+    is_prefill: bool = False
+
+    @classmethod
+    def for_prompts(cls, lengths: list[int], device: torch.device | str = "cpu") -> "BatchMetadata":
+        """Metadata for a cache-free forward over whole prompts (parity tests, scoring)."""
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [T]
+        return cls(
+            positions=positions,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),  # [B+1]
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),  # [B]
+            max_query_len=max(lengths),
+            max_seq_len=max(lengths),
+            is_prefill=True,
+        )
+
+
+class AttentionBackend:
+    """Writes new K/V into the page pool and attends, with either kernels or their torch twins."""
+
+    def __init__(self, name: str | None = None):
+        name = name or os.environ.get("MINISPEC_BACKEND") or ("triton" if torch.cuda.is_available() else "torch")
+        if name not in ("triton", "torch"):
+            raise ValueError(f"unknown attention backend {name!r} (use 'triton' or 'torch')")
+        import kernels  # imported here: on CPU, kernels sets TRITON_INTERPRET before triton loads
+
+        self.name = name
+        if name == "triton":
+            self._prefill, self._paged, self._write = kernels.flash_prefill, kernels.paged_attention, kernels.write_kv
+        else:
+            self._prefill = kernels.flash_prefill_ref
+            self._paged = kernels.paged_attention_ref
+            self._write = kernels.write_kv_ref
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: BatchMetadata,
+        sm_scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k, v: [T, Hkv, D]; kv_cache: this layer's (k_pool, v_pool), each
+        [num_pages, page_size, Hkv, D], or None. Returns [T, Hq, D]."""
+        if kv_cache is not None:
+            self._write(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        if meta.is_prefill:  # no earlier context: attend over the contiguous new K/V
+            return self._prefill(
+                q, k, v, meta.query_start_loc, meta.max_query_len, sm_scale=sm_scale, sliding_window=sliding_window
+            )
+        if kv_cache is None:
+            raise ValueError("a forward with cached context needs a KV cache")
+        return self._paged(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            meta.max_seq_len,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+        )

@@ -1,0 +1,166 @@
+"""Model configuration: one dataclass, built from a Hugging Face `config.json` dict and validated.
+
+Both config styles are accepted: transformers >= 5 writes `rope_parameters` and `dtype`; older
+checkpoints have top-level `rope_theta`, `rope_scaling` and `torch_dtype`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# architecture name in config.json -> model family
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder. Shapes below use these names."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # key j is visible to query i iff i - j < sliding_window
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    dtype: torch.dtype = torch.float32  # the checkpoint's dtype
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        checks = {
+            "vocab_size": self.vocab_size > 0,
+            "hidden_size": self.hidden_size > 0,
+            "num_layers": self.num_layers > 0,
+            "num_heads": self.num_heads > 0,
+            "num_kv_heads (must divide num_attention_heads)": self.num_kv_heads > 0
+            and self.num_heads % self.num_kv_heads == 0,
+            "head_dim": self.head_dim > 0 and self.head_dim % 2 == 0,
+            "sliding_window": self.sliding_window is None or self.sliding_window > 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid model config: bad {', '.join(bad)} in {self}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", "default")
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"rope scaling type {kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+                )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a parsed `config.json`. Raises ValueError naming what is wrong or unsupported."""
+        archs = hf.get("architectures") or []
+        known = [a for a in archs if a in ARCHITECTURES]
+        if not known:
+            raise ValueError(
+                f"unknown architecture {archs or hf.get('model_type')!r}; "
+                f"minispec supports {sorted(ARCHITECTURES)}"
+            )
+        family = ARCHITECTURES[known[0]]
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in hf:
+                raise ValueError(f"config.json is missing required field {key!r}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+
+        # RoPE: transformers 5 nests theta and scaling in rope_parameters.
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = rope or hf.get("rope_scaling") or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+            if scaling["rope_type"] == "default":
+                scaling = None
+        if hf.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+
+        sliding_window = hf.get("sliding_window")
+        if family == "qwen2":
+            # Qwen2 checkpoints carry a sliding_window value but only use it when asked to.
+            if hf.get("use_sliding_window", False):
+                raise ValueError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
+            sliding_window = None
+        if family == "llama":
+            sliding_window = None
+
+        dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype_name not in DTYPES:
+            raise ValueError(f"checkpoint dtype {dtype_name!r} is not supported ({sorted(DTYPES)})")
+
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=sliding_window,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            dtype=DTYPES[dtype_name],
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), i < d/2, with linear or Llama-3.1 scaling. Returns [head_dim // 2] fp32."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [d/2], fp32 as in HF
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling.get("original_max_position_embeddings", cfg.max_position_embeddings))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)

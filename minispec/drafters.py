@@ -1,0 +1,75 @@
+"""Drafters: who proposes the k tokens the target verifies.
+
+ModelDrafter: a small model of the same class as the target (its own weights, config and paged
+KV cache), sampling each draft token from its warped distribution q with the request's own
+generator. NgramDrafter: no model; it looks up the latest earlier occurrence of the sequence's
+last n tokens (prompt lookup decoding, Saxena 2023) and proposes what followed; its q is one-hot.
+
+Both implement `propose(seqs, num_draft) -> (draft_lists, draft_probs)` and `rollback(seqs)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .runner import Feed, ModelRunner
+from .sampling import sample, warp_probs
+from .sequence import Sequence
+
+
+class ModelDrafter:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """Run num_draft[b] autoregressive draft steps for each sequence b.
+
+        Returns draft token lists and draft_probs [B, K+1, V] (K = max(num_draft)), row b holding
+        q_1..q_n at positions < num_draft[b] and zeros after. The first step also catches up on
+        tokens the draft has not cached yet (the whole prompt at first, then 1 or 2 tokens).
+        """
+        B, K = len(seqs), max(num_draft)
+        V = self.runner.model.cfg.vocab_size
+        draft_lists: list[list[int]] = [[] for _ in seqs]
+        draft_probs = torch.zeros(B, K + 1, V, device=self.runner.device)  # [B, K+1, V]
+        active = [b for b in range(B) if num_draft[b] > 0]
+        feeds = {b: seqs[b].tokens[seqs[b].draft.num_cached :] for b in active}
+        for i in range(K):
+            logits = self.runner.forward([Feed(seqs[b].draft, feeds[b]) for b in active])  # [len(active), V]
+            q = warp_probs(logits, [seqs[b].params for b in active])  # [len(active), V]
+            tokens = sample(q, [seqs[b].generator for b in active]).tolist()
+            for row, (b, t) in enumerate(zip(active, tokens)):
+                draft_lists[b].append(t)
+                draft_probs[b, i] = q[row]
+                feeds[b] = [t]
+            active = [b for b in active if num_draft[b] > i + 1]
+        return draft_lists, draft_probs
+
+    def rollback(self, seqs: list[Sequence]) -> None:
+        """Forget draft K/V past the accepted tokens (the newest token is fed next step)."""
+        for s in seqs:
+            s.draft.truncate(len(s) - 1, self.runner.cache.allocator)
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: match the last n tokens (n from max_n down to min_n) against the
+    sequence's earlier tokens; propose the up-to-k tokens that followed the latest match."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):  # latest match first
+                if tokens[start : start + n] == suffix:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> tuple[list[list[int]], None]:
+        return [self.lookup(s.tokens, n) if n > 0 else [] for s, n in zip(seqs, num_draft)], None
+
+    def rollback(self, seqs: list[Sequence]) -> None:
+        pass

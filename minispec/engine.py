@@ -1,0 +1,99 @@
+"""LLMEngine: requests in, tokens out, one batched step at a time.
+
+Each `step()` asks the scheduler for a batch (continuous batching: newly admitted prompts and
+running sequences together), runs one `speculative_step` on it (plain decoding when there is no
+drafter) and returns the tokens each sequence emitted. Finished sequences give their pages back
+at once, so waiting requests join on the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kv_cache import KVPoolExhausted
+from .metrics import RunMetrics
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .speculative import StepTimes, speculative_step
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        target: ModelRunner,
+        tokenizer: Tokenizer,
+        drafter=None,
+        draft_runner: ModelRunner | None = None,
+        num_speculative_tokens: int = 0,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 8192,
+    ):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.k = num_speculative_tokens if drafter is not None else 0
+        runners = [(target, "target")] + ([(draft_runner, "draft")] if draft_runner is not None else [])
+        self.runners = runners
+        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens)
+        self.eos_ids = target.model.cfg.eos_token_ids
+        self.max_model_len = target.max_positions
+        self.times = StepTimes()
+        self._next_id = 0
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request. Raises ValueError if it can never fit the context or the KV pool."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        total = len(prompt_ids) + params.max_tokens + self.k
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} (+ {self.k} draft) "
+                f"exceeds the model's context length {self.max_model_len}"
+            )
+        for runner, which in self.runners:
+            cache = runner.cache
+            need = -(-total // cache.page_size)
+            if need > cache.num_pages:
+                raise KVPoolExhausted(
+                    f"request needs {need} KV pages in the {which} pool but the pool has only "
+                    f"{cache.num_pages}; raise the KV cache budget or lower max_tokens"
+                )
+        seq = Sequence(self._next_id, prompt_ids, params, self.target.cache.page_size, self.target.device)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _emit(self, seq: Sequence, token: int) -> bool:
+        return seq.append(token, self.eos_ids, self.tokenizer.decode)
+
+    def step(self) -> list[StepOutput]:
+        seqs = self.scheduler.schedule()
+        before = [len(s.output_ids) for s in seqs]
+        speculative_step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
+        outputs = []
+        for s, n in zip(seqs, before):
+            done = s.finish_reason is not None
+            if done:
+                self.scheduler.finish(s)
+            outputs.append(StepOutput(s, s.output_ids[n:], done))
+        return outputs
+
+    def run_metrics(self, seqs: list[Sequence], wall_s: float) -> RunMetrics:
+        m = RunMetrics(draft_s=self.times.draft_s, target_s=self.times.target_s, wall_s=wall_s)
+        for s in seqs:
+            m.add(s.metrics, len(s.output_ids))
+        m.num_preemptions = self.scheduler.num_preemptions
+        return m

@@ -1,0 +1,114 @@
+"""Load a checkpoint: a Hugging Face directory (config.json, *.safetensors shards, tokenizer.json)
+or a single GGUF file (see `gguf_loader.py`).
+
+Every tensor the model needs must be present with the right shape; anything missing, mis-shaped
+or unexpected is reported by name instead of surfacing later as a wrong answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .attention import AttentionBackend
+from .config import DTYPES, ModelConfig, rope_inv_freq
+from .model import Transformer
+from .tokenizer import Tokenizer
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """'auto'/None: the checkpoint's dtype on CUDA, fp32 on CPU (CPU bf16 matmuls are slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return cfg.dtype if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint dir: model.safetensors, or the shards its index names."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    tensors = {}
+    for name in files:
+        if not (path / name).exists():
+            raise FileNotFoundError(f"shard {name} named in {index.name} is missing from {path}")
+        with safe_open(path / name, framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def build_model(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend | None = None,
+) -> Transformer:
+    """Instantiate the model and copy `state` (HF names, optional `model.` prefix) into it."""
+    state = {k.removeprefix("model."): v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
+    with torch.device("meta"):
+        model = Transformer(cfg, backend)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors this {cfg.architecture} config does not use: {', '.join(unexpected[:8])}")
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != tuple(shape):
+            raise ValueError(f"tensor {key} has shape {tuple(state[key].shape)}, config implies {tuple(shape)}")
+    model = model.to_empty(device=device).to(dtype)
+    model.load_state_dict(state, strict=False, assign=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
+    return model.eval()
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    backend: AttentionBackend | str | None = None,
+) -> tuple[Transformer, Tokenizer]:
+    """Load (model, tokenizer) from an HF directory or a .gguf file."""
+    path = Path(path)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not isinstance(backend, AttentionBackend):
+        backend = AttentionBackend(backend)
+    if path.suffix == ".gguf":
+        from .gguf_loader import read_gguf
+
+        hf_config, state, tokenizer = read_gguf(path)
+    else:
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint {path} is neither a directory nor a .gguf file")
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        hf_config = json.loads(config_file.read_text())
+        state = read_safetensors(path)
+        tokenizer = Tokenizer.from_dir(path, hf_config)
+    cfg = ModelConfig.from_hf(hf_config)
+    if not cfg.eos_token_ids:
+        cfg.eos_token_ids = tokenizer.eos_token_ids
+    model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend)
+    return model, tokenizer

@@ -1,0 +1,87 @@
+"""Speculative-decoding metrics, per request and per run (vLLM's definitions).
+
+acceptance rate            = accepted draft tokens / drafted tokens
+mean accepted per step     = tokens emitted per target forward = 1 + accepted / steps
+per-position acceptance[i] = steps whose i-th draft was accepted / steps that drafted an i-th token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Counters for one request. `accepted_per_position[i]` counts steps whose i-th draft token was
+    accepted; `drafted_per_position[i]` counts steps that drafted an i-th token."""
+
+    num_steps: int = 0  # target forward passes
+    num_drafted: int = 0
+    num_accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        for counts, n in ((self.drafted_per_position, num_drafted), (self.accepted_per_position, num_accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Tokens emitted per target forward pass: 1 + accepted/steps (the +1 is the recovered or bonus token)."""
+        return 1 + self.num_accepted / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class RunMetrics(RequestMetrics):
+    """Totals over the requests of one `generate` call, plus timings."""
+
+    num_requests: int = 0
+    num_generated: int = 0  # tokens emitted
+    num_preemptions: int = 0
+    draft_s: float = 0.0  # time in the drafter (proposals, catch-up)
+    target_s: float = 0.0  # time in target verification and rejection sampling
+    wall_s: float = 0.0
+
+    def add(self, r: RequestMetrics, num_generated: int) -> None:
+        self.num_requests += 1
+        self.num_generated += num_generated
+        self.num_steps += r.num_steps
+        self.num_drafted += r.num_drafted
+        self.num_accepted += r.num_accepted
+        for mine, theirs in ((self.drafted_per_position, r.drafted_per_position), (self.accepted_per_position, r.accepted_per_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / self.wall_s if self.wall_s else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "requests": self.num_requests,
+            "generated_tokens": self.num_generated,
+            "target_steps": self.num_steps,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_per_step": round(self.mean_accepted_per_step, 4),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "draft_s": round(self.draft_s, 4),
+            "target_s": round(self.target_s, 4),
+            "wall_s": round(self.wall_s, 4),
+            "preemptions": self.num_preemptions,
+        }

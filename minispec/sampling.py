@@ -1,0 +1,103 @@
+"""Sampling parameters and the logits -> probabilities warp shared by target and draft.
+
+Speculative sampling is exact only if the draft's q and the target's p are warped the same way
+(temperature, then top-k, then top-p), so both go through `warp_probs`. Temperature 0 is greedy:
+the warp returns a one-hot distribution at the argmax, and the rejection rule in
+`speculative.py` then reduces to "accept while the draft token equals the target argmax".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling options (vLLM's names).
+
+    temperature: 0 means greedy; top_k: 0 or -1 disables; top_p in (0, 1];
+    max_tokens: new tokens to generate; stop: strings that end generation (not included in
+    the text); seed: makes the request reproducible and independent of the batch it runs in;
+    ignore_eos: keep generating past EOS (benchmarks).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits: [N, V] fp32, one row per entry of `params` -> probabilities [N, V].
+
+    Greedy rows become one-hot at the argmax. Others: softmax(logits / T), keep the k most likely
+    tokens, then the smallest set whose mass reaches top_p (the token crossing it included),
+    renormalise.
+    """
+    N, V = logits.shape
+    device = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=device)  # [N]
+    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)  # [N]
+    logits = logits / temp[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=device)  # [N]
+    top_p = torch.tensor([p.top_p for p in params], device=device)  # [N]
+    if bool((top_k < V).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+        rank = torch.arange(V, device=device)[None, :]  # [1, V]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Mass strictly before each token, computed after the top-k cut.
+        sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
+        sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)  # [N, V]
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row, row i from generators[i]. probs: [N, V] -> tokens [N] int64.
+
+    Inverse-CDF with one uniform per row: a one-hot row always yields its token, and a
+    request's draws depend only on its own generator (batch invariance).
+    """
+    u = uniforms(generators, 1, probs.device)  # [N, 1]
+    cdf = probs.cumsum(-1)  # [N, V]
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [N]
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+def uniforms(generators: list[torch.Generator], n: int, device: torch.device | str) -> torch.Tensor:
+    """[len(generators), n] uniforms in [0, 1), row i drawn from generators[i]."""
+    if not generators:
+        return torch.empty(0, n, device=device)
+    return torch.stack([torch.rand(n, generator=g, device=g.device) for g in generators]).to(device)

@@ -1,0 +1,66 @@
+"""A request in flight: its tokens, its own random generator, its KV block tables in the target's
+and the draft's pools, its stop conditions, and its speculative-decoding counters.
+"""
+
+from __future__ import annotations
+
+import enum
+import torch
+
+from .kv_cache import BlockTable
+from .metrics import RequestMetrics
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, page_size: int, device):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.target = BlockTable(page_size)  # K/V of this sequence in the target's pool
+        self.draft = BlockTable(page_size)  # ... and in the draft model's pool
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None  # "length" | "eos" | "stop"
+        self.stop_text_end: int | None = None  # output text is cut here when a stop string matched
+        self.metrics = RequestMetrics()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """How many more tokens this request may emit."""
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token: int, eos_ids: list[int], decode) -> bool:
+        """Add one generated token and check stop conditions. Returns True when the request is done.
+
+        `decode(ids) -> str` renders the output so far for stop-string matching."""
+        self.output_ids.append(token)
+        if token in eos_ids and not self.params.ignore_eos:
+            self.finish_reason = "eos"
+        elif self.params.stop:
+            text = decode(self.output_ids)
+            hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+            if hits:
+                self.finish_reason, self.stop_text_end = "stop", min(hits)
+        if self.finish_reason is None and self.remaining == 0:
+            self.finish_reason = "length"
+        return self.finish_reason is not None

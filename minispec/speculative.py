@@ -1,0 +1,174 @@
+"""Speculative decoding: one step, top to bottom (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2).
+
+For every running sequence whose last token is x_L:
+  1. Draft. The drafter proposes n <= k tokens d_1..d_n with draft distributions
+     draft_probs_i = q_i(.) (a model drafter samples d_i ~ q_i; the n-gram drafter's q_i is one-hot).
+  2. Verify. The target scores all n+1 positions in ONE forward pass over [x_L, d_1, .., d_n],
+     giving target_probs_i = p_i(.) for i = 1..n+1 (p_{n+1} is the distribution after d_n).
+  3. Accept / reject. Token d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)), left
+     to right, until the first rejection. At a rejection at position i, the recovered token is
+     sampled from the residual norm(max(0, p_i - q_i)); if all n are accepted, a bonus token is
+     sampled from p_{n+1}. Either way every step emits num_accepted + 1 tokens, and each token
+     is distributed exactly as the target alone would have sampled it.
+  4. Roll back. The target cached K/V for [x_L, d_1..d_n]; positions past the accepted drafts
+     are truncated (no copy). The drafter truncates its own cache the same way.
+
+p and q are both warped by `warp_probs` (temperature, top-k, top-p) with the request's params.
+Temperature 0 makes both one-hot, and the same rule becomes greedy verification: accept while
+d_i == argmax p_i, then emit argmax p at the first mismatch. Plain autoregressive decoding is this
+step with no drafter (n = 0): the target samples one token from p_1.
+
+Notation: we never write bare p/q in code; `target_probs` and `draft_probs` name them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .runner import Feed, ModelRunner
+from .sampling import sample, uniforms, warp_probs
+from .sequence import Sequence
+
+
+def accept_probability(target_prob: torch.Tensor, draft_prob: torch.Tensor) -> torch.Tensor:
+    """min(1, p(d) / q(d)) elementwise; q(d) > 0 for any token the drafter proposed."""
+    return torch.where(draft_prob > 0, (target_prob / draft_prob).clamp(max=1.0), torch.ones_like(target_prob))
+
+
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last axis: where the target puts more mass than the draft.
+
+    With q = 0 (no draft at this position) this is p itself, which is how the bonus token is
+    drawn by the same code. If p <= q everywhere (p == q up to rounding), rejection has
+    probability zero; we then return p so the result stays a distribution.
+    """
+    residual = (target_probs - draft_probs).clamp(min=0)  # [..., V]
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), target_probs)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    num_draft: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generators: list[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accept/reject rule for a batch of sequences with different draft lengths.
+
+    draft_tokens: [B, K] int64 (rows padded past num_draft[b]); num_draft: [B] int64 (<= K)
+    draft_probs:  [B, K+1, V], q at each drafted position, ZERO rows at positions >= num_draft[b]
+    target_probs: [B, K+1, V], p at each of the K+1 verified positions
+    Returns (tokens [B, K+1], num_accepted [B]): row b emits tokens[b, :num_accepted[b] + 1].
+    Randomness: sequence b draws num_draft[b] uniforms, then one sample, from generators[b] only.
+    """
+    B, K = draft_tokens.shape
+    device = target_probs.device
+    rows = torch.arange(B, device=device)
+    drafted = torch.arange(K, device=device)[None, :] < num_draft[:, None]  # [B, K]
+
+    # 3a. Accept d_i when u_i < min(1, p_i(d_i) / q_i(d_i)).
+    target_prob = target_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    draft_prob = draft_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    u = torch.zeros(B, K, device=device)  # [B, K]
+    for b, g in enumerate(generators):
+        n = int(num_draft[b])
+        u[b, :n] = torch.rand(n, generator=g, device=g.device).to(device)
+    accepted = (u < accept_probability(target_prob, draft_prob)) & drafted  # [B, K]
+    num_accepted = accepted.long().cumprod(-1).sum(-1)  # [B] length of the leading accepted run
+
+    # 3b. One more token at position num_accepted: from the residual after a rejection, or the
+    # bonus from p_{n+1} (whose draft row is zero, so the residual is p itself).
+    final_dist = residual_distribution(target_probs[rows, num_accepted], draft_probs[rows, num_accepted])  # [B, V]
+    final_token = sample(final_dist, generators)  # [B]
+
+    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
+    tokens[rows, num_accepted] = final_token
+    return tokens, num_accepted
+
+
+@dataclass
+class StepTimes:
+    draft_s: float = 0.0
+    target_s: float = 0.0
+
+
+def speculative_step(
+    seqs: list[Sequence],
+    target: ModelRunner,
+    drafter,
+    k: int,
+    emit,
+    times: StepTimes,
+) -> None:
+    """Advance every sequence by one draft-verify-accept step.
+
+    `drafter` is None (plain decoding) or has `propose(seqs, num_draft) -> (draft_tokens, draft_probs)`
+    and `rollback(seqs)`; `emit(seq, token) -> bool` appends a token and says whether seq finished.
+    Precondition (kept by the engine): seq.target.num_cached <= len(seq) - 1.
+    """
+    device = target.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    # 1. Draft: never draft more than the request may still emit (the final token is free).
+    num_draft = [min(k, s.remaining - 1) if drafter is not None else 0 for s in seqs]
+    t0 = time.perf_counter()
+    if drafter is not None and max(num_draft) > 0:
+        draft_lists, draft_probs = drafter.propose(seqs, num_draft)  # lists of ids; [B, K+1, V] or None
+        num_draft = [len(d) for d in draft_lists]
+    else:
+        draft_lists, draft_probs = [[] for _ in seqs], None
+    sync()
+    t1 = time.perf_counter()
+
+    # 2. Verify: feed each sequence its uncached tokens plus its drafts; logits for the last n+1.
+    feeds = [Feed(s.target, s.tokens[s.target.num_cached :] + d, len(d) + 1) for s, d in zip(seqs, draft_lists)]
+    logits = target.forward(feeds)  # [sum(n_b + 1), V]
+    params = [s.params for s, n in zip(seqs, num_draft) for _ in range(n + 1)]
+    flat_target_probs = warp_probs(logits, params)  # [sum(n_b + 1), V]
+
+    K, V = max(num_draft), flat_target_probs.shape[-1]
+    B = len(seqs)
+    target_probs = flat_target_probs.new_zeros(B, K + 1, V)  # [B, K+1, V]
+    draft_tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
+    row = 0
+    for b, d in enumerate(draft_lists):
+        target_probs[b, : len(d) + 1] = flat_target_probs[row : row + len(d) + 1]
+        draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        row += len(d) + 1
+    if draft_probs is None:  # a model-free drafter: q is one-hot at each drafted token
+        draft_probs = torch.zeros_like(target_probs)
+        for b, d in enumerate(draft_lists):
+            draft_probs[b, torch.arange(len(d)), torch.tensor(d, dtype=torch.int64)] = 1.0
+    else:
+        draft_probs = draft_probs[:, : K + 1].to(device)
+
+    # 3. Accept / reject.
+    tokens, num_accepted = rejection_sample(
+        draft_tokens,
+        torch.tensor(num_draft, device=device),
+        draft_probs,
+        target_probs,
+        [s.generator for s in seqs],
+    )
+    tokens, num_accepted = tokens.tolist(), num_accepted.tolist()
+    sync()
+    t2 = time.perf_counter()
+    times.draft_s += t1 - t0
+    times.target_s += t2 - t1
+
+    # Emit the accepted run plus one token, stopping early at EOS / stop strings / max_tokens.
+    for s, toks, n_acc, n_draft in zip(seqs, tokens, num_accepted, num_draft):
+        s.metrics.record(n_draft, n_acc)
+        for t in toks[: n_acc + 1]:
+            if emit(s, t):
+                break
+
+    # 4. Roll back: keep the K/V of accepted tokens; the newest token is fed next step.
+    for s in seqs:
+        s.target.truncate(len(s) - 1, target.cache.allocator)
+    if drafter is not None:
+        drafter.rollback(seqs)

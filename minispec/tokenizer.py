@@ -1,0 +1,73 @@
+"""Tokenizer: a thin wrapper over a `tokenizers.Tokenizer` with the special ids and chat template
+a checkpoint declares (tokenizer.json, tokenizer_config.json, generation_config.json).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        eos_token_ids: list[int],
+        bos_token_id: int | None = None,
+        chat_template: str | None = None,
+    ):
+        self.tok = tok
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, path: Path, hf_config: dict | None = None) -> "Tokenizer":
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise FileNotFoundError(f"{path} has no tokenizer.json")
+        tok = HFTokenizer.from_file(str(file))
+        tc = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+
+        def token_id(value) -> int | None:
+            if isinstance(value, dict):  # {"content": "</s>", ...}
+                value = value.get("content")
+            return tok.token_to_id(value) if isinstance(value, str) else None
+
+        eos = gen.get("eos_token_id", (hf_config or {}).get("eos_token_id"))
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if not eos_ids and token_id(tc.get("eos_token")) is not None:
+            eos_ids = [token_id(tc.get("eos_token"))]
+        bos = (hf_config or {}).get("bos_token_id", token_id(tc.get("bos_token")))
+        return cls(tok, eos_ids, bos, tc.get("chat_template"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tok.get_vocab(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render a chat with the checkpoint's Jinja template (the same one transformers uses)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template; pass plain-text prompts")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+        )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
