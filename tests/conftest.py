@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random-init checkpoints in Hugging Face format, built offline.
+
+`make_checkpoint(dir, arch, **overrides)` saves a random `transformers` model (config.json +
+model.safetensors) with a real tokenizer.json (a byte-level BPE trained here on a few sentences),
+so the loader, the tokenizer and parity with transformers are all tested on real files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog.",
+    "hello world, this is a test of the tokenizer and of speculative decoding.",
+    "def add(a, b):\n    return a + b\n",
+    "to be or not to be, that is the question.",
+    "a draft model proposes tokens and the target model verifies them in one pass.",
+]
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def make_tokenizer(path: Path, vocab_size: int = 320) -> int:
+    """Train a byte-level BPE on CORPUS and save path/tokenizer.json. Returns its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random-init `arch` model with a tokenizer to `path`; returns path.
+
+    Defaults: hidden 64, 2 layers, 4 query heads / 2 KV heads (GQA), fp32. `overrides` go into
+    the transformers config (e.g. tie_word_embeddings, rope_scaling, sliding_window, num_hidden_layers).
+    """
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(path)
+    config_cls, model_cls = (getattr(transformers, n) for n in ARCHS[arch])
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """checkpoint_factory(arch="llama", **overrides) -> Path, cached per argument set."""
+    cache: dict = {}
+
+    def build(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = (arch, seed, repr(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_checkpoint(tmp_path_factory.mktemp(arch), arch, seed, **overrides)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(checkpoint_factory) -> Path:
+    """A 2-layer GQA Llama target."""
+    return checkpoint_factory("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(checkpoint_factory) -> Path:
+    """A 1-layer Llama with the same tokenizer as tiny_llama, different random weights: a poor draft."""
+    return checkpoint_factory("llama", seed=1, num_hidden_layers=1)
