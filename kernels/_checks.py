@@ -29,3 +29,9 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 def no_window() -> int:
     """The sliding window used when there is none: longer than any sequence, still an int32."""
     return 2**31 - 1
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact "ieee" products for fp32 inputs (the GPU default, TF32,
+    keeps only 10 mantissa bits); fp16 and bf16 keep the default, which ignores the option."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_head_dim, check_same_device, no_window
+from kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window
 from kernels.reference import masked_attention
 
 LOG2_E = 1.4426950408889634
@@ -47,6 +47,7 @@ def _flash_prefill_kernel(
     window,  # sliding window W (a huge number when there is none)
     QUERIES_PER_KV: tl.constexpr,  # Hq // Hkv
     HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # see dot_precision()
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -88,7 +89,7 @@ def _flash_prefill_kernel(
         v = tl.load(v_ptr + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=key_in[:, None], other=0.0)
 
-        s = tl.dot(q, k_t, input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (key_in[None, :]
                    & (offs_n[None, :] <= offs_m[:, None])
                    & (offs_m[:, None] - offs_n[None, :] < window))
@@ -98,7 +99,7 @@ def _flash_prefill_kernel(
         alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Padding rows past the sequence end may have seen no key; keep them finite (never stored).
@@ -160,7 +161,7 @@ def flash_prefill(
         qk_scale=sm_scale * LOG2_E,
         window=no_window() if sliding_window is None else sliding_window,
         QUERIES_PER_KV=num_q_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=4,
     )
     return out

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_head_dim, check_same_device, no_window
+from kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window
 from kernels.reference import masked_attention
 
 LOG2_E = 1.4426950408889634
@@ -70,6 +70,7 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr,  # QUERIES_PER_KV rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # new tokens per program = BLOCK_M // GROUP_PAD
     HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # see dot_precision()
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -128,7 +129,7 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + v_offset[:, None] + kv_head * stride_vh + offs_d[None, :],
                     mask=key_in[:, None], other=0.0)
 
-        s = tl.dot(q, k_t, input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (key_in[None, :]
                    & (offs_n[None, :] <= q_pos[:, None])
                    & (q_pos[:, None] - offs_n[None, :] < window))
@@ -138,7 +139,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -293,7 +294,7 @@ def paged_attention(
         qk_scale=sm_scale * LOG2_E,
         window=no_window() if sliding_window is None else sliding_window,
         QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         num_warps=4,
     )
     if num_splits > 1:
