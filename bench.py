@@ -19,6 +19,7 @@ prompt_lookup_num_tokens) and vLLM speculative decoding on GPU; a missing peer i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -94,7 +95,8 @@ def run_minispec(args, target, draft, prompts, drafter, k, params, batch, device
         kv_cache_gib=args.kv_cache_gib,
         page_size=16,
     )
-    llm.generate(prompts[: min(2, len(prompts))], params, use_tqdm=False)  # warm-up (kernels, allocator)
+    warm = dataclasses.replace(params, max_tokens=min(4, params.max_tokens))
+    llm.generate(prompts[:batch], warm)  # warm-up: kernel compilation, allocator, caches
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -188,7 +190,7 @@ def print_table(rows: list[Row]) -> None:
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         print(
-            f"{r.name:<20} {r.mode:<7} {r.batch:>3} {r.tok_s:>8.1f} {fmt(r.speedup, '.2f') + 'x':>7} {fmt(r.acceptance, '.2f'):>6} "
+            f"{r.name:<20} {r.mode:<7} {r.batch:>3} {r.tok_s:>8.1f} {fmt(r.speedup, '.2f') + ('x' if r.speedup is not None else ''):>7} {fmt(r.acceptance, '.2f'):>6} "
             f"{fmt(r.accepted_per_step, '.2f'):>8} {fmt(r.target_fwd_per_token, '.2f'):>7} "
             f"{fmt(None if r.draft_frac is None else 100 * r.draft_frac, '.0f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
             f"{r.peak_mem_mib:>8.0f}  {r.note}"
@@ -226,7 +228,7 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     quick = args.quick
-    ks = [int(x) for x in (args.ks or ("2,4" if quick else "1,2,4,6,8" if gpu else "2,4,6")).split(",")]
+    ks = [int(x) for x in (args.ks or ("4" if quick else "1,2,4,6,8" if gpu else "2,4,6")).split(",")]
     batches = [int(x) for x in (args.batch_sizes or ("1,2" if quick else "1,16" if gpu else "1,4")).split(",")]
     num_prompts = args.num_prompts or (2 if quick else 32 if gpu else 8)
     max_tokens = args.max_tokens or (16 if quick else 128 if gpu else 48)
