@@ -155,7 +155,7 @@ def seq_and_query_lens(draw, max_seqs=3, max_len=40):
 # --------------------------------------------------------------------------- flash_prefill
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(seq_lens=st.lists(st.integers(1, 40), min_size=1, max_size=3), heads=head_shapes,
        window=windows, dtype=cpu_dtypes, tiles=st.sampled_from([(16, 16), (16, 32), (None, None)]), seed=seeds)
 def test_flash_prefill_matches_reference(seq_lens, heads, window, dtype, tiles, seed):
@@ -201,7 +201,7 @@ def test_flash_prefill_large_head_dims(head_dim):
 # --------------------------------------------------------------------------- paged_attention
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(lens=seq_and_query_lens(), page_size=st.sampled_from([4, 8, 16]), heads=head_shapes,
        window=windows, dtype=cpu_dtypes, num_splits=st.sampled_from([1, 2, 3]),
        block_m=st.sampled_from([16, None]), spare_pages=st.integers(0, 4), seed=seeds)
