@@ -102,3 +102,17 @@ def tiny_llama(checkpoint_factory) -> Path:
 def tiny_llama_draft(checkpoint_factory) -> Path:
     """A 1-layer Llama with the same tokenizer as tiny_llama, different random weights: a poor draft."""
     return checkpoint_factory("llama", seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests with one intra-op torch thread, restoring the setting afterwards.
+
+    The test models are tiny, so a second OpenMP thread buys nothing, and on a shared 2-core
+    machine two spinning OpenMP threads per process contend badly (a 24-token generate measured
+    0.5 s with one thread, 13 s with two, under load). Use: `pytestmark = pytest.mark.usefixtures("one_thread")`.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
