@@ -3,7 +3,8 @@
 Each `step()` asks the scheduler for a batch (continuous batching: newly admitted prompts and
 running sequences together), runs one `speculative_step` on it (plain decoding when there is no
 drafter) and returns the tokens each sequence emitted. Finished sequences give their pages back
-at once, so waiting requests join on the next step.
+at once, so waiting requests join on the next step; when pages run out the scheduler preempts
+(see scheduler.py). A request that could never fit, even alone, is refused when it is added.
 """
 
 from __future__ import annotations
@@ -50,24 +51,32 @@ class LLMEngine:
         self.times = StepTimes()
         self._next_id = 0
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request. Raises ValueError if it can never fit the context or the KV pool."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never fit the context, KVPoolExhausted if it can
+        never fit a KV pool even alone (queueing it would only fail later)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
-        total = len(prompt_ids) + params.max_tokens + self.k
+        total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} (+ {self.k} draft) "
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} "
                 f"exceeds the model's context length {self.max_model_len}"
             )
+        positions = total - 1  # the final token is emitted but never fed (see Scheduler.step_tokens)
         for runner, which in self.runners:
             cache = runner.cache
-            need = -(-total // cache.page_size)
+            need = -(-positions // cache.page_size)
             if need > cache.num_pages:
                 raise KVPoolExhausted(
-                    f"request needs {need} KV pages in the {which} pool but the pool has only "
-                    f"{cache.num_pages}; raise the KV cache budget or lower max_tokens"
+                    f"request needs {need} KV pages ({positions} tokens) in the {which} KV pool but the pool "
+                    f"has only {cache.num_pages} pages of {cache.page_size}; raise the KV cache budget "
+                    f"(kv_cache_gib) or lower max_tokens"
                 )
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; it joins the running batch at the next step with room for it.
+        Raises (before queueing anything) as `check_request` does."""
+        self.check_request(prompt_ids, params)
         seq = Sequence(self._next_id, prompt_ids, params, self.target.cache.page_size, self.target.device)
         self._next_id += 1
         self.scheduler.add(seq)
@@ -80,7 +89,11 @@ class LLMEngine:
         return seq.append(token, self.eos_ids, self.tokenizer.decode)
 
     def step(self) -> list[StepOutput]:
+        """Run one batched step; returns what each scheduled sequence emitted (finished ones
+        have already given their pages back)."""
         seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
         before = [len(s.output_ids) for s in seqs]
         speculative_step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
         outputs = []
@@ -95,5 +108,5 @@ class LLMEngine:
         m = RunMetrics(draft_s=self.times.draft_s, target_s=self.times.target_s, wall_s=wall_s)
         for s in seqs:
             m.add(s.metrics, len(s.output_ids))
-        m.num_preemptions = self.scheduler.num_preemptions
+        m.num_preemptions = sum(self.scheduler.preemptions[s.request_id] for s in seqs)
         return m

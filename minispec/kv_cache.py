@@ -5,6 +5,11 @@ A sequence's token at position t lives in page `block_table[t // page_size]`, ro
 `t % page_size`. Appending allocates a page only when the last one is full; rolling back rejected
 draft tokens is `truncate(n)`: positions >= n are forgotten and pages no longer needed go back to
 the free list. Nothing is copied: stale K/V rows in a kept page are simply overwritten later.
+
+Pages carry reference counts so that a table can be `fork`ed (both tables then own every page).
+A shared page must not be written: before writing positions, `copy_on_write` gives the table
+private copies of the shared pages those positions fall in (the caller copies the K/V rows).
+Caveat: there is no prefix cache (no sharing of identical prompt pages by hash).
 """
 
 from __future__ import annotations
@@ -17,13 +22,18 @@ from .config import ModelConfig
 
 
 class KVPoolExhausted(RuntimeError):
-    """Raised when a page is needed and none is free."""
+    """Raised when pages are needed and not enough are free (or a request can never fit the pool)."""
 
 
 class PageAllocator:
-    """A free list of page ids with reference counts (a page may be shared by forked sequences)."""
+    """A free list of page ids with reference counts (a page may be shared by forked tables).
+
+    Invariant: a page is on the free list exactly when its reference count is 0.
+    """
 
     def __init__(self, num_pages: int):
+        if num_pages < 1:
+            raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self.refs = [0] * num_pages
@@ -40,11 +50,15 @@ class PageAllocator:
         return page
 
     def share(self, page: int) -> None:
-        assert self.refs[page] > 0, f"page {page} is not allocated"
+        """One more owner for an allocated page."""
+        if self.refs[page] <= 0:
+            raise ValueError(f"page {page} is not allocated; only allocated pages can be shared")
         self.refs[page] += 1
 
     def release(self, page: int) -> None:
-        assert self.refs[page] > 0, f"page {page} released twice"
+        """One owner fewer; the page is free again when none is left."""
+        if self.refs[page] <= 0:
+            raise ValueError(f"page {page} released more often than it was allocated or shared")
         self.refs[page] -= 1
         if self.refs[page] == 0:
             self.free.append(page)
@@ -52,7 +66,11 @@ class PageAllocator:
 
 @dataclass
 class BlockTable:
-    """The pages holding one sequence's cached K/V in one model's pool, and how many tokens are cached."""
+    """The pages holding one sequence's cached K/V in one model's pool, and how many tokens are cached.
+
+    `pages` may cover more positions than `num_cached` (pages reserved for the next step);
+    `num_cached` is advanced by whoever writes the K/V (the runner).
+    """
 
     page_size: int
     pages: list[int] = field(default_factory=list)
@@ -61,26 +79,57 @@ class BlockTable:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def capacity(self) -> int:
+        """Positions the table's pages can hold."""
+        return len(self.pages) * self.page_size
+
     def reserve(self, num_tokens: int, allocator: PageAllocator) -> None:
-        """Make room for positions < num_tokens (all-or-nothing: on failure nothing is kept)."""
+        """Make room for positions < num_tokens (all-or-nothing: on failure nothing is allocated)."""
         need = self.pages_for(num_tokens) - len(self.pages)
+        if need <= 0:
+            return
         if need > allocator.num_free:
             raise KVPoolExhausted(
                 f"KV pool exhausted: need {need} more pages, {allocator.num_free} of {allocator.num_pages} free"
             )
-        self.pages.extend(allocator.allocate() for _ in range(max(need, 0)))
+        self.pages.extend(allocator.allocate() for _ in range(need))
 
     def truncate(self, num_tokens: int, allocator: PageAllocator) -> None:
         """Roll back to the first `num_tokens` positions and free the pages past them (no copy)."""
+        if num_tokens < 0:
+            raise ValueError(f"cannot truncate to {num_tokens} tokens")
         self.num_cached = min(self.num_cached, num_tokens)
-        while len(self.pages) > self.pages_for(num_tokens):
+        keep = self.pages_for(num_tokens)
+        while len(self.pages) > keep:
             allocator.release(self.pages.pop())
 
     def fork(self, allocator: PageAllocator) -> "BlockTable":
-        """A copy sharing every page (copy-on-write is the caller's concern: only full pages may be shared)."""
+        """A copy sharing every page (ref counts + 1). Before either table writes into a shared
+        page it must call `copy_on_write`."""
         for page in self.pages:
             allocator.share(page)
         return BlockTable(self.page_size, list(self.pages), self.num_cached)
+
+    def copy_on_write(self, start: int, end: int, allocator: PageAllocator) -> list[tuple[int, int]]:
+        """Give this table private pages for positions start..end-1 where they are shared.
+
+        Returns (src, dst) page pairs whose K/V the caller must copy (see `KVCache.copy_pages`).
+        All-or-nothing: raises KVPoolExhausted before changing anything if pages run short."""
+        ps = self.page_size
+        shared = [i for i in range(start // ps, min(self.pages_for(end), len(self.pages)))
+                  if allocator.refs[self.pages[i]] > 1]
+        if len(shared) > allocator.num_free:
+            raise KVPoolExhausted(
+                f"KV pool exhausted: copy-on-write needs {len(shared)} pages, {allocator.num_free} free"
+            )
+        copies = []
+        for i in shared:
+            src, dst = self.pages[i], allocator.allocate()
+            allocator.release(src)  # still owned by the other table(s)
+            self.pages[i] = dst
+            copies.append((src, dst))
+        return copies
 
     def free(self, allocator: PageAllocator) -> None:
         for page in self.pages:
@@ -88,7 +137,9 @@ class BlockTable:
         self.pages, self.num_cached = [], 0
 
     def slots(self, start: int, end: int) -> list[int]:
-        """Pool slots (page * page_size + offset) of positions start..end-1."""
+        """Pool slots (page * page_size + offset) of positions start..end-1 (they must be reserved)."""
+        if not 0 <= start <= end <= self.capacity:
+            raise ValueError(f"positions {start}..{end - 1} are outside the {self.capacity} reserved slots")
         ps = self.page_size
         return [self.pages[t // ps] * ps + t % ps for t in range(start, end)]
 
@@ -99,10 +150,15 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
         if num_pages < 1:
             raise ValueError(f"KV cache needs at least one page, got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros, not empty: attention multiplies masked-out rows by 0, and 0 * NaN garbage is NaN.
         self.pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, pages, page_size, Hkv, D]
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
+        # Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]; built once.
+        self._layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(cfg.num_layers)]
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -110,9 +166,25 @@ class KVCache:
 
     @classmethod
     def from_budget(
-        cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype, device: torch.device
+        cls,
+        cfg: ModelConfig,
+        budget_bytes: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_pages: int | None = None,
     ) -> "KVCache":
-        return cls(cfg, budget_bytes // cls.bytes_per_page(cfg, page_size, dtype), page_size, dtype, device)
+        """As many pages as fit in budget_bytes (at most max_pages: more could never be used)."""
+        page_bytes = cls.bytes_per_page(cfg, page_size, dtype)
+        num_pages = budget_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(
+                f"KV cache budget of {budget_bytes} bytes is smaller than one page of {page_size} tokens "
+                f"({page_bytes} bytes); raise kv_cache_gib / gpu_memory_utilization or lower page_size"
+            )
+        if max_pages is not None:
+            num_pages = min(num_pages, max_pages)
+        return cls(cfg, num_pages, page_size, dtype, device)
 
     @property
     def num_pages(self) -> int:
@@ -124,4 +196,10 @@ class KVCache:
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]."""
-        return [(self.pool[i, 0], self.pool[i, 1]) for i in range(self.pool.shape[0])]
+        return self._layers
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the K/V of page src into page dst, in every layer, for each (src, dst)."""
+        if copies:
+            src, dst = (torch.tensor(c, device=self.pool.device) for c in zip(*copies))  # [n], [n]
+            self.pool[:, :, dst] = self.pool[:, :, src]  # [L, 2, n, page_size, Hkv, D]

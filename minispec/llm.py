@@ -85,8 +85,13 @@ class LLM:
         models = [target] + ([draft] if draft is not None else [])
         budget = self._kv_budget(kv_cache_gib, gpu_memory_utilization, device_)
         per_token = [KVCache.bytes_per_page(m.cfg, 1, m.embed_tokens.weight.dtype) for m in models]
+        # No more pages than max_num_seqs full-length sequences could ever use.
+        max_len = min(target.cfg.max_position_embeddings, max_model_len or target.cfg.max_position_embeddings)
+        max_pages = max_num_seqs * -(-max_len // page_size)
         caches = [
-            KVCache.from_budget(m.cfg, int(budget * b / sum(per_token)), page_size, m.embed_tokens.weight.dtype, device_)
+            KVCache.from_budget(
+                m.cfg, int(budget * b / sum(per_token)), page_size, m.embed_tokens.weight.dtype, device_, max_pages
+            )
             for m, b in zip(models, per_token)
         ]
         runners = [ModelRunner(m, c) for m, c in zip(models, caches)]
@@ -113,7 +118,8 @@ class LLM:
             for name, c in zip(("target", "draft"), caches):
                 print(
                     f"[minispec] {name} KV cache: {c.num_pages} pages x {page_size} tokens "
-                    f"({c.nbytes / 2**30:.2f} GiB, {c.num_pages * page_size} tokens), backend={backend.name}",
+                    f"({c.nbytes / 2**30:.3f} GiB of a {budget / 2**30:.3f} GiB budget, "
+                    f"{c.num_pages * page_size} tokens), backend={backend.name}",
                     file=sys.stderr,
                 )
 

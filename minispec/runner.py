@@ -9,8 +9,10 @@ each have a runner; they share nothing.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .attention import BatchMetadata
@@ -39,34 +41,54 @@ class ModelRunner:
         table.reserve(num_tokens, self.cache.allocator)
 
     def forward(self, feeds: list[Feed]) -> torch.Tensor:
-        """Run one forward over all feeds. Returns fp32 logits [sum(num_logits), vocab], in feed order."""
-        tokens, positions, slots, starts, seq_lens, logit_rows = [], [], [], [0], [], []
-        for f in feeds:
-            start, n = f.table.num_cached, len(f.tokens)
+        """Run one forward over all feeds. Returns fp32 logits [sum(num_logits), vocab], in feed order.
+
+        Pages missing for the new positions are allocated here (KVPoolExhausted if none are
+        free; the scheduler reserves them beforehand so that a step never fails half-way)."""
+        if not feeds:
+            raise ValueError("forward needs at least one feed")
+        allocator, ps = self.cache.allocator, self.cache.page_size
+        cached = [f.table.num_cached for f in feeds]
+        q_lens = [len(f.tokens) for f in feeds]
+        for f, start, n in zip(feeds, cached, q_lens):
             if n == 0 or not 0 < f.num_logits <= n:
                 raise ValueError(f"bad feed: {n} tokens, {f.num_logits} logits")
-            f.table.reserve(start + n, self.cache.allocator)
-            tokens += f.tokens
-            positions += range(start, start + n)
-            slots += f.table.slots(start, start + n)
-            logit_rows += range(starts[-1] + n - f.num_logits, starts[-1] + n)
-            starts.append(starts[-1] + n)
-            seq_lens.append(start + n)
+            f.table.reserve(start + n, allocator)
+            self.cache.copy_pages(f.table.copy_on_write(start, start + n, allocator))
+        # Host-side assembly in numpy (small arrays: far cheaper per op than torch tensors).
+        # Per-sequence values come from Python lists (B of them); per-token values are vectorised,
+        # so a long prompt costs no Python loop over its tokens.
+        B = len(feeds)
         max_pages = max(len(f.table.pages) for f in feeds)
-        block_tables = [f.table.pages + [0] * (max_pages - len(f.table.pages)) for f in feeds]
+        block_tables = np.zeros((B, max_pages), dtype=np.int32)  # [B, max_pages], padding never read
+        for b, f in enumerate(feeds):
+            block_tables[b, : len(f.table.pages)] = f.table.pages
+        q_lens_np, cached_np = np.array(q_lens), np.array(cached)  # [B], [B]
+        seq_lens = cached_np + q_lens_np  # [B] context length including the new tokens
+        starts = np.concatenate([[0], np.cumsum(q_lens_np)])  # [B+1] first row of each sequence
+        seq_of_token = np.repeat(np.arange(B), q_lens_np)  # [T]
+        positions = np.arange(starts[-1]) - starts[seq_of_token] + cached_np[seq_of_token]  # [T]
+        slots = block_tables[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps  # [T]
+        logit_rows = [row for f, end in zip(feeds, starts[1:].tolist()) for row in range(end - f.num_logits, end)]
+        input_ids = np.fromiter(itertools.chain.from_iterable(f.tokens for f in feeds), np.int64, starts[-1])  # [T]
+
         dev = self.device
+
+        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=dev, dtype=dtype)
+
         meta = BatchMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),  # [T]
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),  # [B+1]
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),  # [B]
-            max_query_len=max(len(f.tokens) for f in feeds),
-            max_seq_len=max(seq_lens),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),  # [T]
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),  # [B, max_pages]
+            positions=to_dev(positions, torch.int64),  # [T]
+            query_start_loc=to_dev(starts, torch.int32),  # [B+1]
+            seq_lens=to_dev(seq_lens, torch.int32),  # [B]
+            max_query_len=max(q_lens),
+            max_seq_len=int(seq_lens.max()),
+            slot_mapping=to_dev(slots, torch.int64),  # [T] pool slot = page * page_size + offset
+            block_tables=to_dev(block_tables, torch.int32),  # [B, max_pages]
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),  # [N]
-            is_prefill=all(f.table.num_cached == 0 for f in feeds),
+            is_prefill=not any(cached),
         )
-        logits = self.model(torch.tensor(tokens, dtype=torch.int64, device=dev), meta, self.cache.layers())
-        for f in feeds:
-            f.table.num_cached += len(f.tokens)
+        logits = self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers())  # [N, vocab]
+        for f, n in zip(feeds, q_lens):
+            f.table.num_cached += n
         return logits

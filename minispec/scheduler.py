@@ -2,16 +2,22 @@
 
 Every step, running sequences keep their place, and waiting ones are admitted in arrival order
 while there are free slots (`max_num_seqs`), room in the prefill token budget
-(`max_num_batched_tokens`) and KV pages. Before a step each running sequence reserves the pages
-the step may write (its uncached tokens plus k drafts, in every model's pool). When a pool runs
-dry, the most recently admitted sequence is preempted: its pages are freed and it goes back to
-the front of the queue, to be recomputed from its tokens when pages free up (its output so far is
-kept, and its random generator carries on, so the preemption does not change what it samples).
+(`max_num_batched_tokens`) and KV pages. A finished sequence frees its slot and pages at once,
+so a waiting one joins on the very next step. Before a step each running sequence reserves the
+pages the step may write (`step_tokens`: its tokens plus the drafts it may get, in every model's
+pool), so a step never runs out of pages half-way.
+
+When a pool runs dry, the most recently admitted sequence is preempted: its pages are freed and
+it goes back to the front of the queue, to be recomputed from its tokens when pages free up (its
+output so far is kept, and its random generator carries on, so the preemption does not change
+what it samples). A step that preempted admits nobody new, so freed pages go to the survivors
+instead of to a newcomer that would be preempted again next step. The oldest running sequence
+is never preempted by a younger one, so it always progresses and nothing livelocks.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from .kv_cache import KVPoolExhausted
 from .runner import ModelRunner
@@ -22,13 +28,20 @@ class Scheduler:
     def __init__(
         self, runners: list[tuple[ModelRunner, str]], k: int, max_num_seqs: int, max_num_batched_tokens: int
     ):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1, "
+                             f"got {max_num_seqs} and {max_num_batched_tokens}")
         self.runners = runners  # (runner, "target" | "draft"): the pools every sequence needs pages in
         self.k = k
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.preemptions: Counter[int] = Counter()  # request_id -> times preempted
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -36,12 +49,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def step_tokens(self, seq: Sequence) -> int:
+        """Positions the next step of seq may write: its tokens plus up to k drafts, never more
+        drafts than it may still emit minus one (as `speculative_step` drafts). Over a request's
+        life this never exceeds len(prompt) + max_tokens - 1: the final token is never fed."""
+        return len(seq) + max(0, min(self.k, seq.remaining - 1))
+
     def _reserve(self, seq: Sequence) -> bool:
         """Reserve pages for one step of seq in every pool. On failure, pages already reserved
-        stay with seq (they are used or truncated later); a waiting seq gives them back."""
+        stay with a running seq (they are used or truncated later); a waiting seq gives them back."""
         try:
             for runner, which in self.runners:
-                runner.reserve(getattr(seq, which), len(seq) + self.k)
+                runner.reserve(getattr(seq, which), self.step_tokens(seq))
         except KVPoolExhausted:
             if seq.status is Status.WAITING:
                 self._free(seq)
@@ -52,26 +71,34 @@ class Scheduler:
         for runner, which in self.runners:
             getattr(seq, which).free(runner.cache.allocator)
 
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)  # victims go newest-first to the front: the oldest leads
+        self.preemptions[seq.request_id] += 1
+
     def schedule(self) -> list[Sequence]:
         """Pick the sequences for the next step (reserving their pages)."""
         scheduled: list[Sequence] = []
+        preempted = False
         for seq in list(self.running):
-            while seq in self.running and not self._reserve(seq):
-                victim = self.running[-1]  # newest first; possibly seq itself
-                self.running.remove(victim)
-                self._free(victim)
-                victim.status = Status.WAITING
-                self.waiting.appendleft(victim)
-                self.num_preemptions += 1
-            if seq in self.running:
+            # running[-1] is at or after seq in the list (earlier ones are already scheduled), so
+            # only not-yet-scheduled, younger sequences are preempted; possibly seq itself.
+            while seq.status is Status.RUNNING and not self._reserve(seq):
+                self._preempt(self.running[-1])
+                preempted = True
+            if seq.status is Status.RUNNING:
                 scheduled.append(seq)
+        if preempted and scheduled:
+            return scheduled
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if len(seq) > budget and scheduled:
-                break
+                break  # a prompt longer than the whole budget still runs, alone
             if not self._reserve(seq):
-                if not self.running:
+                if not self.running:  # the engine checks at add time that this cannot happen
                     raise KVPoolExhausted(f"request {seq.request_id} does not fit in an empty KV pool")
                 break
             self.waiting.popleft()
@@ -82,6 +109,7 @@ class Scheduler:
         return scheduled
 
     def finish(self, seq: Sequence) -> None:
+        """Retire seq: its slot and all its pages are free for the next step."""
         seq.status = Status.FINISHED
         self.running.remove(seq)
         self._free(seq)

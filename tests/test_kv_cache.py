@@ -1,0 +1,216 @@
+"""The page allocator, block tables and the KV pool, tested as a state machine.
+
+Invariants a paged KV cache must keep whatever the sequence of appends, rollbacks, forks and
+frees (hypothesis drives random sequences of them):
+  * every page is either free or owned, never both: free + owned = total, no page is leaked;
+  * a page owned by several tables is shared, and its ref count equals its number of owners;
+  * a table holds exactly ceil(len / page_size) pages after a rollback (truncate);
+  * slots() maps positions into the table's own pages, distinct slot per position;
+  * what a table reads back at its positions is what it wrote there, even when a forked twin
+    wrote different tokens after the fork (copy-on-write of shared pages).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from minispec.config import ModelConfig
+from minispec.kv_cache import BlockTable, KVCache, KVPoolExhausted, PageAllocator
+
+NUM_PAGES = 10
+
+
+class PagedCacheMachine(RuleBasedStateMachine):
+    """Tables over one allocator, plus a fake one-number-per-slot pool that records what each
+    table wrote, so sharing mistakes show up as a table reading another table's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocator = PageAllocator(NUM_PAGES)
+        self.tables: list[BlockTable] = []
+        self.contents: list[list[int]] = []  # what each table has written at positions 0..num_cached-1
+        self.next_token = 0
+
+    @initialize(page_size=st.sampled_from([1, 3, 4]))
+    def set_page_size(self, page_size):
+        self.page_size = page_size
+        self.pool = [-1] * (NUM_PAGES * page_size)  # slot -> token written there
+
+    @rule()
+    def new_table(self):
+        self.tables.append(BlockTable(self.page_size))
+        self.contents.append([])
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def append(self, data, n):
+        """Reserve room for n more tokens, take private copies of shared pages, write, advance."""
+        i = data.draw(st.integers(0, len(self.tables) - 1))
+        table = self.tables[i]
+        start = table.num_cached
+        pages_before, free_before = list(table.pages), self.allocator.num_free
+        try:
+            table.reserve(start + n, self.allocator)
+        except KVPoolExhausted:
+            assert table.pages == pages_before and self.allocator.num_free == free_before, "reserve is all-or-nothing"
+            assert table.pages_for(start + n) - len(pages_before) > free_before
+            return
+        try:
+            copies = table.copy_on_write(start, start + n, self.allocator)
+        except KVPoolExhausted:
+            table.truncate(start, self.allocator)  # give the reservation back, as a preempted request would
+            return
+        ps = self.page_size
+        for src, dst in copies:
+            self.pool[dst * ps : (dst + 1) * ps] = self.pool[src * ps : (src + 1) * ps]
+        tokens = list(range(self.next_token, self.next_token + n))
+        self.next_token += n
+        for slot, token in zip(table.slots(start, start + n), tokens):
+            assert self.allocator.refs[slot // ps] == 1, "writing into a page another table still reads"
+            self.pool[slot] = token
+        table.num_cached += n
+        self.contents[i] += tokens
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data(), extra=st.integers(1, 6))
+    def reserve_ahead(self, data, extra):
+        """Reserve pages for drafts without writing them (the scheduler does this before a step)."""
+        table = self.tables[data.draw(st.integers(0, len(self.tables) - 1))]
+        try:
+            table.reserve(table.num_cached + extra, self.allocator)
+        except KVPoolExhausted:
+            pass
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def rollback(self, data):
+        """Truncate to a shorter length: pages past it go back, no copy, content before it kept."""
+        i = data.draw(st.integers(0, len(self.tables) - 1))
+        table = self.tables[i]
+        n = data.draw(st.integers(0, table.num_cached))
+        table.truncate(n, self.allocator)
+        self.contents[i] = self.contents[i][:n]
+        assert table.num_cached == n
+        assert len(table.pages) == math.ceil(n / self.page_size)
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def fork(self, data):
+        i = data.draw(st.integers(0, len(self.tables) - 1))
+        child = self.tables[i].fork(self.allocator)
+        assert child.pages == self.tables[i].pages and child.num_cached == self.tables[i].num_cached
+        self.tables.append(child)
+        self.contents.append(list(self.contents[i]))
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def free(self, data):
+        i = data.draw(st.integers(0, len(self.tables) - 1))
+        self.tables.pop(i).free(self.allocator)
+        self.contents.pop(i)
+
+    @invariant()
+    def every_page_is_free_or_owned_with_matching_ref_count(self):
+        owners = [0] * NUM_PAGES
+        for table in self.tables:
+            assert len(set(table.pages)) == len(table.pages), "a table holds a page twice"
+            for page in table.pages:
+                owners[page] += 1
+        assert len(set(self.allocator.free)) == len(self.allocator.free), "a page is on the free list twice"
+        free = set(self.allocator.free)
+        for page in range(NUM_PAGES):
+            assert self.allocator.refs[page] == owners[page], f"page {page}: ref count != number of owners"
+            assert (page in free) == (owners[page] == 0), f"page {page} is leaked or owned while free"
+        assert self.allocator.num_free + sum(o > 0 for o in owners) == NUM_PAGES
+
+    @invariant()
+    def tables_cover_their_tokens_and_slots_map_into_own_pages(self):
+        if not hasattr(self, "page_size"):
+            return
+        ps = self.page_size
+        for table in self.tables:
+            assert len(table.pages) >= math.ceil(table.num_cached / ps)
+            slots = table.slots(0, table.capacity)
+            assert len(set(slots)) == len(slots)
+            assert all(slot // ps == table.pages[t // ps] for t, slot in enumerate(slots))
+
+    @invariant()
+    def each_table_reads_back_what_it_wrote(self):
+        for table, written in zip(self.tables, self.contents):
+            assert table.num_cached == len(written)
+            assert [self.pool[s] for s in table.slots(0, table.num_cached)] == written
+
+    def teardown(self):
+        for table in self.tables:
+            table.free(self.allocator)
+        assert self.allocator.num_free == NUM_PAGES, "pages leaked after freeing every table"
+
+
+PagedCacheMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestPagedCache = PagedCacheMachine.TestCase
+
+
+def test_allocator_refuses_double_release_and_sharing_a_free_page():
+    allocator = PageAllocator(2)
+    page = allocator.allocate()
+    allocator.release(page)
+    with pytest.raises(ValueError, match="released"):
+        allocator.release(page)
+    with pytest.raises(ValueError, match="not allocated"):
+        allocator.share(page)
+
+
+def test_allocate_from_an_empty_pool_names_the_kv_pool():
+    allocator = PageAllocator(1)
+    allocator.allocate()
+    with pytest.raises(KVPoolExhausted, match="KV pool"):
+        allocator.allocate()
+
+
+def test_slots_outside_the_reserved_pages_are_refused():
+    allocator = PageAllocator(4)
+    table = BlockTable(4)
+    table.reserve(5, allocator)  # two pages: positions 0..7
+    assert table.slots(6, 8) == [table.pages[1] * 4 + 2, table.pages[1] * 4 + 3]
+    with pytest.raises(ValueError, match="outside"):
+        table.slots(7, 9)
+
+
+def _cfg() -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3,
+        num_heads=2, num_kv_heads=1, head_dim=8,
+    )
+
+
+def test_pool_shape_and_size_follow_the_budget():
+    """[layers, K/V, pages, page_size, kv_heads, head_dim]; pages = budget // bytes per page, capped."""
+    cfg = _cfg()
+    page_bytes = KVCache.bytes_per_page(cfg, 4, torch.float32)
+    assert page_bytes == 3 * 2 * 4 * 1 * 8 * 4
+    cache = KVCache.from_budget(cfg, 7 * page_bytes + page_bytes // 2, 4, torch.float32, torch.device("cpu"))
+    assert cache.num_pages == 7 and cache.nbytes == 7 * page_bytes
+    assert tuple(cache.pool.shape) == (3, 2, 7, 4, 1, 8)
+    k_pool, v_pool = cache.layers()[1]
+    assert k_pool.shape == (7, 4, 1, 8) and k_pool.data_ptr() == cache.pool[1, 0].data_ptr()
+    capped = KVCache.from_budget(cfg, 100 * page_bytes, 4, torch.float32, torch.device("cpu"), max_pages=5)
+    assert capped.num_pages == 5
+    with pytest.raises(ValueError, match="smaller than one page"):
+        KVCache.from_budget(cfg, page_bytes - 1, 4, torch.float32, torch.device("cpu"))
+
+
+def test_copy_pages_copies_keys_and_values_in_every_layer():
+    cache = KVCache(_cfg(), 4, 2, torch.float32, torch.device("cpu"))
+    cache.pool.copy_(torch.randn_like(cache.pool))
+    before = cache.pool.clone()
+    cache.copy_pages([(0, 3), (1, 2)])
+    assert torch.equal(cache.pool[:, :, 3], before[:, :, 0]) and torch.equal(cache.pool[:, :, 2], before[:, :, 1])
+    assert torch.equal(cache.pool[:, :, :2], before[:, :, :2])
