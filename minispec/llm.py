@@ -158,7 +158,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self._prompt_ids(p) for p in prompts]  # validate all before queueing any
+        ids = [self._prompt_ids(p) for p in prompts]
+        for i, p in zip(ids, params):  # validate all before queueing any
+            self.engine.check_request(i, p)
         return [self.engine.add_request(i, p) for i, p in zip(ids, params)]
 
     def _run(self, seqs: list[Sequence]) -> Iterator[StreamEvent]:
