@@ -35,7 +35,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens (EOS / the token completing a stop string included)
     text: str  # generated text, cut before a matched stop string
-    finish_reason: str  # "length" | "eos" | "stop"
+    finish_reason: str  # "length" | "eos" | "stop" | "abort"
     metrics: RequestMetrics
 
 
@@ -167,10 +167,15 @@ class LLM:
         index = {s.request_id: i for i, s in enumerate(seqs)}
         self.engine.times.draft_s = self.engine.times.target_s = 0.0
         t0 = time.perf_counter()
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.new_token_ids or out.finished:
-                    yield StreamEvent(index[out.seq.request_id], out.new_token_ids, out.finished)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.new_token_ids or out.finished:
+                        yield StreamEvent(index[out.seq.request_id], out.new_token_ids, out.finished)
+        finally:  # a stream abandoned midway must not leave its requests in the engine
+            for s in seqs:
+                if not s.finished:
+                    self.engine.scheduler.abort(s)
         self.last_metrics = self.engine.run_metrics(seqs, time.perf_counter() - t0)
 
     def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[StreamEvent]:

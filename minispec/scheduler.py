@@ -113,3 +113,13 @@ class Scheduler:
         seq.status = Status.FINISHED
         self.running.remove(seq)
         self._free(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop seq wherever it is (e.g. an abandoned stream): its pages are freed."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+        self._free(seq)

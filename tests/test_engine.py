@@ -236,3 +236,17 @@ def test_triton_backend_generates_the_torch_backends_greedy_tokens(make_llm):
     expected = [o.token_ids for o in make_llm("ngram").generate(prompts, params)]
     got = [o.token_ids for o in make_llm("ngram", backend="triton").generate(prompts, params)]
     assert got == expected
+
+
+def test_abandoned_stream_frees_its_requests(tiny_llama):
+    """Breaking out of llm.stream() aborts its requests: their pages return, the next call is unaffected."""
+    from minispec import LLM, SamplingParams
+    llm = LLM(model=str(tiny_llama))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate(["hello world"], params)[0].token_ids
+    free = llm.engine.target.cache.allocator.num_free
+    for event in llm.stream(["the quick brown fox", "to be or not"], params):
+        break
+    assert llm.engine.target.cache.allocator.num_free == free
+    assert not llm.engine.has_unfinished()
+    assert llm.generate(["hello world"], params)[0].token_ids == expected
