@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from .tokenizer import Tokenizer
 
 # general.architecture -> (HF architecture, HF model_type)
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 
 # GGUF tensor names (without .weight/.bias) -> HF module names
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -73,8 +73,8 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], Tokenize
     path = Path(path)
     reader = GGUFReader(path)
     arch = _require(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} in {path.name} is not supported (supported: {sorted(ARCHITECTURES)})")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} in {path.name} is not supported (supported: {sorted(GGUF_ARCHITECTURES)})")
     hf_config = gguf_config(reader, arch)
     state = gguf_state_dict(reader, arch, hf_config)
     return hf_config, state, gguf_tokenizer(reader, path)
@@ -93,7 +93,7 @@ def gguf_config(reader: GGUFReader, arch: str) -> dict:
     rotary_dim = _get(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise ValueError(f"partial RoPE ({arch}.rope.dimension_count={rotary_dim} < head_dim={head_dim}) is not supported")
-    hf_name, model_type = ARCHITECTURES[arch]
+    hf_name, model_type = GGUF_ARCHITECTURES[arch]
     config = {
         "architectures": [hf_name],
         "model_type": model_type,
@@ -176,7 +176,7 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     row half * D/2 + j. Reading the rows back as (H, D/2, 2) and swapping the last two restores them.
     """
     rows = w.shape[0]
-    per_head = w.view(num_heads, rows // num_heads // 2, 2, *w.shape[1:])  # [H, D/2, 2, ...]
+    per_head = w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])  # [H, D/2, 2, ...]
     return per_head.transpose(1, 2).reshape(w.shape)  # [H, 2, D/2, ...] -> [H * D, ...]
 
 
@@ -217,7 +217,8 @@ def byte_level_bpe(reader: GGUFReader, path: Path) -> HFTokenizer:
     merges = [tuple(m.split(" ")) for m in _get(reader, "tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ValueError("GGUF token list has duplicate tokens")
+        repeated = next(t for i, t in enumerate(tokens) if vocab[t] != i)
+        raise ValueError(f"GGUF token list repeats token {repeated!r}; put the model's tokenizer.json next to {path}")
 
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
