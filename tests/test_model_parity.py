@@ -36,8 +36,8 @@ from minispec.kv_cache import BlockTable, KVCache
 from minispec.runner import Feed, ModelRunner
 
 FP32_TOL = 1e-4
-# Half-precision weights and activations are a different model; on these tiny models with
-# logits of magnitude ~1 the difference stays well under this loose bound (measured ~1e-2).
+# Half-precision weights and activations are a different model, so the bound is loose: on these
+# tiny models (logits of magnitude ~1) we measured 6e-3 for bf16 and 6e-4 for fp16.
 HALF_TOL = {"bfloat16": 0.15, "float16": 0.03}
 
 LLAMA3_ROPE = {  # original_max_position_embeddings < test lengths, so the scaling bites
