@@ -55,31 +55,36 @@ class SamplingParams:
 def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """logits: [N, V] fp32, one row per entry of `params` -> probabilities [N, V].
 
-    Greedy rows become one-hot at the argmax. Others: softmax(logits / T), keep the k most likely
-    tokens, then the smallest set whose mass reaches top_p (the token crossing it included),
-    renormalise.
+    Greedy rows become one-hot at the argmax (the lowest id among tied maxima). Others:
+    softmax(logits / T), keep the top_k most likely tokens, then the smallest set of most likely
+    tokens whose mass reaches top_p (the token crossing it included), renormalise. Ties are kept
+    or dropped together (a token is kept iff fewer than top_k tokens, and less than top_p of the
+    mass, are strictly more likely), so the result depends on the distribution only, not on
+    token order or sort stability; top-k may therefore keep more than k tokens when they tie.
     """
     N, V = logits.shape
     device = logits.device
     greedy = torch.tensor([p.greedy for p in params], device=device)  # [N]
-    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)  # [N]
-    logits = logits / temp[:, None]
+    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype, device=device)  # [N]
+    logits = logits / temp[:, None]  # [N, V]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=device)  # [N]
-    top_p = torch.tensor([p.top_p for p in params], device=device)  # [N]
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)  # [N]
     if bool((top_k < V).any()) or bool((top_p < 1).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-        rank = torch.arange(V, device=device)[None, :]  # [1, V]
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Mass strictly before each token, computed after the top-k cut.
-        sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
-        sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        sorted_logits = logits.sort(dim=-1, descending=True).values  # [N, V]
+        # top-k: keep every token at least as likely as the k-th most likely one.
+        kth = sorted_logits.gather(-1, top_k[:, None] - 1)  # [N, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        # top-p: the cut-off is the last surviving sorted token whose preceding mass is < top_p
+        # (top_p = 1 keeps them all: rounding must not drop a tail); keep all at least as likely.
+        sorted_probs = sorted_logits.softmax(dim=-1)  # [N, V]
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [N, V]
+        within = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # [N, V]
+        last_kept = (within & (sorted_logits > float("-inf"))).sum(-1, keepdim=True) - 1  # [N, 1]
+        cutoff = sorted_logits.gather(-1, last_kept)  # [N, 1]
+        logits = logits.masked_fill(logits < cutoff, float("-inf"))
     probs = logits.softmax(dim=-1)  # [N, V]
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [N, V]
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 
@@ -87,17 +92,19 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
 def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """Draw one token per row, row i from generators[i]. probs: [N, V] -> tokens [N] int64.
 
-    Inverse-CDF with one uniform per row: a one-hot row always yields its token, and a
-    request's draws depend only on its own generator (batch invariance).
+    Inverse CDF with one fp64 uniform per row: the first token whose cumulative mass exceeds
+    u * total. Zero-probability tokens are never drawn (the CDF is flat there), a one-hot row
+    always yields its token, and a request's draws depend only on its own generator (batch
+    invariance). fp64 keeps u * total strictly below the total, so no index falls off the end.
     """
-    u = uniforms(generators, 1, probs.device)  # [N, 1]
-    cdf = probs.cumsum(-1)  # [N, V]
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [N]
-    return tokens.clamp_(max=probs.shape[-1] - 1)
+    u = uniforms(generators, 1, probs.device)  # [N, 1] fp64
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [N]
 
 
 def uniforms(generators: list[torch.Generator], n: int, device: torch.device | str) -> torch.Tensor:
-    """[len(generators), n] uniforms in [0, 1), row i drawn from generators[i]."""
+    """[len(generators), n] fp64 uniforms in [0, 1), row i drawn from generators[i] only."""
     if not generators:
-        return torch.empty(0, n, device=device)
-    return torch.stack([torch.rand(n, generator=g, device=g.device) for g in generators]).to(device)
+        return torch.empty(0, n, dtype=torch.float64, device=device)
+    draws = [torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generators]
+    return torch.stack(draws).to(device)

@@ -18,6 +18,15 @@ Temperature 0 makes both one-hot, and the same rule becomes greedy verification:
 d_i == argmax p_i, then emit argmax p at the first mismatch. Plain autoregressive decoding is this
 step with no drafter (n = 0): the target samples one token from p_1.
 
+Randomness: every draw (the drafter's samples, the n acceptance uniforms, the final token) comes
+from the request's own torch.Generator, in fp64, in a fixed order, so a seeded request emits the
+same tokens whatever else is in the batch.
+
+Why it is exact (one position): the emitted token x has probability
+q(x) min(1, p(x)/q(x)) + P(reject) r(x) = min(p, q)(x) + (p - q)^+(x) = p(x), since
+P(reject) = sum (q - p)^+ = sum (p - q)^+ is the mass that normalises r. tests/test_speculative_exact.py
+checks this on the functions below; tests/test_speculative_statistical.py on the whole pipeline.
+
 Notation: we never write bare p/q in code; `target_probs` and `draft_probs` name them.
 """
 
@@ -29,13 +38,18 @@ from dataclasses import dataclass
 import torch
 
 from .runner import Feed, ModelRunner
-from .sampling import sample, uniforms, warp_probs
+from .sampling import sample, warp_probs
 from .sequence import Sequence
 
 
 def accept_probability(target_prob: torch.Tensor, draft_prob: torch.Tensor) -> torch.Tensor:
-    """min(1, p(d) / q(d)) elementwise; q(d) > 0 for any token the drafter proposed."""
-    return torch.where(draft_prob > 0, (target_prob / draft_prob).clamp(max=1.0), torch.ones_like(target_prob))
+    """min(1, p(d) / q(d)) elementwise.
+
+    A drafter only proposes tokens with q(d) > 0; should q(d) be 0 anyway (a drafter's rounding),
+    d is accepted iff p(d) > 0, so a token the target can never emit is never accepted.
+    """
+    ratio = (target_prob / draft_prob.clamp(min=torch.finfo(draft_prob.dtype).tiny)).clamp(max=1.0)
+    return torch.where(draft_prob > 0, ratio, (target_prob > 0).to(ratio.dtype))
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -73,10 +87,9 @@ def rejection_sample(
     # 3a. Accept d_i when u_i < min(1, p_i(d_i) / q_i(d_i)).
     target_prob = target_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
     draft_prob = draft_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
-    u = torch.zeros(B, K, device=device)  # [B, K]
-    for b, g in enumerate(generators):
-        n = int(num_draft[b])
-        u[b, :n] = torch.rand(n, generator=g, device=g.device).to(device)
+    u = torch.zeros(B, K, dtype=torch.float64, device=device)  # [B, K]
+    for b, (g, n) in enumerate(zip(generators, num_draft.tolist())):
+        u[b, :n] = torch.rand(n, generator=g, dtype=torch.float64, device=g.device).to(device)
     accepted = (u < accept_probability(target_prob, draft_prob)) & drafted  # [B, K]
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # [B] length of the leading accepted run
 

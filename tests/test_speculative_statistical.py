@@ -1,0 +1,328 @@
+"""Full pipeline, statistically: `LLM.generate` with speculation samples exactly what the target
+alone would sample.
+
+Setting. A tiny random target (vocabulary V = 6, one layer, logits scaled up so distributions are
+far from uniform and depend on the context) and two drafts: a perturbed copy of the target
+(acceptance ~0.6-0.8) and an independent random model (low acceptance), plus the n-gram drafter.
+For each configuration we sample N = 2000 requests of m tokens in one batch, each with its own
+seed, and compare the empirical distribution of the m-token continuations with the exact one,
+P(y_1..y_m) = prod_j warp(target logits | prompt, y_<j)(y_j), computed by enumerating all V^m
+continuations with a cache-free dense forward of the target (a second attention implementation,
+independent of the paged KV cache, the rollback and the drafters under test).
+
+Statistic. Pearson chi-square over the V^m cells; cells with expected count < 5 are pooled (in
+order of expected count, a data-independent partition) into bins of expected count >= 5; any
+count in a cell of probability 0 (e.g. a token outside top-k) is an outright rejection. The
+p-value is the chi-square survival function, torch.special.gammaincc in fp64 (checked below
+against closed forms). Significance level ALPHA = 1e-3, fixed seeds: every run is deterministic.
+
+Power. The same statistic at the same ALPHA must REJECT each planted bug (mutants of
+minispec.speculative / minispec.drafters, monkeypatched): no residual, always accept, bonus from
+the wrong position, temperature missing from the target's p, and a draft that samples from one q
+but reports another. A control shows what is NOT a bug: a draft that consistently ignores the
+temperature is still exact (speculative sampling is exact for any q it is told truthfully).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minispec.drafters
+import minispec.speculative
+from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
+from minispec.sampling import sample, warp_probs
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
+
+ALPHA = 1e-3  # significance level of every test in this file
+N = 2000  # requests per configuration
+V = 6  # vocabulary size
+PROMPT = [1, 2, 3, 1, 2]  # repeats, so the n-gram drafter finds matches
+MIN_EXPECTED = 5.0  # chi-square cells are pooled up to this expected count
+
+
+# --- the statistic ------------------------------------------------------------------------------
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X >= x) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df/2, x/2)."""
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)).item()
+
+
+def pooled_chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
+    """Pearson chi-square of observed `counts` [C] against cell probabilities `probs` [C].
+
+    Returns (p_value, statistic, df). Cells with expected count < MIN_EXPECTED are merged, in
+    increasing order of expected count, into bins reaching MIN_EXPECTED (an underfull last bin
+    joins the previous one). Counts in zero-probability cells give p = 0.
+    """
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    n = counts.sum().item()
+    if counts[probs == 0].sum() > 0:
+        return 0.0, math.inf, 0
+    expected = probs * n
+    big = expected >= MIN_EXPECTED
+    obs_bins, exp_bins = counts[big].tolist(), expected[big].tolist()
+    small_obs, small_exp = [], []
+    order = torch.argsort(expected)
+    o_acc = e_acc = 0.0
+    for i in order[~big[order] & (probs[order] > 0)].tolist():
+        o_acc, e_acc = o_acc + counts[i].item(), e_acc + expected[i].item()
+        if e_acc >= MIN_EXPECTED:
+            small_obs.append(o_acc), small_exp.append(e_acc)
+            o_acc = e_acc = 0.0
+    if e_acc > 0:  # leftover below MIN_EXPECTED: fold into a neighbouring bin
+        if small_obs:
+            small_obs[-1] += o_acc
+            small_exp[-1] += e_acc
+        else:
+            i = min(range(len(exp_bins)), key=lambda j: exp_bins[j])
+            obs_bins[i] += o_acc
+            exp_bins[i] += e_acc
+    obs = torch.tensor(obs_bins + small_obs, dtype=torch.float64)
+    exp = torch.tensor(exp_bins + small_exp, dtype=torch.float64)
+    stat = ((obs - exp) ** 2 / exp).sum().item()
+    df = len(obs) - 1
+    return (chi2_sf(stat, df) if df > 0 else 1.0), stat, df
+
+
+def test_chi2_survival_function_matches_closed_forms():
+    """gammaincc gives the chi-square tail to ~1e-8 relative: exact forms are erfc for df = 1 and
+    a finite Poisson sum for even df."""
+    for x in (0.3, 1.0, 4.0, 10.83, 25.0):
+        assert chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-8)
+    for df in (2, 4, 10, 50, 200):
+        for x in (0.5 * df, df, df + 3 * math.sqrt(2 * df), df + 6 * math.sqrt(2 * df)):
+            exact = math.exp(-x / 2) * sum((x / 2) ** i / math.factorial(i) for i in range(df // 2))
+            assert chi2_sf(x, df) == pytest.approx(exact, rel=1e-7)
+
+
+def test_pooled_chi_square_accepts_the_truth_and_rejects_a_small_shift():
+    """The statistic itself, on multinomial draws: p > ALPHA for the true law, p < ALPHA for a law
+    moved by 0.02 in total variation; mass in a zero-probability cell rejects outright."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.03, 0.015, 0.005, 0.0])
+    shifted = probs + torch.tensor([-0.02, 0.02, 0, 0, 0, 0, 0, 0, 0])
+    draw = lambda law, n: torch.bincount(torch.multinomial(law, n, replacement=True, generator=g), minlength=9)  # noqa: E731
+    assert pooled_chi_square(draw(probs, 20000), probs)[0] > ALPHA
+    assert pooled_chi_square(draw(shifted, 20000), probs)[0] < ALPHA
+    counts = draw(probs, 1000)
+    counts[-1] += 1
+    assert pooled_chi_square(counts, probs)[0] == 0.0
+
+
+# --- tiny models --------------------------------------------------------------------------------
+
+CFG = ModelConfig(
+    architecture="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1,
+    num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64,
+)
+
+
+def random_target(seed: int) -> Transformer:
+    """Random init, with the output and attention scaled up: peaked, context-dependent p."""
+    torch.manual_seed(seed)
+    model = Transformer(CFG, backend=minispec.AttentionBackend("torch")).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+        for layer in model.layers:
+            layer.self_attn.q_proj.weight.mul_(3.0)
+            layer.self_attn.o_proj.weight.mul_(3.0)
+    return model
+
+
+def perturbed(model: Transformer, sigma: float, seed: int) -> Transformer:
+    """A copy with Gaussian noise of sigma x each weight tensor's std: a good but imperfect draft."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for w in draft.parameters():
+            w.add_(sigma * w.std() * torch.randn_like(w))
+    return draft
+
+
+def word_tokenizer() -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    tok = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tok, eos_token_ids=[])
+
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_target(0)
+    return {"target": target, "near": perturbed(target, 0.3, 1), "far": random_target(2), "tok": word_tokenizer()}
+
+
+class DenseCausal:
+    """Attention for B equal-length, cache-free sequences with plain SDPA (reference only)."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+
+    def __call__(self, q, k, v, kv_cache, meta, sm_scale, sliding_window):
+        T, Hq, D = q.shape
+        B, L, group = T // self.seq_len, self.seq_len, Hq // k.shape[1]
+        q, k, v = (x.view(B, L, -1, D).transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, Hq, L, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sm_scale)  # [B, Hq, L, D]
+        return out.transpose(1, 2).reshape(T, Hq, D)
+
+
+def dense_logits(model: Transformer, seqs: torch.Tensor) -> torch.Tensor:
+    """seqs [B, L] -> logits [B, L, V] at every position, without any KV cache."""
+    B, L = seqs.shape
+    meta = BatchMetadata.for_prompts([L] * B)
+    backend, model.backend = model.backend, DenseCausal(L)
+    try:
+        logits = model(seqs.flatten(), meta)  # [B * L, V]
+    finally:
+        model.backend = backend
+    few = min(B, 4)  # the dense reference is the same model as the product's own backend computes
+    mine = model(seqs[:few].flatten(), BatchMetadata.for_prompts([L] * few))
+    torch.testing.assert_close(logits[: few * L], mine, rtol=1e-4, atol=1e-4)
+    return logits.view(B, L, V)
+
+
+def exact_distribution(model: Transformer, params: SamplingParams, m: int, prompt=PROMPT) -> torch.Tensor:
+    """P(y_1..y_m) of plain autoregressive sampling, [V^m] fp64, y_1 the most significant digit."""
+    if m == 1:
+        conts = torch.zeros(1, 0, dtype=torch.int64)
+    else:
+        conts = torch.cartesian_prod(*[torch.arange(V)] * (m - 1)).view(-1, m - 1)  # [V^(m-1), m-1]
+    seqs = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], dim=1)  # [V^(m-1), P+m-1]
+    logits = dense_logits(model, seqs)[:, len(prompt) - 1 :]  # [V^(m-1), m, V]
+    probs = warp_probs(logits.reshape(-1, V), [params] * (len(conts) * m)).double().view(-1, m, V)
+    prefix = probs[:, : m - 1].gather(-1, conts[..., None]).squeeze(-1).prod(-1)  # [V^(m-1)]
+    return (prefix[:, None] * probs[:, m - 1]).flatten()  # [V^m]
+
+
+def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n: int = N):
+    """Generate n requests of m tokens (seeds 0..n-1) in one batch; counts [V^m] and metrics."""
+    llm = LLM(
+        model=(target, tok), draft_model=draft, num_speculative_tokens=k, max_num_seqs=n,
+        max_num_batched_tokens=n * (len(PROMPT) + m + k), kv_cache_gib=0.02, page_size=8,
+    )
+    requests = [dataclasses.replace(params, max_tokens=m, seed=i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([PROMPT] * n, requests)
+    ids = torch.tensor([o.token_ids for o in outs])  # [n, m]
+    index = (ids * V ** torch.arange(m - 1, -1, -1)).sum(-1)  # [n]
+    return torch.bincount(index, minlength=V**m), llm.last_metrics
+
+
+def p_value(models, drafter: str, k: int, params: SamplingParams, m: int) -> tuple[float, object]:
+    draft = {"none": None, "ngram": "ngram"}[drafter] if drafter in ("none", "ngram") else (models[drafter], models["tok"])
+    counts, metrics = sample_counts(models["target"], draft, k, params, m, models["tok"])
+    pval, stat, df = pooled_chi_square(counts, exact_distribution(models["target"], params, m))
+    print(f"\n{drafter} k={k} m={m} {params}: chi2={stat:.1f} df={df} p={pval:.3g} "
+          f"acceptance={metrics.acceptance_rate:.3f} per_position={[round(x, 2) for x in metrics.per_position_acceptance]}")
+    return pval, metrics
+
+
+# --- the correct implementation passes ----------------------------------------------------------
+
+SP = SamplingParams
+CASES = [
+    # (drafter, k, params, m generated tokens): every drafted position, the rejection and the
+    # bonus paths are inside the m tokens (the first step drafts min(k, m - 1) tokens).
+    ("none", 1, SP(temperature=1.0), 3),
+    ("none", 1, SP(temperature=0.7, top_k=4, top_p=0.9), 3),
+    ("near", 1, SP(temperature=1.0), 3),
+    ("near", 2, SP(temperature=0.6), 3),  # the configuration the mutants below run in
+    ("near", 2, SP(temperature=1.3, top_k=3), 3),
+    ("far", 2, SP(temperature=1.0, top_k=5, top_p=0.95), 3),
+    ("ngram", 2, SP(temperature=1.0), 3),
+    ("ngram", 1, SP(temperature=0.9, top_k=5, top_p=0.95), 3),
+    ("near", 3, SP(temperature=0.8, top_p=0.9), 4),
+    ("ngram", 4, SP(temperature=1.2, top_k=4), 5),
+    ("near", 5, SP(temperature=1.0, top_k=5), 6),
+]
+
+
+@pytest.mark.parametrize("drafter,k,params,m", CASES, ids=[f"{d}-k{k}-m{m}-T{p.temperature}-k{p.top_k}-p{p.top_p}" for d, k, p, m in CASES])
+def test_generated_sequences_follow_the_target_distribution(models, drafter, k, params, m):
+    """Speculative (model or n-gram drafter, any k) and plain decoding: the joint law of the m
+    generated tokens is the target's autoregressive law (chi-square p > ALPHA)."""
+    pval, metrics = p_value(models, drafter, k, params, m)
+    assert pval > ALPHA
+    if drafter != "none":
+        assert 0 < metrics.acceptance_rate < 1  # both the accept and the reject paths were taken
+
+
+# --- ... and each planted bug is rejected by the same statistic ---------------------------------
+
+MUTANT_PARAMS = SP(temperature=0.6)  # far from 1, so a missing temperature shows
+MUTANT_K, MUTANT_M = 2, 3  # ("near", 2, MUTANT_PARAMS, 3) is in CASES: the real code passes it
+
+
+def _untempered(params: list[SamplingParams]) -> list[SamplingParams]:
+    return [p if p.greedy else dataclasses.replace(p, temperature=1.0) for p in params]
+
+
+def no_residual(monkeypatch):
+    """(a) after a rejection, resample from p instead of norm(max(0, p - q))."""
+    monkeypatch.setattr(minispec.speculative, "residual_distribution", lambda target_probs, draft_probs: target_probs)
+
+
+def always_accept(monkeypatch):
+    """(b) accept every draft token."""
+    monkeypatch.setattr(minispec.speculative, "accept_probability", lambda t, d: torch.ones_like(t))
+
+
+def bonus_off_by_one(monkeypatch):
+    """(c) when all n drafts are accepted, draw the bonus from p_n instead of p_{n+1}."""
+    original = minispec.speculative.rejection_sample
+
+    def broken(draft_tokens, num_draft, draft_probs, target_probs, generators):
+        target_probs = target_probs.clone()
+        rows = torch.nonzero(num_draft > 0).squeeze(-1)
+        target_probs[rows, num_draft[rows]] = target_probs[rows, num_draft[rows] - 1]
+        return original(draft_tokens, num_draft, draft_probs, target_probs, generators)
+
+    monkeypatch.setattr(minispec.speculative, "rejection_sample", broken)
+
+
+def target_ignores_temperature(monkeypatch):
+    """(d) temperature applied to the draft's q only; the target's p is warped at temperature 1."""
+    monkeypatch.setattr(minispec.speculative, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
+
+
+def draft_reports_another_q(monkeypatch):
+    """(d') temperature applied to the draft's sampling but not to the q it reports (HF #32867)."""
+    tempered = {}
+
+    def warp(logits, params):
+        tempered["q"] = warp_probs(logits, params)
+        return warp_probs(logits, _untempered(params))
+
+    monkeypatch.setattr(minispec.drafters, "warp_probs", warp)
+    monkeypatch.setattr(minispec.drafters, "sample", lambda probs, generators: sample(tempered["q"], generators))
+
+
+MUTANTS = [no_residual, always_accept, bonus_off_by_one, target_ignores_temperature, draft_reports_another_q]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.__name__ for m in MUTANTS])
+def test_statistic_rejects_planted_bugs(models, monkeypatch, mutant):
+    """Power: each mutant's samples are REJECTED (p < ALPHA) by the statistic the real code passes."""
+    assert ("near", MUTANT_K, MUTANT_PARAMS, MUTANT_M) in CASES  # ... in this very configuration
+    mutant(monkeypatch)
+    pval, _ = p_value(models, "near", MUTANT_K, MUTANT_PARAMS, MUTANT_M)
+    assert pval < ALPHA
+
+
+def test_a_draft_that_ignores_temperature_consistently_is_still_exact(models, monkeypatch):
+    """Control, not a bug: the draft samples and reports the same (untempered) q; exactness
+    holds for any q, only the acceptance rate changes."""
+    monkeypatch.setattr(minispec.drafters, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
+    pval, _ = p_value(models, "near", MUTANT_K, MUTANT_PARAMS, MUTANT_M)
+    assert pval > ALPHA
