@@ -5,6 +5,7 @@ and the draft's pools, its stop conditions, and its speculative-decoding counter
 from __future__ import annotations
 
 import enum
+
 import torch
 
 from .kv_cache import BlockTable
