@@ -3,6 +3,9 @@
 acceptance rate            = accepted draft tokens / drafted tokens
 mean accepted per step     = tokens emitted per target forward = 1 + accepted / steps
 per-position acceptance[i] = steps whose i-th draft was accepted / steps that drafted an i-th token
+
+The counts are the rejection sampler's decisions. In a request's last step, EOS, a stop string or
+max_tokens may cut the accepted run short, so tokens emitted can be fewer than accepted + 1 there.
 """
 
 from __future__ import annotations
