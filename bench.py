@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import resource
 import sys
@@ -72,9 +73,15 @@ def predicted_speedup(a: float, k: int, c: float) -> float:
 
 
 def load_prompts(path: Path, tokenizer, n: int) -> list[list[int]]:
+    """The first n prompts taken round-robin over categories (so a short run still mixes code,
+    explanation, rewriting, summarising and chat), rendered with the chat template if any."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_category: dict[str, list[dict]] = {}
+    for r in rows:
+        by_category.setdefault(r.get("category", ""), []).append(r)
+    ordered = [r for group in itertools.zip_longest(*by_category.values()) for r in group if r is not None]
     prompts = []
-    for r in rows[:n]:
+    for r in ordered[:n]:
         text = r["prompt"]
         if tokenizer.chat_template:
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
