@@ -497,7 +497,7 @@ def parse_args(argv: list[str] | None):
                     help="torch threads (1: on the shared 2-core box two OpenMP threads ran 10x slower)")
     g = ap.add_argument_group("prompts and corpus")
     g.add_argument("--num-train", type=int, default=512, help="training prompts written to train.jsonl")
-    g.add_argument("--num-generate", type=int, default=160, help="answer only the first N training prompts")
+    g.add_argument("--num-generate", type=int, default=288, help="answer only the first N training prompts")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--greedy-fraction", type=float, default=0.5)
     g.add_argument("--temperature", type=float, default=0.8)
