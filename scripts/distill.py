@@ -410,6 +410,7 @@ def write_card(out: Path, args, argv: list[str], info: dict) -> None:
     )
     s = info["train"]
     val = ", ".join(f"{v:.3f}" for v in s["val_loss"]) or "n/a"
+    val_last = f"{s['val_loss'][-1]:.2f}" if s["val_loss"] else "n/a"
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     card = f"""---
 license: apache-2.0
@@ -473,7 +474,19 @@ accepted / drafted tokens; tokens per target step = 1 + accepted / steps.
 {rows}
 
 `naive-{args.naive_layers}-layers` is the target's first {args.naive_layers} layers with its final norm and tied head
-(no training); `ngram` is prompt lookup (no draft model).
+(no training); `ngram` is prompt lookup (no draft model). A per-position list ends at the last
+position where some draft token was accepted (how `RunMetrics.per_position_acceptance` reports it).
+
+## Limitations
+
+This draft is corpus-starved: the whole corpus is {info['response_tokens']:,} target tokens,
+what a shared 2-core CPU could generate in the time budget, so the draft has learnt little
+more than frequent tokens and short patterns (validation loss {val_last}, still falling when
+training stopped; a unigram model of the responses scores about 7.2). Its acceptance is low and
+prompt lookup beats it on these prompts; on CPU it does not yet speed decoding up. The pipeline
+scales with compute: rerun `scripts/distill.py` with a larger `--num-generate` (train.jsonl holds
+{args.num_train} prompts; `--num-train` writes more) and more `--epochs` on a GPU box; the corpus cache
+is reused row by row.
 
 ## License
 
