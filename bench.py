@@ -56,8 +56,11 @@ class Row:
     note: str = ""
 
 
+START = time.perf_counter()
+
+
 def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    print(f"[bench {time.perf_counter() - START:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -161,6 +164,7 @@ def run_peers(args, target_dir: Path, draft_dir: Path | None, prompts, params, d
         rows.append(Row(name, mode, 1, 0, tokens=total, tok_s=total / (time.perf_counter() - t0), note="peer"))
         log(f"{name}: {rows[-1].tok_s:.1f} tok/s")
     rows += run_vllm(args, target_dir, draft_dir, prompts, params, device)
+    log("peers done")
     return rows
 
 
@@ -251,6 +255,7 @@ def main(argv=None) -> dict:
     target = load_checkpoint(target_path)
     draft = load_checkpoint(draft_path)
     prompts = load_prompts(args.prompts, target[1], num_prompts)
+    log("models loaded")
     log(f"{len(prompts)} prompts, {max_tokens} new tokens each, ks={ks}, batch sizes={batches}")
 
     modes = {
