@@ -131,7 +131,7 @@ def run_peers(args, target_dir: Path, draft_dir: Path | None, prompts, params, d
     rows = []
     try:
         import transformers  # noqa: F401
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, GenerationConfig
     except ImportError:
         return [Row("transformers", "-", 1, 0, note="skipped: transformers not installed")]
     if not target_dir.is_dir():
@@ -145,20 +145,22 @@ def run_peers(args, target_dir: Path, draft_dir: Path | None, prompts, params, d
     if assistant is not None:
         variants.insert(1, ("hf assistant_model", {"assistant_model": assistant}))
     mode = "greedy" if params.greedy else "sampled"
-    sample_kw = {"do_sample": False} if params.greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p}
+    config = GenerationConfig(
+        max_new_tokens=params.max_tokens,
+        min_new_tokens=params.max_tokens,  # like ignore_eos: every row generates the same count
+        do_sample=not params.greedy,
+        **({} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p}),
+        pad_token_id=0,
+    )
     for name, extra in variants:
-        total, t0 = 0, None
-        for i, ids in enumerate([prompts[0]] + prompts):  # first prompt twice: warm-up
-            x = torch.tensor([ids], device=device)
-            if i == 1:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-            out = hf.generate(
-                x, max_new_tokens=params.max_tokens, min_new_tokens=params.max_tokens, pad_token_id=0, **sample_kw, **extra
-            )
-            if i >= 1:
-                total += out.shape[1] - len(ids)
+        x = torch.tensor([prompts[0]], device=device)
+        hf.generate(x, generation_config=GenerationConfig(max_new_tokens=2, pad_token_id=0), **extra)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total, t0 = 0, time.perf_counter()
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids], device=device), generation_config=config, **extra)
+            total += out.shape[1] - len(ids)
         if device.type == "cuda":
             torch.cuda.synchronize()
         rows.append(Row(name, mode, 1, 0, tokens=total, tok_s=total / (time.perf_counter() - t0), note="peer"))
@@ -216,10 +218,10 @@ def parse_args(argv=None):
     ap.add_argument("--json", type=Path, help="also write all rows and the correctness line here")
     ap.add_argument("--quick", action="store_true", help="small sweep, well under a minute on CPU")
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
-    ap.add_argument("--ks", help="comma-separated draft lengths (default: 1,2,4,6,8 on GPU, 2,4,6 on CPU)")
+    ap.add_argument("--ks", help="comma-separated draft lengths (default: 1,2,4,6,8 on GPU, 2,4 on CPU)")
     ap.add_argument("--batch-sizes", help="comma-separated (default: 1,16 on GPU, 1,4 on CPU)")
-    ap.add_argument("--num-prompts", type=int, help="prompts per row (default: 32 on GPU, 8 on CPU)")
-    ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 128 on GPU, 48 on CPU)")
+    ap.add_argument("--num-prompts", type=int, help="prompts per row (default: 32 on GPU, 6 on CPU)")
+    ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 128 on GPU, 32 on CPU)")
     ap.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (temperature 0.7, top-p 0.95)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV budget (default: per LLM default)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
@@ -239,10 +241,10 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     quick = args.quick
-    ks = [int(x) for x in (args.ks or ("4" if quick else "1,2,4,6,8" if gpu else "2,4,6")).split(",")]
+    ks = [int(x) for x in (args.ks or ("4" if quick else "1,2,4,6,8" if gpu else "2,4")).split(",")]
     batches = [int(x) for x in (args.batch_sizes or ("1,2" if quick else "1,16" if gpu else "1,4")).split(",")]
-    num_prompts = args.num_prompts or (2 if quick else 32 if gpu else 8)
-    max_tokens = args.max_tokens or (16 if quick else 128 if gpu else 48)
+    num_prompts = args.num_prompts or (2 if quick else 32 if gpu else 6)
+    max_tokens = args.max_tokens or (16 if quick else 128 if gpu else 32)
 
     if args.target:
         target_path = Path(args.target)
@@ -285,7 +287,7 @@ def main(argv=None) -> dict:
                 if mode == "greedy":
                     mismatched += [i for i, (a, b) in enumerate(zip(base_tokens, toks)) if a != b and i not in mismatched]
                 rows.append(row)
-    peers = [] if args.no_peers else run_peers(args, target_path, draft_path, prompts[: 2 if quick else 4], modes["greedy"], device)
+    peers = [] if args.no_peers else run_peers(args, target_path, draft_path, prompts[: 1 if quick else 4], modes["greedy"], device)
     rows += peers
     print()
     print(f"minispec bench: device={device}, target={target_path.name}, draft={draft_path.name}, "

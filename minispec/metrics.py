@@ -68,7 +68,8 @@ class RunMetrics(RequestMetrics):
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        accepted = self.accepted_per_position + [0] * (len(self.drafted_per_position) - len(self.accepted_per_position))
+        return [a / d if d else 0.0 for a, d in zip(accepted, self.drafted_per_position)]
 
     @property
     def tokens_per_s(self) -> float:
