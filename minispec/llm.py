@@ -95,9 +95,8 @@ class LLM:
             for m, b in zip(models, per_token)
         ]
         runners = [ModelRunner(m, c) for m, c in zip(models, caches)]
-        if max_model_len is not None:
-            for r in runners:
-                r.max_positions = min(r.max_positions, max_model_len)
+        for r in runners:
+            r.max_positions = min(r.max_positions, max_len)
         if draft is not None:
             drafter = ModelDrafter(runners[1])
         elif draft_model == "ngram":
