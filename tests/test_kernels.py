@@ -10,6 +10,7 @@ Tolerances (max abs difference to the reference): fp32 1e-5; fp16 2e-3 absolute 
 relative (outputs are averages of N(0, 1) values: a few units, where one fp16 ulp is 2e-3).
 """
 
+import importlib
 import math
 import os
 from itertools import accumulate
@@ -230,6 +231,27 @@ def test_paged_attention_ref_matches_naive_float64(lens, page_size, heads, windo
     out = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window)
     expected = batch.naive(sm_scale=0.3, sliding_window=window)
     torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seq_lens=st.lists(st.integers(1, 40), min_size=1, max_size=5), data=st.data(),
+       page_size=st.sampled_from([1, 4, 16]), heads=head_shapes, window=windows, seed=seeds)
+def test_batched_decode_ref_equals_per_sequence_loop(seq_lens, data, page_size, heads, window, seed):
+    """The reference's batched path (few new tokens per sequence, sequences without new tokens
+    included) gives the per-sequence loop's output, over NaN-filled unused pages."""
+    pa = importlib.import_module("kernels.paged_attention")  # the module (the package exports the function)
+
+    q_lens = [data.draw(st.integers(0, min(n, pa.BATCHED_REF_MAX_QUERY_LEN))) for n in seq_lens]
+    q_lens[0] = max(q_lens[0], 1)
+    (num_kv_heads, group, head_dim) = heads
+    batch = PagedBatch(seq_lens, q_lens, page_size=page_size, num_q_heads=num_kv_heads * group,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.float32, seed=seed)
+    batched = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(pa, "BATCHED_REF_MAX_QUERY_LEN", 0)  # force the loop
+        looped = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window)
+    assert not batched.isnan().any()
+    torch.testing.assert_close(batched, looped, atol=1e-6, rtol=1e-5)
 
 
 def test_decode_batch_with_different_context_lengths():
