@@ -37,6 +37,7 @@ class RequestOutput:
     text: str  # generated text, cut before a matched stop string
     finish_reason: str  # "length" | "eos" | "stop" | "abort"
     metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: log-prob}, if requested
 
 
 @dataclass
@@ -202,7 +203,8 @@ class LLM:
         text = self.tokenizer.decode(s.output_ids)
         if s.stop_text_end is not None:
             text = text[: s.stop_text_end]
-        return RequestOutput(index, s.prompt_ids, list(s.output_ids), text, s.finish_reason, s.metrics)
+        logprobs = list(s.logprobs) if s.params.logprobs is not None else None
+        return RequestOutput(index, s.prompt_ids, list(s.output_ids), text, s.finish_reason, s.metrics, logprobs)
 
 
 def as_prompt_list(prompts) -> list:

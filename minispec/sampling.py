@@ -20,7 +20,10 @@ class SamplingParams:
     temperature: 0 means greedy; top_k: 0 or -1 disables; top_p in (0, 1];
     max_tokens: new tokens to generate; stop: strings that end generation (not included in
     the text); seed: makes the request reproducible and independent of the batch it runs in;
-    ignore_eos: keep generating past EOS (benchmarks).
+    ignore_eos: keep generating past EOS (benchmarks); logprobs: also return, for every
+    generated token, the target's `logprobs` most likely tokens and the sampled one with their
+    log-probabilities under the model's raw distribution (log_softmax of the logits, before
+    temperature, top-k and top-p; vLLM's default), e.g. soft labels for distillation.
     """
 
     temperature: float = 1.0
@@ -30,22 +33,28 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an int >= 0 or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "length" | "eos" | "stop"
         self.stop_text_end: int | None = None  # output text is cut here when a stop string matched
         self.metrics = RequestMetrics()
+        self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set
 
     @property
     def tokens(self) -> list[int]:

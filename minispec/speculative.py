@@ -103,6 +103,22 @@ def rejection_sample(
     return tokens, num_accepted
 
 
+def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int]) -> list:
+    """For sequences that asked for logprobs: per verified position, ({top id: logprob}, the
+    position's full log_softmax row) from the raw logits [sum(n_b + 1), V]; None for the others."""
+    out, row = [], 0
+    log_probs = logits.float().log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
+    for s, n in zip(seqs, num_draft):
+        if s.params.logprobs is None:
+            out.append(None)
+        else:
+            lp = log_probs[row : row + n + 1].cpu()  # [n + 1, V]
+            values, ids = lp.topk(min(s.params.logprobs, lp.shape[-1]), dim=-1)
+            out.append([(dict(zip(i.tolist(), v.tolist())), r) for i, v, r in zip(ids, values, lp)])
+        row += n + 1
+    return out
+
+
 @dataclass
 class StepTimes:
     draft_s: float = 0.0
@@ -174,9 +190,13 @@ def speculative_step(
     times.target_s += t2 - t1
 
     # Emit the accepted run plus one token, stopping early at EOS / stop strings / max_tokens.
-    for s, toks, n_acc, n_draft in zip(seqs, tokens, num_accepted, num_draft):
+    # Requested logprobs: emitted token j of sequence b was sampled at flat logits row row_b + j.
+    top = top_logprobs(logits, seqs, num_draft)
+    for s, toks, n_acc, n_draft, rows in zip(seqs, tokens, num_accepted, num_draft, top):
         s.metrics.record(n_draft, n_acc)
-        for t in toks[: n_acc + 1]:
+        for j, t in enumerate(toks[: n_acc + 1]):
+            if rows is not None:
+                s.logprobs.append({**rows[j][0], t: rows[j][1][t].item()})
             if emit(s, t):
                 break
 

@@ -59,6 +59,11 @@ def greedy_outputs(llm):
         ("stop", ""),
         ("stop", ["ok", ""]),
         ("seed", "42"),
+        ("seed", True),
+        ("top_p", "0.9"),
+        ("max_tokens", True),
+        ("logprobs", -1),
+        ("logprobs", 2.0),
     ],
 )
 def test_sampling_params_reject_bad_values_naming_the_field(field, value):
@@ -69,7 +74,8 @@ def test_sampling_params_reject_bad_values_naming_the_field(field, value):
 def test_sampling_params_accept_the_documented_ranges():
     """Boundaries that are valid: greedy, top_p 1, top_k 0 / -1 (off), a single stop string."""
     assert SamplingParams(temperature=0).greedy
-    for kwargs in [dict(top_p=1.0), dict(top_k=0), dict(top_k=-1), dict(top_k=1), dict(max_tokens=1), dict(seed=0)]:
+    for kwargs in [dict(top_p=1.0), dict(top_k=0), dict(top_k=-1), dict(top_k=1), dict(max_tokens=1), dict(seed=0),
+                   dict(logprobs=0), dict(logprobs=20)]:
         SamplingParams(**kwargs)
     assert SamplingParams(stop="\n").stop == ["\n"]
 
@@ -252,3 +258,37 @@ def test_stream_yields_the_tokens_generate_returns(tiny_llama, draft):
         finished[event.index].append(event.finished)
     assert streamed == expected
     assert all(f[-1] and sum(f) == 1 for f in finished)
+
+
+@pytest.mark.parametrize("draft", [None, "ngram", "target"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_targets_raw_log_softmax_at_each_generated_position(tiny_llama, draft, temperature):
+    """logprobs=N returns, per generated token, the N most likely tokens and the sampled one with
+    their log-probabilities, equal to a teacher-forced forward's log_softmax (before temperature)
+    at the position that predicted the token. Drafting with the target itself accepts most
+    drafts, so tokens emitted at every offset of a verified run are checked."""
+    import torch
+
+    from minispec import BatchMetadata, load_checkpoint
+
+    draft_model = tiny_llama if draft == "target" else draft
+    llm = LLM(model=tiny_llama, draft_model=draft_model, num_speculative_tokens=3, kv_cache_gib=0.01)
+    params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=5, logprobs=4)
+    outs = llm.generate(PROMPTS, params)
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].logprobs is None
+    if draft == "target":
+        assert llm.last_metrics.summary()["mean_accepted_per_step"] > 2
+    model, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu", backend="torch")
+    for o in outs:
+        ids = o.prompt_token_ids + o.token_ids
+        with torch.no_grad():
+            ref = model(torch.tensor(ids), BatchMetadata.for_prompts([len(ids)])).log_softmax(-1)  # [L, V]
+        assert len(o.logprobs) == len(o.token_ids)
+        for j, (token, entry) in enumerate(zip(o.token_ids, o.logprobs)):
+            row = ref[len(o.prompt_token_ids) + j - 1]  # the position that predicted token j
+            top_values, top_ids = row.topk(4)
+            assert set(entry) == set(top_ids.tolist()) | {token}
+            for t, lp in entry.items():
+                assert math.isclose(lp, row[t].item(), abs_tol=1e-4), (j, t, lp, row[t].item())
+            if temperature == 0:
+                assert token == top_ids[0].item()
