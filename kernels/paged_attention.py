@@ -327,22 +327,25 @@ def paged_attention_ref(
     """Plain-torch twin of `paged_attention` (same signature; num_splits and tiles are ignored).
 
     Per sequence: gather its pages through the block table into [seq_len, Hkv, D] and take one
-    fp32 masked softmax for all its new tokens and heads. Output in q's dtype. Batches with at
-    most BATCHED_REF_MAX_QUERY_LEN new tokens per sequence (decode, verification) take the same
-    math padded over all sequences at once (`_batched_decode_ref`): the CPU backend's hot path.
+    fp32 masked softmax for all its new tokens and heads. Output in q's dtype. Sequences with at
+    most BATCHED_REF_MAX_QUERY_LEN new tokens (decode, verification) take the same math padded
+    over all of them at once (`_batched_decode_ref`), the CPU backend's hot path; the others
+    (prefill chunks) loop.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       max_query_len, max_seq_len, sliding_window, validate)
-    if 0 < max_query_len <= BATCHED_REF_MAX_QUERY_LEN and q.shape[0] > 0:
-        return _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   max_query_len, max_seq_len, sm_scale, sliding_window)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)  # [T, Hq, D]
     starts = query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    short = [seq for seq, n in enumerate(q_lens) if 0 < n <= BATCHED_REF_MAX_QUERY_LEN]
+    if short:
+        _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, short,
+                            sm_scale, sliding_window, out)
     for seq, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[seq], starts[seq + 1]
-        if q_end == q_start:
+        if q_lens[seq] <= BATCHED_REF_MAX_QUERY_LEN:  # empty, or done above
             continue
         pages = block_tables[seq, : triton.cdiv(seq_len, page_size)].long()  # [n_pages]
         keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, Hkv, D]
@@ -353,29 +356,31 @@ def paged_attention_ref(
     return out
 
 
-BATCHED_REF_MAX_QUERY_LEN = 16  # decode / verification batches: one padded softmax for all sequences
+BATCHED_REF_MAX_QUERY_LEN = 16  # sequences with at most this many new tokens share one padded softmax
 
 
-def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        max_query_len, max_seq_len, sm_scale, sliding_window) -> torch.Tensor:
-    """`paged_attention_ref` for batches of few new tokens per sequence, with no Python loop
-    over sequences: queries padded to [B, Qm = max_query_len], keys gathered (one gather, straight
-    into [B, Hkv, L = max_seq_len, D]). Same math as `masked_attention` (fp32; query i of
-    sequence b sits at seq_len_b - q_len_b + i and sees keys j <= it within the window). Padded
-    key slots read the sequence's first key instead (unused slots may hold anything, even NaN)
-    and are masked; padded queries are dropped."""
-    B = seq_lens.shape[0]
+def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs: list[int],
+                        sm_scale, sliding_window, out) -> None:
+    """`paged_attention_ref` for the sequences `seqs` (few new tokens each) with no Python loop
+    over them, written into out [T, Hq, D]: queries padded to [B, Qm] (B = len(seqs), Qm their
+    largest q_len), keys gathered straight into [B, Hkv, L, D] (L their largest seq_len). Same
+    math as `masked_attention` (fp32; query i of sequence b sits at seq_len_b - q_len_b + i and
+    sees keys j <= it within the window). Padded key slots read the sequence's first key instead
+    (unused slots may hold anything, even NaN) and are masked; padded queries are dropped."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    group, Qm, L = num_q_heads // num_kv_heads, max_query_len, max_seq_len
     device = q.device
-    seq_lens, starts = seq_lens.long(), query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]  # [B]
+    sel = torch.tensor(seqs, device=device)
+    block_tables, seq_lens, starts = block_tables[sel].long(), seq_lens[sel].long(), query_start_loc.long()
+    q_lens = starts[sel + 1] - starts[sel]  # [B]
+    starts = starts[sel]  # [B]
+    B, group = len(seqs), num_q_heads // num_kv_heads
+    Qm, L = int(q_lens.max()), int(seq_lens.max())
 
     key_pos = torch.arange(L, device=device)  # [L]
     key_valid = key_pos[None, :] < seq_lens[:, None]  # [B, L]
     page_col = (key_pos // page_size).clamp(max=block_tables.shape[1] - 1)[None, :].expand(B, L)
-    pages = block_tables.long().gather(1, page_col)  # [B, L] page of each key slot
+    pages = block_tables.gather(1, page_col)  # [B, L] page of each key slot
     pages = torch.where(key_valid, pages, pages[:, :1])[:, None, :]  # [B, 1, L]
     offsets = torch.where(key_valid, key_pos % page_size, 0)[:, None, :]  # [B, 1, L]
     heads = torch.arange(num_kv_heads, device=device)[None, :, None]  # [1, Hkv, 1]
@@ -384,7 +389,7 @@ def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
     q_idx = torch.arange(Qm, device=device)  # [Qm]
     q_valid = q_idx[None, :] < q_lens[:, None]  # [B, Qm]
-    token = (starts[:-1, None] + q_idx[None, :]).clamp(max=num_tokens - 1)  # [B, Qm] row of q
+    token = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)  # [B, Qm] row of q
     distance = (seq_lens[:, None] - q_lens[:, None] + q_idx[None, :])[:, :, None] - key_pos  # [B, Qm, L]
     visible = (distance >= 0) & key_valid[:, None, :]
     if sliding_window is not None:
@@ -395,11 +400,8 @@ def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     scores = (q_f @ keys.transpose(-1, -2) * sm_scale).view(B, num_kv_heads, group, Qm, L)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(B, num_kv_heads, group * Qm, L)
-    probs = probs.nan_to_num(0.0)  # padded queries of sequences without keys
     out_b = (probs @ values).view(B, num_kv_heads, group, Qm, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qm, Hkv, g, D]
-    out = torch.empty_like(q)  # [T, Hq, D]
     out[token[q_valid]] = out_b.reshape(B, Qm, num_q_heads, head_dim)[q_valid].to(q.dtype)
-    return out
 
 
 def _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

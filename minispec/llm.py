@@ -45,6 +45,7 @@ class StreamEvent:
     index: int
     new_token_ids: list[int]
     finished: bool
+    new_logprobs: list[dict[int, float]] | None = None  # one per new token, if requested
 
 
 class LLM:
@@ -171,7 +172,9 @@ class LLM:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.new_token_ids or out.finished:
-                        yield StreamEvent(index[out.seq.request_id], out.new_token_ids, out.finished)
+                        s, n = out.seq, len(out.new_token_ids)
+                        logprobs = s.logprobs[len(s.logprobs) - n :] if s.params.logprobs is not None else None
+                        yield StreamEvent(index[s.request_id], out.new_token_ids, out.finished, logprobs)
         finally:  # a stream abandoned midway must not leave its requests in the engine
             for s in seqs:
                 if not s.finished:

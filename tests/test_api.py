@@ -275,6 +275,10 @@ def test_logprobs_are_the_targets_raw_log_softmax_at_each_generated_position(tin
     llm = LLM(model=tiny_llama, draft_model=draft_model, num_speculative_tokens=3, kv_cache_gib=0.01)
     params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=5, logprobs=4)
     outs = llm.generate(PROMPTS, params)
+    streamed = [[] for _ in PROMPTS]
+    for event in llm.stream(PROMPTS, params):
+        streamed[event.index] += event.new_logprobs
+    assert streamed == [o.logprobs for o in outs]
     assert llm.generate(PROMPTS[:1], GREEDY)[0].logprobs is None
     if draft == "target":
         assert llm.last_metrics.summary()["mean_accepted_per_step"] > 2

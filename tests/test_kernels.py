@@ -237,11 +237,12 @@ def test_paged_attention_ref_matches_naive_float64(lens, page_size, heads, windo
 @given(seq_lens=st.lists(st.integers(1, 40), min_size=1, max_size=5), data=st.data(),
        page_size=st.sampled_from([1, 4, 16]), heads=head_shapes, window=windows, seed=seeds)
 def test_batched_decode_ref_equals_per_sequence_loop(seq_lens, data, page_size, heads, window, seed):
-    """The reference's batched path (few new tokens per sequence, sequences without new tokens
-    included) gives the per-sequence loop's output, over NaN-filled unused pages."""
+    """The reference's batched path (sequences with few new tokens, batched together even when
+    mixed with sequences without new tokens or with whole prompts, which loop) gives the
+    per-sequence loop's output, over NaN-filled unused pages."""
     pa = importlib.import_module("kernels.paged_attention")  # the module (the package exports the function)
 
-    q_lens = [data.draw(st.integers(0, min(n, pa.BATCHED_REF_MAX_QUERY_LEN))) for n in seq_lens]
+    q_lens = [data.draw(st.one_of(st.integers(0, min(n, pa.BATCHED_REF_MAX_QUERY_LEN)), st.just(n))) for n in seq_lens]
     q_lens[0] = max(q_lens[0], 1)
     (num_kv_heads, group, head_dim) = heads
     batch = PagedBatch(seq_lens, q_lens, page_size=page_size, num_q_heads=num_kv_heads * group,
