@@ -60,6 +60,59 @@ CODE_TASKS = [
     ("Python", "implements a queue with two stacks"), ("JavaScript", "deep-clones an object"),
 ]
 
+# Training-only subjects (never in bench; appended after the bench split so bench.jsonl is unchanged).
+EXTRA_TOPICS = [
+    "the Industrial Revolution", "quantum computers", "the Amazon river", "penguins", "spreadsheets",
+    "the Pythagorean theorem", "cloud computing", "thunderstorms", "the Eiffel Tower", "fermentation",
+    "the Cold War", "microplastics", "blood types", "the Fibonacci sequence", "submarines", "origami",
+    "the Byzantine Empire", "hurricanes", "vitamins", "the Milky Way", "elections", "tea ceremonies",
+    "composting", "airplanes", "the human brain", "mountains", "cryptocurrency", "the Moon's phases",
+    "lighthouses", "volleyball", "the ancient Egyptians", "rivers", "3D printing", "octopuses",
+    "the Fourier transform", "deserts", "the metric system", "symphony orchestras", "seeds",
+    "the Industrial design of chairs", "electricity", "the Mayan civilisation", "wolves", "telescopes",
+    "bridges", "the history of writing", "caffeine", "satellites", "probability", "marathons",
+    "the Arctic", "insulin", "sculpture", "the Wright brothers", "cheese making", "fungi", "trains",
+    "sound waves", "the Vikings", "mangroves", "databases", "spiders", "the Nile", "clouds",
+    "carbon dating", "typography", "the Beatles", "ants", "credit scores", "the United Nations",
+    "steam engines", "genetics", "skyscrapers", "the Sahara", "version control", "pottery",
+    "whales", "the circulatory system", "video games", "windmills", "chocolate", "algebra",
+    "the Byzantine mosaics", "forests", "rockets", "the printing of money", "kangaroos", "fossils",
+    "neural networks", "the Aztecs", "sailing", "salt", "the placebo effect", "migration of birds",
+    "urban gardens", "the telephone", "statistics", "yoga", "tornadoes", "the Mona Lisa", "lasers",
+]
+EXTRA_CODE_TASKS = [
+    ("Python", "counts how often each character appears in a string"), ("Python", "checks whether a year is a leap year"),
+    ("Python", "reads a text file and prints its longest line"), ("Python", "converts a decimal number to binary"),
+    ("Python", "finds the second largest number in a list"), ("Python", "returns the intersection of two lists"),
+    ("Python", "implements a linked list with append and print methods"), ("Python", "computes the sum of the digits of a number"),
+    ("Python", "rotates a list by k positions"), ("Python", "checks whether brackets in a string are balanced"),
+    ("Python", "implements insertion sort"), ("Python", "returns all prime numbers below n"),
+    ("Python", "converts a string to title case"), ("Python", "computes the dot product of two vectors"),
+    ("Python", "groups words by their first letter"), ("Python", "writes a dictionary to a JSON file"),
+    ("Python", "computes the median of a list"), ("Python", "finds the most common word in a text"),
+    ("JavaScript", "filters the even numbers out of an array"), ("JavaScript", "reverses the words of a sentence"),
+    ("JavaScript", "counts the occurrences of each item in an array"), ("JavaScript", "shuffles an array"),
+    ("C", "prints the multiplication table of a number"), ("C", "reverses an array in place"),
+    ("Java", "prints a right-angled triangle of stars"), ("Java", "converts minutes to hours and minutes"),
+    ("SQL", "finds the average salary per department"), ("SQL", "lists the customers who never placed an order"),
+    ("Bash", "renames every .jpeg file in a folder to .jpg"), ("Rust", "sums the even numbers of a vector"),
+    ("Go", "reads a line from standard input and greets the user"), ("TypeScript", "defines an interface for a user and a function that greets them"),
+]
+EXTRA_CHAT_OPENERS = [
+    "What is a good way to relax after work?", "Can you suggest a fun game for a family evening?",
+    "How do I start journaling?", "Write a short poem about the city at night.", "Tell me a riddle.",
+    "What should I name my new goldfish?", "How can I save money on groceries?",
+    "I have a presentation next week. How do I prepare?", "What are some good habits for a healthy life?",
+    "Write a limerick about a cat.", "Can you give me a recipe for pancakes?", "How do I apologise to a friend?",
+    "What is a nice gift for my grandmother?", "How can I sleep better?", "Tell me something surprising about space.",
+    "Write a thank-you note to my teacher.", "How do I keep my houseplants alive while on holiday?",
+    "What are good questions to ask at the end of an interview?", "Give me three ideas for a rainy day.",
+    "Write a short story about a lost umbrella.", "How do I learn to cook?", "What is a fun way to exercise at home?",
+    "Help me write a short bio for my profile.", "What should I read if I liked a mystery novel?",
+    "How do I deal with stress before exams?", "Write a haiku about coffee.", "Can you help me name my bakery?",
+    "How do I make my mornings less rushed?", "Tell me a joke about cats.", "What is a good first pet for a child?",
+]
+
 PASSAGES = [  # our own short texts
     "The library on Elm Street opened in 1923 with three hundred books donated by local families. "
     "Over the years it grew into the largest public collection in the county. Today it lends laptops, "
@@ -188,6 +241,8 @@ def build_prompts(num_train: int = 512, seed: int = 0) -> tuple[list[dict], list
     bench_topics, train_topics = split(TOPICS, n)
     bench_tasks, train_tasks = split(CODE_TASKS, n)
     bench_chat, train_chat = split(CHAT_OPENERS, n)
+    train_topics, train_tasks, train_chat = (train_topics + EXTRA_TOPICS, train_tasks + EXTRA_CODE_TASKS,
+                                             train_chat + EXTRA_CHAT_OPENERS)
     own_bench, own_train = split(PASSAGES, n)  # half of the bench passages are our own texts...
     kjv = kjv_passages(rng, n + 4 * num_train)  # ...the other half KJV, if available
     kjv_bench, kjv_train = kjv[:n], kjv[n:]
