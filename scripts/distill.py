@@ -481,6 +481,9 @@ def write_card(out: Path, args, argv: list[str], info: dict) -> None:
     val = "\n".join(f"| {i + 1} | {v['kl']:.3f} | {v['hard_ce']:.3f} | {v['top1']:.3f} |" for i, v in enumerate(s["val"]))
     best = s["val"][s["best_epoch"] - 1] if s["val"] else {"kl": float("nan"), "top1": float("nan")}
     unique = len({r for r in info["prompt_texts"]})
+    kls = [v["kl"] for v in s["val"]]
+    still_falling = (", and its validation KL was still falling when training stopped: it is undertrained"
+                     if len(kls) > 1 and kls[-1] < kls[-2] else "")
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     card = f"""---
 license: apache-2.0
@@ -561,9 +564,10 @@ of steps drafting position i whose draft was accepted up to i.
 
 ## Limitations
 
-The corpus ({info['response_tokens']:,} target tokens) is what a 2-core CPU could generate in the
-time budget; the draft agrees with the target's top-1 token on {best['top1']:.1%} of held-out
-validation positions. Whether it pays on a given machine depends on its cost relative to the
+The corpus ({info['response_tokens']:,} target tokens) and the training ({s['steps']} steps,
+{s['train_s'] / 60:.0f} min: the 49,152-way head makes a step cost seconds on CPU) are what a 2-core
+CPU allowed in the time budget; the draft agrees with the target's top-1 token on
+{best['top1']:.1%} of held-out validation positions{still_falling}. Whether it pays on a given machine depends on its cost relative to the
 target's: `python bench.py` reports the acceptance, the draft/target time split and the speedup
 predicted from them next to the measured one. The pipeline scales with compute: rerun
 `scripts/distill.py` with more prompts (`--num-train`) and `--epochs` on a bigger box; the corpus
