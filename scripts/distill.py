@@ -677,12 +677,13 @@ def main(argv: list[str] | None = None) -> dict:
     if logit_diff > 1e-3:
         raise RuntimeError(f"saved draft disagrees with the trained model (max logit diff {logit_diff})")
 
+    answered = {r["id"] for r in rows}
     info = {
         "config": cfg, "params": n_params, "params_non_embedding": n_params - model.embed_tokens.weight.numel(),
         "num_prompts": len(rows), "num_skipped": len(prompts) - len(rows), "num_greedy": sum(r["temperature"] == 0 for r in rows),
         "response_tokens": response_tokens, "total_tokens": total_tokens, "corpus_s": corpus_s,
         "val_ids": sorted(val_idx), "train": stats, "logit_check": logit_diff, "eval": {},
-        "prompt_texts": [p["prompt"] for p in prompts if p["id"] in {r["id"] for r in rows}],
+        "prompt_texts": [p["prompt"] for p in prompts if p["id"] in answered],
     }
 
     # 4. eval
