@@ -107,12 +107,11 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
     """For sequences that asked for logprobs: per verified position, ({top id: logprob}, the
     position's full log_softmax row) from the raw logits [sum(n_b + 1), V]; None for the others."""
     out, row = [], 0
-    log_probs = logits.float().log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
     for s, n in zip(seqs, num_draft):
         if s.params.logprobs is None:
             out.append(None)
         else:
-            lp = log_probs[row : row + n + 1].cpu()  # [n + 1, V]
+            lp = logits[row : row + n + 1].float().log_softmax(-1).cpu()  # [n + 1, V]
             values, ids = lp.topk(min(s.params.logprobs, lp.shape[-1]), dim=-1)
             out.append([(dict(zip(i.tolist(), v.tolist())), r) for i, v, r in zip(ids, values, lp)])
         row += n + 1
