@@ -85,7 +85,7 @@ def sampling_plan(prompts: list[dict], args) -> list[SamplingParams]:
 
 
 def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[dict]:
-    """Target responses to `prompts`: rows {key, id, temperature, prompt_ids, output_ids, soft},
+    """Target responses to `prompts`: rows {key, id, temperature, prompt_ids, output_ids, gen_s},
     cached in cache_dir/corpus.jsonl under a hash of (target, prompt, sampling settings) and
     appended as each request finishes (continuous batching never drains), so a killed run resumes
     and a longer run reuses a shorter one's rows. The soft labels (the target's top-k token ids
@@ -99,30 +99,30 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[
     path, soft_dir = cache_dir / "corpus.jsonl", cache_dir / "soft"
     soft_dir.mkdir(parents=True, exist_ok=True)
     cached = {r["key"]: r for r in make_prompts.read_jsonl(path)} if path.exists() else {}
-    todo = [i for i, k in enumerate(keys) if k not in cached]
+    prompt_ids = {i: tokenizer.encode(chat_prompt(tokenizer, prompts[i]["prompt"]))
+                  for i, k in enumerate(keys) if k not in cached}
     context = model.cfg.max_position_embeddings
-    too_long = [i for i in todo if len(tokenizer.encode(chat_prompt(tokenizer, prompts[i]["prompt"]))) + args.max_tokens > context]
-    todo = [i for i in todo if i not in set(too_long)]
-    log(f"corpus: {len(prompts) - len(todo) - len(too_long)} responses cached in {path}, {len(todo)} to generate"
-        + (f", {len(too_long)} prompts skipped (prompt + max_tokens > the target's context {context})" if too_long else ""))
+    todo = [i for i, ids in prompt_ids.items() if len(ids) + args.max_tokens <= context]
+    too_long = len(prompt_ids) - len(todo)
+    log(f"corpus: {len(prompts) - len(prompt_ids)} responses cached in {path}, {len(todo)} to generate"
+        + (f", {too_long} prompts skipped (prompt + max_tokens > the target's context {context})" if too_long else ""))
     if todo:
         llm = LLM(model=(model, tokenizer), max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
-        texts = [chat_prompt(tokenizer, prompts[i]["prompt"]) for i in todo]
         tokens = [[] for _ in todo]
         soft = [[] for _ in todo]
         t0, new_tokens, done = time.perf_counter(), 0, 0
         last = t0
         with path.open("a") as f:
-            for ev in llm.stream(texts, [plan[i] for i in todo]):
+            for ev in llm.stream([prompt_ids[i] for i in todo], [plan[i] for i in todo]):
                 tokens[ev.index] += ev.new_token_ids
                 soft[ev.index] += ev.new_logprobs
                 new_tokens += len(ev.new_token_ids)
                 if not ev.finished:
                     continue
                 i, done = todo[ev.index], done + 1
-                save_soft_labels(soft_dir / f"{keys[i]}.safetensors", soft[ev.index], tokens[ev.index], args.soft_top_k)
+                save_soft_labels(soft_dir / f"{keys[i]}.safetensors", soft[ev.index], args.soft_top_k)
                 row = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
-                       "prompt_ids": tokenizer.encode(texts[ev.index]), "output_ids": tokens[ev.index],
+                       "prompt_ids": prompt_ids[i], "output_ids": tokens[ev.index],
                        "gen_s": time.perf_counter() - last}  # time since the previous row: they sum to the run's time
                 last = time.perf_counter()
                 f.write(json.dumps(row) + "\n")
@@ -136,12 +136,12 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[
     return [cached[k] for k in keys if k in cached]
 
 
-def save_soft_labels(path: Path, logprobs: list[dict[int, float]], output_ids: list[int], top_k: int) -> None:
+def save_soft_labels(path: Path, logprobs: list[dict[int, float]], top_k: int) -> None:
     """Per response position, the target's top_k (id, log-prob) pairs, most likely first:
     ids [n, top_k] int32, logprobs [n, top_k] fp32 (the sampled token's extra entry is dropped)."""
     ids = torch.zeros(len(logprobs), top_k, dtype=torch.int32)
     lps = torch.zeros(len(logprobs), top_k, dtype=torch.float32)
-    for j, (entry, token) in enumerate(zip(logprobs, output_ids)):
+    for j, entry in enumerate(logprobs):
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
         ids[j] = torch.tensor([t for t, _ in top], dtype=torch.int32)
         lps[j] = torch.tensor([v for _, v in top])
