@@ -301,13 +301,14 @@ def lumped_kl_head(h: torch.Tensor, weight: torch.Tensor, soft_ids: torch.Tensor
         m, argmax = e.max(-1)  # [C]
         top1[rows] = argmax == ids[:, 0]
         label_logit = e.gather(-1, lab[:, None])[:, 0] - m  # [C]
+        top_logit = e.gather(-1, ids) - m[:, None]  # [C, K]: log q_top from these, finite even where exp underflows
         e.sub_(m[:, None]).exp_()
         e_top = e.gather(-1, ids)  # [C, K]
         e.scatter_(-1, ids, 0.0)  # the tail alone: summed without cancellation
         tail = e.sum(-1)  # [C]
         z = tail + e_top.sum(-1)  # [C]
         log_z = z.log()
-        log_q_top = e_top.log() - log_z[:, None]  # [C, K]
+        log_q_top = top_logit - log_z[:, None]  # [C, K]
         log_q_rest = (tail.log() - log_z).clamp(min=-100.0)  # finite where the tail is empty (p_rest ~ 0)
         p_top = lp_top.exp()  # [C, K]
         p_rest = (1 - p_top.sum(-1)).clamp(min=0)  # [C]
