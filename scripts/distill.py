@@ -303,7 +303,7 @@ def lumped_kl_head(h: torch.Tensor, weight: torch.Tensor, soft_ids: torch.Tensor
         label_logit = e.gather(-1, lab[:, None])[:, 0] - m  # [C]
         top_logit = e.gather(-1, ids) - m[:, None]  # [C, K]: log q_top from these, finite even where exp underflows
         e.sub_(m[:, None]).exp_()
-        e_top = e.gather(-1, ids)  # [C, K]
+        e_top = top_logit.exp()  # [C, K]
         e.scatter_(-1, ids, 0.0)  # the tail alone: summed without cancellation
         tail = e.sum(-1)  # [C]
         z = tail + e_top.sum(-1)  # [C]
@@ -655,7 +655,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on the shared 2-core box two OpenMP threads ran 10x slower)")
     g = ap.add_argument_group("prompts and corpus")
-    g.add_argument("--num-train", type=int, default=2048, help="training prompts written to train.jsonl")
+    g.add_argument("--num-train", type=int, default=2048, help="training prompts, when train.jsonl is built")
     g.add_argument("--rebuild-prompts", action="store_true", help="rebuild train/bench.jsonl even if they exist")
     g.add_argument("--num-generate", type=int, default=0, help="answer only the first N training prompts (0: all)")
     g.add_argument("--max-tokens", type=int, default=160)
