@@ -6,7 +6,8 @@
 
 Every row runs the same prompts with the same sampling params. The baseline is minispec with no
 drafter (one target forward per token); speculative rows add the distilled draft (k in a sweep) or
-the n-gram drafter. Per row: tokens/s, speedup vs the baseline measured in this run, acceptance
+the n-gram drafter, and adaptive k (the draft drafts up to --adaptive-k tokens and stops after
+one it gave probability < --confidence). Per row: tokens/s, speedup vs the baseline measured in this run, acceptance
 rate, mean accepted tokens per target step, target forwards per generated token, draft/target time
 split, peak memory, and the speedup predicted from the measured acceptance rate a and the
 draft/target cost ratio c (Leviathan et al. 2023, eq. 1 and Thm 3.8):
@@ -96,7 +97,7 @@ def run_minispec(args, target, draft, prompts, drafter, k, params, batch, device
     """One row: build an LLM around the preloaded models and generate all prompts."""
     from minispec import LLM
 
-    draft_model = {"none": None, "ngram": "ngram", "draft": draft}[drafter]
+    draft_model = {"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft}[drafter]
     llm = LLM(
         model=target,
         draft_model=draft_model,
@@ -104,6 +105,7 @@ def run_minispec(args, target, draft, prompts, drafter, k, params, batch, device
         max_num_seqs=batch,
         kv_cache_gib=args.kv_cache_gib,
         page_size=16,
+        draft_confidence_threshold=args.confidence if drafter == "adaptive" else None,
     )
     warm = dataclasses.replace(params, max_tokens=min(4, params.max_tokens))
     llm.generate(prompts[:batch], warm)  # warm-up: kernel compilation, allocator, caches
@@ -112,7 +114,8 @@ def run_minispec(args, target, draft, prompts, drafter, k, params, batch, device
         torch.cuda.reset_peak_memory_stats(device)
     outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     m = llm.last_metrics
-    name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}"}[drafter]
+    name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}",
+            "adaptive": f"draft k<={k} conf{args.confidence:g}"}[drafter]
     row = Row(name, "greedy" if params.greedy else "sampled", batch, k if drafter != "none" else 0)
     row.tokens, row.tok_s = m.num_generated, m.tokens_per_s
     row.target_fwd_per_token = m.num_steps / max(m.num_generated, 1)
@@ -219,6 +222,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="small sweep, well under a minute on CPU")
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
     ap.add_argument("--ks", help="comma-separated draft lengths (default: 1,2,4,6,8 on GPU, 2,4 on CPU)")
+    ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive row: most tokens drafted per step (0: no adaptive row)")
+    ap.add_argument("--confidence", type=float, default=0.4, help="adaptive row: stop drafting after a token the draft gave p < this")
     ap.add_argument("--batch-sizes", help="comma-separated (default: 1,16 on GPU, 1,4 on CPU)")
     ap.add_argument("--num-prompts", type=int, help="prompts per row (default: 32 on GPU, 6 on CPU)")
     ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 128 on GPU, 32 on CPU)")
@@ -272,11 +277,12 @@ def main(argv=None) -> dict:
             base, base_tokens = run_minispec(args, target, draft, prompts, "none", 0, params, bs, device)
             base.speedup = 1.0
             rows.append(base)
-            for drafter, k in [("draft", k) for k in ks] + [("ngram", 4)]:
+            adaptive = [("adaptive", args.adaptive_k)] if args.adaptive_k else []
+            for drafter, k in [("draft", k) for k in ks] + adaptive + [("ngram", 4)]:
                 log(f"--- {mode}, batch {bs}: {drafter} k={k}")
                 row, toks = run_minispec(args, target, draft, prompts, drafter, k, params, bs, device)
                 row.speedup = row.tok_s / base.tok_s if base.tok_s else 0.0
-                if drafter == "draft" and row.request_steps and base.tok_s:
+                if drafter == "draft" and row.request_steps and base.tok_s:  # (fixed k only: the formula's assumption)
                     # c = time of one batched draft forward / time of one batched baseline target forward:
                     # draft_s * bs / (request_steps * k)  over  bs / base_tok_s
                     cost_ratio = row.draft_s * base.tok_s / (row.request_steps * k)

@@ -2,7 +2,10 @@
 
 ModelDrafter: a small model of the same class as the target (its own weights, config and paged
 KV cache), sampling each draft token from its warped distribution q with the request's own
-generator. NgramDrafter: no model; it looks up the latest earlier occurrence of the sequence's
+generator. With a confidence threshold it drafts adaptively: a sequence stops drafting after a
+token the draft itself gave probability < threshold (softmax at temperature 1), so k is only an
+upper bound (the dynamic draft length of HF's assisted generation). Exactness is unaffected: the
+decision to stop depends only on what was already drafted. NgramDrafter: no model; it looks up the latest earlier occurrence of the sequence's
 last n tokens (prompt lookup decoding, Saxena 2023) and proposes what followed; its q is one-hot.
 
 Both implement `propose(seqs, num_draft) -> (draft_lists, draft_probs)` and `rollback(seqs)`.
@@ -18,8 +21,11 @@ from .sequence import Sequence
 
 
 class ModelDrafter:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, confidence_threshold: float | None = None):
+        if confidence_threshold is not None and not 0 < confidence_threshold < 1:
+            raise ValueError(f"draft confidence_threshold must be in (0, 1), got {confidence_threshold}")
         self.runner = runner
+        self.confidence_threshold = confidence_threshold
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> tuple[list[list[int]], torch.Tensor]:
         """Run num_draft[b] autoregressive draft steps for each sequence b.
@@ -27,6 +33,7 @@ class ModelDrafter:
         Returns draft token lists and draft_probs [B, K+1, V] (K = max(num_draft)), row b holding
         q_1..q_n at positions < num_draft[b] and zeros after. The first step also catches up on
         tokens the draft has not cached yet (the whole prompt at first, then 1 or 2 tokens).
+        With a confidence threshold, row b stops early after a token x with softmax(logits)[x] < it.
         """
         B, K = len(seqs), max(num_draft)
         V = self.runner.model.cfg.vocab_size
@@ -37,12 +44,19 @@ class ModelDrafter:
         for i in range(K):
             logits = self.runner.forward([Feed(seqs[b].draft, feeds[b]) for b in active])  # [len(active), V]
             q = warp_probs(logits, [seqs[b].params for b in active])  # [len(active), V]
-            tokens = sample(q, [seqs[b].generator for b in active]).tolist()
-            for row, (b, t) in enumerate(zip(active, tokens)):
+            sampled = sample(q, [seqs[b].generator for b in active])  # [len(active)]
+            if self.confidence_threshold is None:
+                confident = [True] * len(active)
+            else:
+                own = logits.float().softmax(-1).gather(-1, sampled[:, None]).squeeze(-1)  # [len(active)]
+                confident = (own >= self.confidence_threshold).tolist()
+            for row, (b, t) in enumerate(zip(active, sampled.tolist())):
                 draft_lists[b].append(t)
                 draft_probs[b, i] = q[row]
                 feeds[b] = [t]
-            active = [b for b in active if num_draft[b] > i + 1]
+            active = [b for b, c in zip(active, confident) if c and num_draft[b] > i + 1]
+            if not active:
+                break
         return draft_lists, draft_probs
 
     def rollback(self, seqs: list[Sequence]) -> None:

@@ -66,14 +66,19 @@ class LLM:
         max_model_len: int | None = None,
         ngram_max: int = 3,
         ngram_min: int = 1,
+        draft_confidence_threshold: float | None = None,
         verbose: bool = False,
     ):
         """model / draft_model: an HF checkpoint dir, a .gguf file, or an already built
         (Transformer, Tokenizer) pair; draft_model="ngram" selects prompt-lookup drafting.
         kv_cache_gib: KV budget for both pools together (default: gpu_memory_utilization of the
-        free GPU memory on CUDA, 1 GiB on CPU), split in proportion to per-token KV size."""
+        free GPU memory on CUDA, 1 GiB on CPU), split in proportion to per-token KV size.
+        draft_confidence_threshold: adaptive draft length for a draft model; each step drafts up
+        to num_speculative_tokens, stopping after a token the draft gave probability < threshold."""
         if draft_model is not None and not (isinstance(num_speculative_tokens, int) and 1 <= num_speculative_tokens <= 32):
             raise ValueError(f"num_speculative_tokens must be an int in [1, 32], got {num_speculative_tokens!r}")
+        if draft_confidence_threshold is not None and (draft_model is None or draft_model == "ngram"):
+            raise ValueError("draft_confidence_threshold needs a draft model (the n-gram drafter has no probabilities)")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         backend = AttentionBackend(backend)
@@ -100,7 +105,7 @@ class LLM:
         for r in runners:
             r.max_positions = min(r.max_positions, max_len)
         if draft is not None:
-            drafter = ModelDrafter(runners[1])
+            drafter = ModelDrafter(runners[1], draft_confidence_threshold)
         elif draft_model == "ngram":
             drafter = NgramDrafter(ngram_max, ngram_min)
         else:

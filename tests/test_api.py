@@ -147,6 +147,18 @@ def test_num_speculative_tokens_out_of_range(tiny_llama, k):
         LLM(model=tiny_llama, draft_model="ngram", num_speculative_tokens=k, kv_cache_gib=0.01)
 
 
+@pytest.mark.parametrize("draft,threshold,message", [
+    ("ngram", 0.5, "needs a draft model"),
+    (None, 0.5, "needs a draft model"),
+    ("model", 0.0, r"in \(0, 1\)"),
+    ("model", 1.0, r"in \(0, 1\)"),
+])
+def test_draft_confidence_threshold_is_checked(tiny_llama, tiny_llama_draft, draft, threshold, message):
+    draft = tiny_llama_draft if draft == "model" else draft
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_llama, draft_model=draft, draft_confidence_threshold=threshold, kv_cache_gib=0.01)
+
+
 # --- outputs ------------------------------------------------------------------------------------
 
 

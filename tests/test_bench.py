@@ -34,6 +34,7 @@ def check_result(result: dict, modes: set[str], batches: set[int]) -> None:
         for bs in batches:
             names = [r["name"] for r in ours if r["mode"] == mode and r["batch"] == bs]
             assert names[0] == "autoregressive" and "ngram k=4" in names and any(n.startswith("draft k=") for n in names)
+            assert any(n.startswith("draft k<=8 conf") for n in names)  # the adaptive-k row
     for r in ours:
         assert r["tokens"] > 0 and r["tok_s"] > 0 and r["speedup"] > 0
         if r["name"] != "autoregressive":

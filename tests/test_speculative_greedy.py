@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP
 
 FIXED = settings(derandomize=True, deadline=None, max_examples=25, suppress_health_check=list(HealthCheck))
 GREEDY = SamplingParams(temperature=0)
-DRAFTERS = ["model", "self", "ngram"]
+DRAFTERS = ["model", "self", "ngram", "adaptive"]
+ADAPTIVE_THRESHOLD = 0.005  # tiny_llama_draft's confidences straddle it: draft lengths vary from 1 to k
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,10 @@ def llms(pair):
             if eos is not None:  # same weights, another EOS id (a copy: the shared target is untouched)
                 model = (copy.copy(target[0]), target[1])
                 model[0].cfg = dataclasses.replace(target[0].cfg, eos_token_ids=[eos])
-            draft_model = {"none": None, "model": draft, "self": target, "ngram": "ngram"}[drafter]
+            draft_model = {"none": None, "model": draft, "self": target, "ngram": "ngram", "adaptive": draft}[drafter]
+            threshold = ADAPTIVE_THRESHOLD if drafter == "adaptive" else None
             built[key] = LLM(model=model, draft_model=draft_model, num_speculative_tokens=k,
-                             kv_cache_gib=0.01, page_size=8, max_num_seqs=16)
+                             kv_cache_gib=0.01, page_size=8, max_num_seqs=16, draft_confidence_threshold=threshold)
         return built[key]
 
     return get
@@ -88,7 +90,7 @@ def check_metrics(out, k: int) -> None:
     max_tokens=st.integers(1, 20),
 )
 def test_greedy_speculative_equals_plain_greedy(llms, batch, k, drafter, max_tokens):
-    """Any prompts, k in 1..6, model / self / n-gram drafter: the same tokens, texts and finish
+    """Any prompts, k in 1..6, model / self / n-gram / adaptive-length drafter: the same tokens, texts and finish
     reasons as plain greedy decoding (max_tokens reached mid-run included)."""
     params = dataclasses.replace(GREEDY, max_tokens=max_tokens)
     plain = llms("none").generate(batch, params)
@@ -199,7 +201,7 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=T
     others=st.lists(prompts, min_size=1, max_size=3),
     position=st.integers(0, 3),
     seed=st.integers(0, 2**31),
-    drafter=st.sampled_from(["none", "model", "ngram"]),
+    drafter=st.sampled_from(["none", "model", "ngram", "adaptive"]),
     k=st.integers(1, 4),
 )
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch(llms, mine, others, position, seed, drafter, k):

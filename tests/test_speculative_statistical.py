@@ -206,11 +206,13 @@ def exact_distribution(model: Transformer, params: SamplingParams, m: int, promp
     return (prefix[:, None] * probs[:, m - 1]).flatten()  # [V^m]
 
 
-def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n: int = N):
-    """Generate n requests of m tokens (seeds 0..n-1) in one batch; counts [V^m] and metrics."""
+def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n: int = N, threshold: float | None = None):
+    """Generate n requests of m tokens (seeds 0..n-1) in one batch; counts [V^m] and metrics.
+    threshold: the draft's confidence threshold (adaptive draft length), None for fixed k."""
     llm = LLM(
         model=(target, tok), draft_model=draft, num_speculative_tokens=k, max_num_seqs=n,
         max_num_batched_tokens=n * (len(PROMPT) + m + k), kv_cache_gib=0.02, page_size=8,
+        draft_confidence_threshold=threshold,
     )
     requests = [dataclasses.replace(params, max_tokens=m, seed=i, ignore_eos=True) for i in range(n)]
     outs = llm.generate([PROMPT] * n, requests)
@@ -219,11 +221,11 @@ def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n:
     return torch.bincount(index, minlength=V**m), llm.last_metrics
 
 
-def p_value(models, drafter: str, k: int, params: SamplingParams, m: int) -> tuple[float, object]:
+def p_value(models, drafter: str, k: int, params: SamplingParams, m: int, threshold: float | None = None) -> tuple[float, object]:
     draft = {"none": None, "ngram": "ngram"}[drafter] if drafter in ("none", "ngram") else (models[drafter], models["tok"])
-    counts, metrics = sample_counts(models["target"], draft, k, params, m, models["tok"])
+    counts, metrics = sample_counts(models["target"], draft, k, params, m, models["tok"], threshold=threshold)
     pval, stat, df = pooled_chi_square(counts, exact_distribution(models["target"], params, m))
-    print(f"\n{drafter} k={k} m={m} {params}: chi2={stat:.1f} df={df} p={pval:.3g} "
+    print(f"\n{drafter} k={k} m={m} threshold={threshold} {params}: chi2={stat:.1f} df={df} p={pval:.3g} "
           f"acceptance={metrics.acceptance_rate:.3f} per_position={[round(x, 2) for x in metrics.per_position_acceptance]}")
     return pval, metrics
 
@@ -256,6 +258,24 @@ def test_generated_sequences_follow_the_target_distribution(models, drafter, k, 
     assert pval > ALPHA
     if drafter != "none":
         assert 0 < metrics.acceptance_rate < 1  # both the accept and the reject paths were taken
+
+
+ADAPTIVE = [  # (drafter, k, params, m, confidence threshold): draft lengths vary step by step
+    ("near", 4, SP(temperature=1.0), 5, 0.6),
+    ("far", 3, SP(temperature=0.8, top_k=4), 4, 0.5),
+]
+
+
+@pytest.mark.parametrize("drafter,k,params,m,threshold", ADAPTIVE, ids=[f"{d}-k{k}-m{m}-conf{t}" for d, k, _, m, t in ADAPTIVE])
+def test_adaptive_draft_length_keeps_the_target_distribution(models, drafter, k, params, m, threshold):
+    """A draft that stops early after a low-confidence token (a stopping rule that looks only at
+    what was already drafted) leaves the joint law of the m tokens the target's (p > ALPHA)."""
+    pval, metrics = p_value(models, drafter, k, params, m, threshold)
+    assert pval > ALPHA
+    drafted = metrics.drafted_per_position
+    # The rule really varied the length: some steps stopped at position 1, some went further.
+    assert len(drafted) >= 2 and drafted[0] > drafted[1] > 0
+    assert 0 < metrics.acceptance_rate < 1
 
 
 # --- ... and each planted bug is rejected by the same statistic ---------------------------------
