@@ -91,12 +91,14 @@ def write_kv_ref(
 ) -> None:
     """Plain-torch twin of `write_kv`: one advanced-indexing assignment per cache."""
     _check_write_args(k, v, k_cache, v_cache, slot_mapping, validate)
-    page_size = k_cache.shape[1]
     keep = slot_mapping >= 0  # [T]
-    slots = slot_mapping[keep]  # [T_kept]
-    pages, offsets = slots // page_size, slots % page_size  # [T_kept]
-    k_cache[pages, offsets] = k[keep]
-    v_cache[pages, offsets] = v[keep]
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]  # [T_kept, ...]
+    num_kv_heads, head_dim = k.shape[1:]
+    # Slot s is row s of the pool seen as [num_pages * page_size, Hkv, D] (a view: view() refuses
+    # a pool it cannot reinterpret in place, so a write can never land in a copy).
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def _check_write_args(k, v, k_cache, v_cache, slot_mapping, validate) -> None:

@@ -337,13 +337,13 @@ def paged_attention_ref(
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)  # [T, Hq, D]
-    starts = query_start_loc.tolist()
+    starts, seq_lens_host = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     short = [seq for seq, n in enumerate(q_lens) if 0 < n <= BATCHED_REF_MAX_QUERY_LEN]
     if short:
-        _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, short,
+        _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens_host, starts, short,
                             sm_scale, sliding_window, out)
-    for seq, seq_len in enumerate(seq_lens.tolist()):
+    for seq, seq_len in enumerate(seq_lens_host):
         q_start, q_end = starts[seq], starts[seq + 1]
         if q_lens[seq] <= BATCHED_REF_MAX_QUERY_LEN:  # empty, or done above
             continue
@@ -359,49 +359,54 @@ def paged_attention_ref(
 BATCHED_REF_MAX_QUERY_LEN = 16  # sequences with at most this many new tokens share one padded softmax
 
 
-def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs: list[int],
-                        sm_scale, sliding_window, out) -> None:
+def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens: list[int], starts: list[int],
+                        seqs: list[int], sm_scale, sliding_window, out) -> None:
     """`paged_attention_ref` for the sequences `seqs` (few new tokens each) with no Python loop
     over them, written into out [T, Hq, D]: queries padded to [B, Qm] (B = len(seqs), Qm their
-    largest q_len), keys gathered straight into [B, Hkv, L, D] (L their largest seq_len). Same
-    math as `masked_attention` (fp32; query i of sequence b sits at seq_len_b - q_len_b + i and
-    sees keys j <= it within the window). Padded key slots read the sequence's first key instead
-    (unused slots may hold anything, even NaN) and are masked; padded queries are dropped."""
-    num_tokens, num_q_heads, head_dim = q.shape
+    largest q_len), keys gathered by pool slot into [B, L, Hkv, D] (L their largest seq_len).
+    Same math as `masked_attention` (fp32; query i of sequence b sits at seq_len_b - q_len_b + i
+    and sees keys j <= it within the window). Padded key slots read the sequence's first key
+    (unused slots may hold anything, even NaN) and are masked; padded queries repeat the
+    sequence's last query and are dropped. seq_lens / starts are host copies of the metadata,
+    so the per-token index lists are built in Python (a few ops per layer, not dozens)."""
+    num_q_heads, head_dim = q.shape[1:]
     _, page_size, num_kv_heads, _ = k_cache.shape
     device = q.device
-    sel = torch.tensor(seqs, device=device)
-    block_tables, seq_lens, starts = block_tables[sel].long(), seq_lens[sel].long(), query_start_loc.long()
-    q_lens = starts[sel + 1] - starts[sel]  # [B]
-    starts = starts[sel]  # [B]
     B, group = len(seqs), num_q_heads // num_kv_heads
-    Qm, L = int(q_lens.max()), int(seq_lens.max())
+    q_lens = [starts[s + 1] - starts[s] for s in seqs]  # [B]
+    lens = [seq_lens[s] for s in seqs]  # [B]
+    Qm, L = max(q_lens), max(lens)
 
+    # Keys: pool slot of key j of sequence b (page from the block table), first key where j >= len_b.
     key_pos = torch.arange(L, device=device)  # [L]
-    key_valid = key_pos[None, :] < seq_lens[:, None]  # [B, L]
-    page_col = (key_pos // page_size).clamp(max=block_tables.shape[1] - 1)[None, :].expand(B, L)
-    pages = block_tables.gather(1, page_col)  # [B, L] page of each key slot
-    pages = torch.where(key_valid, pages, pages[:, :1])[:, None, :]  # [B, 1, L]
-    offsets = torch.where(key_valid, key_pos % page_size, 0)[:, None, :]  # [B, 1, L]
-    heads = torch.arange(num_kv_heads, device=device)[None, :, None]  # [1, Hkv, 1]
-    keys = k_cache[pages, offsets, heads].float()  # [B, Hkv, L, D]
-    values = v_cache[pages, offsets, heads].float()  # [B, Hkv, L, D]
+    tables = block_tables[torch.tensor(seqs, device=device)]  # [B, max_pages]
+    slots = tables[:, key_pos // page_size].long() * page_size + key_pos % page_size  # [B, L]
+    slots = torch.where(key_pos < torch.tensor(lens, device=device)[:, None], slots, slots[:, :1])
+    keys = k_cache.flatten(0, 1)[slots].float()  # [B, L, Hkv, D]
+    values = v_cache.flatten(0, 1)[slots].float()  # [B, L, Hkv, D]
 
-    q_idx = torch.arange(Qm, device=device)  # [Qm]
-    q_valid = q_idx[None, :] < q_lens[:, None]  # [B, Qm]
-    token = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)  # [B, Qm] row of q
-    distance = (seq_lens[:, None] - q_lens[:, None] + q_idx[None, :])[:, :, None] - key_pos  # [B, Qm, L]
-    visible = (distance >= 0) & key_valid[:, None, :]
+    # Queries: row of q for (b, i), i < Qm; the key position each one sits at.
+    rows = [starts[s] + min(i, n - 1) for s, n in zip(seqs, q_lens) for i in range(Qm)]  # [B * Qm]
+    query_pos = [ln - n + min(i, n - 1) for ln, n in zip(lens, q_lens) for i in range(Qm)]  # [B * Qm]
+    query_pos = torch.tensor(query_pos, device=device).view(B, Qm, 1)  # [B, Qm, 1]
+    visible = key_pos <= query_pos  # [B, Qm, L] (keys past len_b lie past every query of b)
     if sliding_window is not None:
-        visible &= distance < sliding_window
+        visible &= key_pos > query_pos - sliding_window
 
-    q_f = q[token].float().view(B, Qm, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qm, D]
+    q_f = q[torch.tensor(rows, device=device)].float()  # [B * Qm, Hq, D]
+    q_f = q_f.view(B, Qm, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qm, D]
     q_f = q_f.reshape(B, num_kv_heads, group * Qm, head_dim)
-    scores = (q_f @ keys.transpose(-1, -2) * sm_scale).view(B, num_kv_heads, group, Qm, L)
+    scores = (q_f @ keys.permute(0, 2, 3, 1) * sm_scale).view(B, num_kv_heads, group, Qm, L)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(B, num_kv_heads, group * Qm, L)
-    out_b = (probs @ values).view(B, num_kv_heads, group, Qm, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qm, Hkv, g, D]
-    out[token[q_valid]] = out_b.reshape(B, Qm, num_q_heads, head_dim)[q_valid].to(q.dtype)
+    out_b = probs @ values.transpose(1, 2)  # [B, Hkv, g * Qm, D]
+    out_b = out_b.view(B, num_kv_heads, group, Qm, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qm, Hkv, g, D]
+    out_b = out_b.reshape(B * Qm, num_q_heads, head_dim)
+    if sum(q_lens) == B * Qm:  # no padded queries (every decode batch)
+        out[torch.tensor(rows, device=device)] = out_b.to(q.dtype)
+    else:
+        keep = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]
+        out[torch.tensor([rows[j] for j in keep], device=device)] = out_b[torch.tensor(keep, device=device)].to(q.dtype)
 
 
 def _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
