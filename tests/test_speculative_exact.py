@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from minispec import sampling
 from minispec.sampling import SamplingParams, sample, warp_probs
 from minispec.speculative import accept_probability, rejection_sample, residual_distribution
 from test_speculative_statistical import ALPHA, pooled_chi_square
@@ -368,6 +370,22 @@ def test_warp_probs_matches_the_reference_row_by_row_in_mixed_batches(data):
     torch.testing.assert_close(probs, expected, rtol=0, atol=1e-12)
     for i in range(rows):
         assert torch.equal(warp_probs(logits[i : i + 1], params[i : i + 1])[0], probs[i])
+
+
+@FIXED
+@given(st.data())
+def test_top_candidates_shortcut_gives_the_full_sort_result(data):
+    """warp_probs looks for the top-k / top-p cut-off among the TOP_CANDIDATES most likely tokens
+    and redoes, over the whole vocabulary, the rows whose cut-off may lie beyond them: every
+    candidate count gives the full-sort result bit for bit (ties across the boundary included)."""
+    vocab, rows = data.draw(st.integers(2, 12)), data.draw(st.integers(1, 6))
+    values = st.integers(-3, 3).map(lambda x: x / 2) if data.draw(st.booleans()) else st.floats(-8, 8)
+    logits = torch.tensor(data.draw(st.lists(st.lists(values, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)))
+    params = [data.draw(sampling_params(vocab)) for _ in range(rows)]
+    full = warp_probs(logits, params)  # vocab < TOP_CANDIDATES: one full sort
+    for candidates in range(1, vocab):
+        with mock.patch.object(sampling, "TOP_CANDIDATES", candidates):
+            assert torch.equal(warp_probs(logits, params), full), candidates
 
 
 def test_top_k_keeps_ties_together_and_top_p_keeps_the_crossing_token():
