@@ -279,7 +279,7 @@ def parse_args(argv=None):
     ap.add_argument("--json", type=Path, help="also write all rows and the correctness line here")
     ap.add_argument("--quick", action="store_true", help="small sweep, well under a minute on CPU")
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
-    ap.add_argument("--ks", help="comma-separated draft lengths (default: 1,2,4,6,8 on GPU, 2,4 on CPU)")
+    ap.add_argument("--ks", help="comma-separated draft lengths (default: 1,2,4,6,8 on GPU, 1,2,4 on CPU)")
     ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive row: most tokens drafted per step (0: no adaptive row)")
     ap.add_argument("--confidence", type=float, default=0.4, help="adaptive row: stop drafting after a token the draft gave p < this")
     ap.add_argument("--batch-sizes", help="comma-separated (default: 1,16 on GPU, 1,4 on CPU)")
@@ -305,7 +305,7 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     quick = args.quick
-    ks = [int(x) for x in (args.ks or ("4" if quick else "1,2,4,6,8" if gpu else "2,4")).split(",")]
+    ks = [int(x) for x in (args.ks or ("4" if quick else "1,2,4,6,8" if gpu else "1,2,4")).split(",")]
     batches = [int(x) for x in (args.batch_sizes or ("1,2" if quick else "1,16" if gpu else "1,4")).split(",")]
     num_prompts = args.num_prompts or (2 if quick else 32 if gpu else 6)
     max_tokens = args.max_tokens or (16 if quick else 128 if gpu else 32)

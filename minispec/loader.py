@@ -22,7 +22,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints save
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """'auto'/None: the checkpoint's dtype on CUDA, fp32 on CPU (CPU bf16 matmuls are slow)."""
+    """'auto'/None: the checkpoint's dtype on CUDA, fp32 on CPU (emulated bf16 is slow on most
+    CPUs; where the CPU has native bf16 matmuls, pass dtype="bfloat16", as bench.py does)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
