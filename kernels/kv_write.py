@@ -89,7 +89,7 @@ def write_kv_ref(
     *,
     validate: bool | None = None,
 ) -> None:
-    """Plain-torch twin of `write_kv`: one advanced-indexing assignment per cache."""
+    """Plain-torch twin of `write_kv`: one index_copy_ per cache (slots < 0 are skipped)."""
     _check_write_args(k, v, k_cache, v_cache, slot_mapping, validate)
     keep = slot_mapping >= 0  # [T]
     if not bool(keep.all()):

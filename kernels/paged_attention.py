@@ -393,7 +393,8 @@ def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens: list[int], 
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
 
-    q_f = q[torch.tensor(rows, device=device)].float()  # [B * Qm, Hq, D]
+    row_ids = torch.tensor(rows, device=device)  # [B * Qm]
+    q_f = q[row_ids].float()  # [B * Qm, Hq, D]
     q_f = q_f.view(B, Qm, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qm, D]
     q_f = q_f.reshape(B, num_kv_heads, group * Qm, head_dim)
     scores = (q_f @ keys.permute(0, 2, 3, 1) * sm_scale).view(B, num_kv_heads, group, Qm, L)
@@ -403,7 +404,7 @@ def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens: list[int], 
     out_b = out_b.view(B, num_kv_heads, group, Qm, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qm, Hkv, g, D]
     out_b = out_b.reshape(B * Qm, num_q_heads, head_dim)
     if sum(q_lens) == B * Qm:  # no padded queries (every decode batch)
-        out[torch.tensor(rows, device=device)] = out_b.to(q.dtype)
+        out[row_ids] = out_b.to(q.dtype)
     else:
         keep = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]
         out[torch.tensor([rows[j] for j in keep], device=device)] = out_b[torch.tensor(keep, device=device)].to(q.dtype)
