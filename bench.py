@@ -89,6 +89,10 @@ def bench_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 # Greedy speculative and greedy autoregressive decoding compute the same logits in different
 # batch shapes (k+1 verified tokens vs one), which round differently. In fp32 the difference is
 # ~1e-5 and outputs are identical; in bf16 it reaches ~0.5 (decode vs verify logits of SmolLM2,
@@ -112,9 +116,9 @@ def logit_gap(model, prompt: list[int], generated: list[int], a: int, b: int) ->
 
 
 def check_divergences(model, prompts, divergences, tolerance: float) -> tuple[list, list]:
-    """Split greedy divergences {(prompt i, position j, autoregressive token a, speculative token b)}
-    into rounding ties (the target rates a and b within `tolerance`) and real mismatches.
-    Each entry comes back as (i, j, gap)."""
+    """Split greedy divergences {(prompt i, position j, autoregressive token a, speculative token b,
+    the tokens generated before j)} into rounding ties (the target rates a and b within
+    `tolerance`) and real mismatches. Each entry comes back as (i, j, gap)."""
     ties, mismatches = [], []
     for i, j, a, b, prefix in sorted(divergences):
         gap = logit_gap(model, prompts[i], list(prefix), a, b)
@@ -130,7 +134,7 @@ def correctness_line(ties: list, mismatches: list, dtype: torch.dtype) -> str:
         tol = TIE_TOLERANCE[dtype]
         return line + (
             f"identical up to rounding ties: {len(ties)} runs parted where the target's two tokens are within "
-            f"{tol:g} logits in {str(dtype).removeprefix('torch.')} (gaps {', '.join(f'{g:.3g}' for _, _, g in ties)})"
+            f"{tol:g} logits in {dtype_name(dtype)} (gaps {', '.join(f'{g:.3g}' for _, _, g in ties)})"
         )
     return line + "identical"
 
@@ -360,7 +364,7 @@ def main(argv=None) -> dict:
     peers = [] if args.no_peers else run_peers(args, target_path, draft_path, prompts[: 1 if quick else 4], modes["greedy"], dtype, device)
     rows += peers
     print()
-    print(f"minispec bench: device={device}, dtype={str(dtype).removeprefix('torch.')}, target={target_path.name}, draft={draft_path.name}, "
+    print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}, target={target_path.name}, draft={draft_path.name}, "
           f"{len(prompts)} prompts x {max_tokens} tokens")
     print_table(rows)
     if "greedy" in args.modes:
@@ -374,7 +378,7 @@ def main(argv=None) -> dict:
         "draft": str(draft_path),
         "rows": [{k: v for k, v in asdict(r).items()} for r in rows],
         "correctness": correctness,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "greedy_mismatches": mismatches,  # (prompt, position, logit gap) beyond the rounding tolerance
         "greedy_rounding_ties": ties,
     }

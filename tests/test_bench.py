@@ -78,13 +78,11 @@ def test_divergence_check_tells_rounding_ties_from_mismatches(tiny_llama):
     """check_divergences excuses a divergence only where the target rates both tokens within the
     tolerance: the runner-up at a tolerance just above its gap is a tie; the least likely token,
     or the runner-up at a tolerance just below its gap, is a mismatch."""
-    from minispec import load_checkpoint
+    from minispec import BatchMetadata, load_checkpoint
 
     model, tokenizer = load_checkpoint(tiny_llama, dtype=torch.float32)
     prompt, prefix = tokenizer.encode("the quick brown fox"), tokenizer.encode(" jumps")
     ids = torch.tensor(prompt + prefix)
-    from minispec import BatchMetadata
-
     logits = model(ids, BatchMetadata.for_prompts([len(ids)]))[-1]  # [V]
     order = logits.argsort(descending=True).tolist()
     best, second, worst = order[0], order[1], order[-1]
