@@ -103,7 +103,7 @@ def self_prompts(target, bench: list[dict], args) -> tuple[list[dict], dict]:
     user turn's header, an instruction-tuned model writes a user's message; sampled at
     temperature --self-prompt-temperature these are far more varied than templated prompts.
     Filtered by `keep_self_prompts`. Returns (rows {id, category: "self", prompt}, counts)."""
-    model, tokenizer = target
+    _, tokenizer = target
     if not tokenizer.chat_template:
         log("self-prompts: the target has no chat template, none written")
         return [], {"asked": 0, "kept": 0, "seconds": 0.0}
@@ -791,19 +791,19 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"prompts: read {len(train_prompts)} train, {len(bench)} bench from {args.prompts_dir}")
     prompts = train_prompts[: args.num_generate] if args.num_generate else train_prompts
     target = load_checkpoint(args.target, dtype=getattr(torch, args.target_dtype), device="cpu", backend="torch")
-    self_path = args.prompts_dir / "self.jsonl"
-    self_info = {"asked": 0, "kept": 0, "seconds": 0.0}
+    self_path, self_meta = args.prompts_dir / "self.jsonl", args.prompts_dir / "self.json"
+    own, self_info = [], {"asked": 0, "kept": 0, "seconds": 0.0}
     if args.num_self_prompts and (args.rebuild_prompts or not self_path.exists()):
         own, self_info = self_prompts(target, bench, args)
         make_prompts.write_jsonl(self_path, own)
-        (args.prompts_dir / "self.json").write_text(json.dumps(self_info) + "\n")
+        self_meta.write_text(json.dumps(self_info) + "\n")
     elif args.num_self_prompts:
         own = make_prompts.read_jsonl(self_path)
-        if (args.prompts_dir / "self.json").exists():
-            self_info = json.loads((args.prompts_dir / "self.json").read_text())
+        if self_meta.exists():
+            self_info = json.loads(self_meta.read_text())
+        else:  # a hand-made file: how many were asked for and how long it took are unknown
+            self_info = {"asked": len(own), "kept": len(own), "seconds": 0.0}
         log(f"self-prompts: read {len(own)} from {self_path}")
-    else:
-        own = []
     prompts = prompts + own
 
     # 2. corpus

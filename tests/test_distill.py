@@ -209,6 +209,7 @@ def test_pipeline_end_to_end_writes_a_draft_minispec_loads(tiny_llama, tmp_path)
         assert 0.0 <= metrics["acceptance_rate"] <= 1.0 and metrics["generated_tokens"] > 0
     card = (out / "README.md").read_text()
     assert f"{info['eval']['distilled']['acceptance_rate']:.3f}" in card and "Apache-2.0" in card
+    assert "- 1 from `weights/prompts/self.jsonl`" in card and "of which 1 were kept" in card
     # The corpus is cached row by row (a rerun or a longer run reuses it).
     rows = [json.loads(line) for line in (tmp_path / "cache" / "corpus.jsonl").read_text().splitlines()]
     assert len(rows) == info["num_prompts"]
