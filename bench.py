@@ -43,7 +43,8 @@ class Row:
     batch: int
     k: int
     tokens: int = 0
-    tok_s: float = 0.0
+    tok_s: float = 0.0  # median over the timed runs (--repeats)
+    tok_s_runs: list[float] = field(default_factory=list)  # every timed run, in order
     speedup: float | None = None  # vs minispec's autoregressive row of the same mode and batch
     acceptance: float | None = None
     accepted_per_step: float | None = None
@@ -175,12 +176,16 @@ def run_minispec(args, target, draft, prompts, drafter, k, params, batch, device
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    m = llm.last_metrics
+    runs = []  # (metrics, outputs) of each timed run
+    for _ in range(args.repeats):
+        outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+        runs.append((llm.last_metrics, outs))
+    m, outs = sorted(runs, key=lambda r: r[0].tokens_per_s)[(len(runs) - 1) // 2]  # the median run
     name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}",
             "adaptive": f"draft k<={k} conf{args.confidence:g}"}[drafter]
     row = Row(name, "greedy" if params.greedy else "sampled", batch, k if drafter != "none" else 0)
     row.tokens, row.tok_s = m.num_generated, m.tokens_per_s
+    row.tok_s_runs = [round(r[0].tokens_per_s, 2) for r in runs]
     row.target_fwd_per_token = m.num_steps / max(m.num_generated, 1)
     row.peak_mem_mib = peak_memory_mib(device)
     if drafter != "none":
@@ -261,14 +266,20 @@ def run_vllm(args, target_dir, draft_dir, prompts, params, device) -> list[Row]:
     return rows
 
 
+def spread(row: Row) -> float | None:
+    """(max - min) / median of the row's timed runs; None for a single run."""
+    runs = row.tok_s_runs
+    return (max(runs) - min(runs)) / row.tok_s if len(runs) > 1 and row.tok_s else None
+
+
 def print_table(rows: list[Row]) -> None:
-    head = f"{'row':<20} {'mode':<7} {'bs':>3} {'tok/s':>8} {'speedup':>7} {'accept':>6} {'tok/step':>8} {'fwd/tok':>7} {'draft%':>6} {'pred':>5} {'peakMiB':>8}  note"
+    head = f"{'row':<20} {'mode':<7} {'bs':>3} {'tok/s':>8} {'spread':>6} {'speedup':>7} {'accept':>6} {'tok/step':>8} {'fwd/tok':>7} {'draft%':>6} {'pred':>5} {'peakMiB':>8}  note"
     print(head)
     print("-" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         print(
-            f"{r.name:<20} {r.mode:<7} {r.batch:>3} {r.tok_s:>8.1f} {fmt(r.speedup, '.2f') + ('x' if r.speedup is not None else ''):>7} {fmt(r.acceptance, '.2f'):>6} "
+            f"{r.name:<20} {r.mode:<7} {r.batch:>3} {r.tok_s:>8.1f} {fmt(spread(r), '.0%'):>6} {fmt(r.speedup, '.2f') + ('x' if r.speedup is not None else ''):>7} {fmt(r.acceptance, '.2f'):>6} "
             f"{fmt(r.accepted_per_step, '.2f'):>8} {fmt(r.target_fwd_per_token, '.2f'):>7} "
             f"{fmt(None if r.draft_frac is None else 100 * r.draft_frac, '.0f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
             f"{r.peak_mem_mib:>8.0f}  {r.note}"
@@ -289,6 +300,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch-sizes", help="comma-separated (default: 1,16 on GPU, 1,4 on CPU)")
     ap.add_argument("--num-prompts", type=int, help="prompts per row (default: 32 on GPU, 6 on CPU)")
     ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 128 on GPU, 32 on CPU)")
+    ap.add_argument("--repeats", type=int, help="timed runs per row, tok/s is their median (default: 3 on GPU, 1 on CPU and with --quick)")
     ap.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (temperature 0.7, top-p 0.95)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="weights and activations (auto: bfloat16 on GPU and on CPUs with native bf16 matmuls, else float32)")
@@ -313,6 +325,9 @@ def main(argv=None) -> dict:
     batches = [int(x) for x in (args.batch_sizes or ("1,2" if quick else "1,16" if gpu else "1,4")).split(",")]
     num_prompts = args.num_prompts or (2 if quick else 32 if gpu else 6)
     max_tokens = args.max_tokens or (16 if quick else 128 if gpu else 32)
+    args.repeats = (3 if gpu and not quick else 1) if args.repeats is None else args.repeats
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
 
     if args.target:
         target_path = Path(args.target)
@@ -365,7 +380,7 @@ def main(argv=None) -> dict:
     rows += peers
     print()
     print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}, target={target_path.name}, draft={draft_path.name}, "
-          f"{len(prompts)} prompts x {max_tokens} tokens")
+          f"{len(prompts)} prompts x {max_tokens} tokens, tok/s the median of {args.repeats} timed run(s)")
     print_table(rows)
     if "greedy" in args.modes:
         correctness = correctness_line(ties, mismatches, dtype)

@@ -52,13 +52,17 @@ def check_result(result: dict, modes: set[str], batches: set[int], exact: bool =
 
 
 def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tmp_path, capsys):
-    """--quick on a tiny target/draft pair: every row, the JSON file, the correctness line."""
+    """--quick on a tiny target/draft pair: every row, the JSON file, the correctness line; with
+    --repeats 2 each row keeps both timed runs and reports the slower (the lower median)."""
     out = tmp_path / "bench.json"
     result = bench.main(
         ["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
-         "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--json", str(out), "--dtype", "float32"]
+         "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--json", str(out), "--dtype", "float32",
+         "--repeats", "2"]
     )
     check_result(result, {"greedy", "sampled"}, {1, 2})
+    for r in result["rows"]:
+        assert len(r["tok_s_runs"]) == 2 and round(r["tok_s"], 2) == min(r["tok_s_runs"])
     assert result["dtype"] == "float32"
     assert json.loads(out.read_text())["rows"] == result["rows"]
     printed = capsys.readouterr().out
@@ -72,6 +76,11 @@ def test_quick_bench_on_default_pair(tmp_path):
     check_result(result, {"greedy"}, {1, 2}, exact=result["dtype"] == "float32")
     peers = {r["name"]: r for r in result["rows"] if r["note"] == "peer" or r["note"].startswith("skipped")}
     assert "hf generate" in peers and "vllm" in peers  # transformers ran; vLLM reported (skipped on CPU)
+
+
+def test_repeats_must_be_positive():
+    with pytest.raises(SystemExit, match="--repeats must be >= 1, got 0"):
+        bench.main(["--quick", "--repeats", "0"])
 
 
 def test_divergence_check_tells_rounding_ties_from_mismatches(tiny_llama):
