@@ -210,6 +210,8 @@ def test_pipeline_end_to_end_writes_a_draft_minispec_loads(tiny_llama, tmp_path)
     card = (out / "README.md").read_text()
     assert f"{info['eval']['distilled']['acceptance_rate']:.3f}" in card and "Apache-2.0" in card
     assert "- 1 from `weights/prompts/self.jsonl`" in card and "of which 1 were kept" in card
+    kls = [v["kl"] for v in info["train"]["val"]]  # the card's verdict follows the last two validation KLs
+    assert ("it is undertrained" in card) == (kls[-1] < kls[-2]) != ("more data, not more steps" in card)
     # The corpus is cached row by row (a rerun or a longer run reuses it).
     rows = [json.loads(line) for line in (tmp_path / "cache" / "corpus.jsonl").read_text().splitlines()]
     assert len(rows) == info["num_prompts"]
