@@ -50,7 +50,7 @@ class Row:
     accepted_per_step: float | None = None
     target_fwd_per_token: float | None = None
     draft_frac: float | None = None  # share of step time spent drafting
-    peak_mem_mib: float = 0.0
+    peak_mem_mib: float | None = None  # not measured for peers
     predicted_speedup: float | None = None
     per_position: list[float] = field(default_factory=list)
     draft_s: float = 0.0  # time spent drafting
@@ -282,7 +282,7 @@ def print_table(rows: list[Row]) -> None:
             f"{r.name:<20} {r.mode:<7} {r.batch:>3} {r.tok_s:>8.1f} {fmt(spread(r), '.0%'):>6} {fmt(r.speedup, '.2f') + ('x' if r.speedup is not None else ''):>7} {fmt(r.acceptance, '.2f'):>6} "
             f"{fmt(r.accepted_per_step, '.2f'):>8} {fmt(r.target_fwd_per_token, '.2f'):>7} "
             f"{fmt(None if r.draft_frac is None else 100 * r.draft_frac, '.0f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
-            f"{r.peak_mem_mib:>8.0f}  {r.note}"
+            f"{fmt(r.peak_mem_mib, '.0f'):>8}  {r.note}"
         )
 
 

@@ -39,7 +39,7 @@ def check_result(result: dict, modes: set[str], batches: set[int], exact: bool =
             assert names[0] == "autoregressive" and "ngram k=4" in names and any(n.startswith("draft k=") for n in names)
             assert any(n.startswith("draft k<=8 conf") for n in names)  # the adaptive-k row
     for r in ours:
-        assert r["tokens"] > 0 and r["tok_s"] > 0 and r["speedup"] > 0
+        assert r["tokens"] > 0 and r["tok_s"] > 0 and r["speedup"] > 0 and r["peak_mem_mib"] > 0
         if r["name"] != "autoregressive":
             assert 0 <= r["acceptance"] <= 1
             assert 1 <= r["accepted_per_step"] <= r["k"] + 1
@@ -76,6 +76,7 @@ def test_quick_bench_on_default_pair(tmp_path):
     check_result(result, {"greedy"}, {1, 2}, exact=result["dtype"] == "float32")
     peers = {r["name"]: r for r in result["rows"] if r["note"] == "peer" or r["note"].startswith("skipped")}
     assert "hf generate" in peers and "vllm" in peers  # transformers ran; vLLM reported (skipped on CPU)
+    assert all(p["peak_mem_mib"] is None for p in peers.values())  # not measured: shown as "-", not 0
 
 
 def test_repeats_must_be_positive():
