@@ -12,7 +12,10 @@ rate, mean accepted tokens per target step, target forwards per generated token,
 split, peak memory, and the speedup predicted from the measured acceptance rate a and the
 draft/target cost ratio c (Leviathan et al. 2023, eq. 1 and Thm 3.8):
     E[tokens per step] = (1 - a^(k+1)) / (1 - a),  predicted speedup = E / (k c + 1).
-(Leviathan's a is the per-token acceptance probability; we plug in the measured acceptance rate.)
+(Leviathan's a is the per-token acceptance probability; we plug in the measured acceptance rate.
+c is one drafted token's time over one baseline target step's, per request.) The formula takes a
+verification pass of k+1 tokens to cost one decode step; the `verify` column gives the measured
+ratio (a target step of the row over a baseline step): above 1, the measured speedup falls short.
 Peers run where installed, on the same weights: transformers generate (plain, assistant_model,
 prompt_lookup_num_tokens) and vLLM speculative decoding on GPU; a missing peer is reported as skipped.
 """
@@ -54,7 +57,9 @@ class Row:
     predicted_speedup: float | None = None
     per_position: list[float] = field(default_factory=list)
     draft_s: float = 0.0  # time spent drafting
+    target_s: float = 0.0  # time in target forwards and acceptance
     request_steps: int = 0  # target steps summed over requests
+    verify_cost: float | None = None  # a target step's time over the baseline's (Leviathan et al. take it as 1)
     note: str = ""
 
 
@@ -188,11 +193,11 @@ def run_minispec(args, target, draft, prompts, drafter, k, params, batch, device
     row.tok_s_runs = [round(r[0].tokens_per_s, 2) for r in runs]
     row.target_fwd_per_token = m.num_steps / max(m.num_generated, 1)
     row.peak_mem_mib = peak_memory_mib(device)
+    row.draft_s, row.target_s, row.request_steps = m.draft_s, m.target_s, m.num_steps
     if drafter != "none":
         row.acceptance, row.accepted_per_step = m.acceptance_rate, m.mean_accepted_per_step
         row.draft_frac = m.draft_s / max(m.draft_s + m.target_s, 1e-9)
         row.per_position = [round(x, 3) for x in m.per_position_acceptance]
-        row.draft_s, row.request_steps = m.draft_s, m.num_steps
     del llm
     return row, [o.token_ids for o in outs]
 
@@ -273,7 +278,7 @@ def spread(row: Row) -> float | None:
 
 
 def print_table(rows: list[Row]) -> None:
-    head = f"{'row':<20} {'mode':<7} {'bs':>3} {'tok/s':>8} {'spread':>6} {'speedup':>7} {'accept':>6} {'tok/step':>8} {'fwd/tok':>7} {'draft%':>6} {'pred':>5} {'peakMiB':>8}  note"
+    head = f"{'row':<20} {'mode':<7} {'bs':>3} {'tok/s':>8} {'spread':>6} {'speedup':>7} {'accept':>6} {'tok/step':>8} {'fwd/tok':>7} {'draft%':>6} {'pred':>5} {'verify':>6} {'peakMiB':>8}  note"
     print(head)
     print("-" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
@@ -282,7 +287,7 @@ def print_table(rows: list[Row]) -> None:
             f"{r.name:<20} {r.mode:<7} {r.batch:>3} {r.tok_s:>8.1f} {fmt(spread(r), '.0%'):>6} {fmt(r.speedup, '.2f') + ('x' if r.speedup is not None else ''):>7} {fmt(r.acceptance, '.2f'):>6} "
             f"{fmt(r.accepted_per_step, '.2f'):>8} {fmt(r.target_fwd_per_token, '.2f'):>7} "
             f"{fmt(None if r.draft_frac is None else 100 * r.draft_frac, '.0f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
-            f"{fmt(r.peak_mem_mib, '.0f'):>8}  {r.note}"
+            f"{fmt(r.verify_cost, '.2f'):>6} {fmt(r.peak_mem_mib, '.0f'):>8}  {r.note}"
         )
 
 
@@ -355,17 +360,18 @@ def main(argv=None) -> dict:
         for bs in batches:
             log(f"--- {mode}, batch {bs}: autoregressive")
             base, base_tokens = run_minispec(args, target, draft, prompts, "none", 0, params, bs, device)
-            base.speedup = 1.0
+            base.speedup, base.verify_cost = 1.0, 1.0
             rows.append(base)
             adaptive = [("adaptive", args.adaptive_k)] if args.adaptive_k else []
             for drafter, k in [("draft", k) for k in ks] + adaptive + [("ngram", 4)]:
                 log(f"--- {mode}, batch {bs}: {drafter} k={k}")
                 row, toks = run_minispec(args, target, draft, prompts, drafter, k, params, bs, device)
                 row.speedup = row.tok_s / base.tok_s if base.tok_s else 0.0
-                if drafter == "draft" and row.request_steps and base.tok_s:  # (fixed k only: the formula's assumption)
-                    # c = time of one batched draft forward / time of one batched baseline target forward:
-                    # draft_s * bs / (request_steps * k)  over  bs / base_tok_s
-                    cost_ratio = row.draft_s * base.tok_s / (row.request_steps * k)
+                # Per request, one target step of the baseline (a decode) takes base_step_s.
+                base_step_s = base.target_s / max(base.request_steps, 1)
+                row.verify_cost = row.target_s / max(row.request_steps, 1) / base_step_s if base_step_s else None
+                if drafter == "draft" and row.request_steps and base_step_s:  # (fixed k only: the formula's assumption)
+                    cost_ratio = row.draft_s / (row.request_steps * k) / base_step_s  # c: one draft token / one decode
                     row.predicted_speedup = predicted_speedup(row.acceptance, k, cost_ratio)
                 elif drafter == "ngram":
                     row.predicted_speedup = predicted_speedup(row.acceptance, k, 0.0)

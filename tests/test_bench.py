@@ -40,6 +40,7 @@ def check_result(result: dict, modes: set[str], batches: set[int], exact: bool =
             assert any(n.startswith("draft k<=8 conf") for n in names)  # the adaptive-k row
     for r in ours:
         assert r["tokens"] > 0 and r["tok_s"] > 0 and r["speedup"] > 0 and r["peak_mem_mib"] > 0
+        assert r["verify_cost"] > 0 and (r["verify_cost"] == 1.0) == (r["name"] == "autoregressive")
         if r["name"] != "autoregressive":
             assert 0 <= r["acceptance"] <= 1
             assert 1 <= r["accepted_per_step"] <= r["k"] + 1
