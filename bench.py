@@ -362,13 +362,12 @@ def main(argv=None) -> dict:
             base, base_tokens = run_minispec(args, target, draft, prompts, "none", 0, params, bs, device)
             base.speedup, base.verify_cost = 1.0, 1.0
             rows.append(base)
+            base_step_s = base.target_s / max(base.request_steps, 1)  # one request's share of a baseline decode step
             adaptive = [("adaptive", args.adaptive_k)] if args.adaptive_k else []
             for drafter, k in [("draft", k) for k in ks] + adaptive + [("ngram", 4)]:
                 log(f"--- {mode}, batch {bs}: {drafter} k={k}")
                 row, toks = run_minispec(args, target, draft, prompts, drafter, k, params, bs, device)
                 row.speedup = row.tok_s / base.tok_s if base.tok_s else 0.0
-                # Per request, one target step of the baseline (a decode) takes base_step_s.
-                base_step_s = base.target_s / max(base.request_steps, 1)
                 row.verify_cost = row.target_s / max(row.request_steps, 1) / base_step_s if base_step_s else None
                 if drafter == "draft" and row.request_steps and base_step_s:  # (fixed k only: the formula's assumption)
                     cost_ratio = row.draft_s / (row.request_steps * k) / base_step_s  # c: one draft token / one decode
