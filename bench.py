@@ -318,7 +318,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.kernels:
-        from kernels.bench_kernels import main as kernels_main
+        from minispec_kernels.bench_kernels import main as kernels_main
 
         raise SystemExit(kernels_main([]))  # non-zero if a kernel disagreed with its reference
     from minispec import SamplingParams, load_checkpoint

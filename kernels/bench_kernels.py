@@ -1,6 +1,6 @@
 """Check the Triton kernels on a GPU against their torch twins, then time them next to SDPA.
 
-    python -m kernels.bench_kernels [--check-only]      (bench.py --kernels calls main())
+    python -m minispec_kernels.bench_kernels [--check-only]      (bench.py --kernels calls main())
 
 1. Correctness in bf16 and fp16: flash_prefill, paged_attention (decode, k+1 verification and
    prefill chunks in one batch; split-KV forced on and off) and write_kv, printing the max abs
@@ -24,15 +24,14 @@ import traceback
 
 import torch
 
-from kernels import (
-    flash_prefill,
-    flash_prefill_ref,
+from minispec_kernels.flash_prefill import flash_prefill, flash_prefill_ref
+from minispec_kernels.kv_write import write_kv, write_kv_ref
+from minispec_kernels.paged_attention import (
+    default_num_splits,
+    default_paged_tiles,
     paged_attention,
     paged_attention_ref,
-    write_kv,
-    write_kv_ref,
 )
-from kernels.paged_attention import default_num_splits, default_paged_tiles
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max abs error
 

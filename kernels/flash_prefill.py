@@ -23,11 +23,10 @@ hide for every query of the program are never visited.
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window
-from kernels.reference import masked_attention
+from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window
+from minispec_kernels._triton import tl, triton
+from minispec_kernels.reference import masked_attention
 
 LOG2_E = 1.4426950408889634
 

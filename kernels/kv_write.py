@@ -9,10 +9,9 @@ not be written. One program copies all heads of one token.
 """
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._checks import check, check_same_device
+from minispec_kernels._checks import check, check_same_device
+from minispec_kernels._triton import tl, triton
 
 
 @triton.jit

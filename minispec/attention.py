@@ -3,7 +3,7 @@
 The model's forward takes a flat batch: the new tokens of several sequences packed one after
 another (`[T]`), as paged attention needs them. `BatchMetadata` says where each sequence's
 tokens start, how long its whole context is, and where its K/V live in the page pool. A backend
-(`torch` reference or `triton` kernels, from the top-level `kernels` package) writes the new K/V
+(`torch` reference or `triton` kernels, from `minispec_kernels`: the top-level `kernels/` folder) writes the new K/V
 into the pool and attends. Nothing is global: the metadata is passed into every forward.
 
 Backend choice: `triton` on CUDA, `torch` elsewhere; `MINISPEC_BACKEND=triton|torch` or the
@@ -67,15 +67,15 @@ class AttentionBackend:
         name = name or os.environ.get("MINISPEC_BACKEND") or ("triton" if torch.cuda.is_available() else "torch")
         if name not in ("triton", "torch"):
             raise ValueError(f"unknown attention backend {name!r} (use 'triton' or 'torch')")
-        import kernels  # imported here: on CPU, kernels sets TRITON_INTERPRET before triton loads
+        from minispec_kernels import flash_prefill, kv_write, paged_attention
 
         self.name = name
         if name == "triton":
-            self._prefill, self._paged, self._write = kernels.flash_prefill, kernels.paged_attention, kernels.write_kv
+            self._prefill, self._paged = flash_prefill.flash_prefill, paged_attention.paged_attention
+            self._write = kv_write.write_kv
         else:
-            self._prefill = kernels.flash_prefill_ref
-            self._paged = kernels.paged_attention_ref
-            self._write = kernels.write_kv_ref
+            self._prefill, self._paged = flash_prefill.flash_prefill_ref, paged_attention.paged_attention_ref
+            self._write = kv_write.write_kv_ref
 
     def __call__(
         self,

@@ -78,6 +78,20 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     return path
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Name the resolved versions of what moves under us, so every CI log shows them."""
+    import importlib.metadata
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    names = ("torch", "triton", "transformers", "kernels", "tokenizers", "gguf", "hypothesis")
+    terminalreporter.write_line("versions: " + ", ".join(f"{n} {version(n)}" for n in names))
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):
     """checkpoint_factory(arch="llama", **overrides) -> Path, cached per argument set."""

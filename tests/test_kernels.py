@@ -10,28 +10,19 @@ Tolerances (max abs difference to the reference): fp32 1e-5; fp16 2e-3 absolute 
 relative (outputs are averages of N(0, 1) values: a few units, where one fp16 ulp is 2e-3).
 """
 
-import importlib
 import math
-import os
 from itertools import accumulate
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by kernels)
-
-import pytest  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from kernels import (  # noqa: E402
-    flash_prefill,
-    flash_prefill_ref,
-    paged_attention,
-    paged_attention_ref,
-    write_kv,
-    write_kv_ref,
-)
+# Importing a kernel module selects Triton's interpreter when there is no CUDA (kernels/_triton.py).
+from minispec_kernels import paged_attention as pa
+from minispec_kernels.flash_prefill import flash_prefill, flash_prefill_ref
+from minispec_kernels.kv_write import write_kv, write_kv_ref
+from minispec_kernels.paged_attention import paged_attention, paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {
@@ -240,8 +231,6 @@ def test_batched_decode_ref_equals_per_sequence_loop(seq_lens, data, page_size, 
     """The reference's batched path (sequences with few new tokens, batched together even when
     mixed with sequences without new tokens or with whole prompts, which loop) gives the
     per-sequence loop's output, over NaN-filled unused pages."""
-    pa = importlib.import_module("kernels.paged_attention")  # the module (the package exports the function)
-
     q_lens = [data.draw(st.one_of(st.integers(0, min(n, pa.BATCHED_REF_MAX_QUERY_LEN)), st.just(n))) for n in seq_lens]
     q_lens[0] = max(q_lens[0], 1)
     (num_kv_heads, group, head_dim) = heads

@@ -1,27 +1,28 @@
-"""Our top-level package `kernels` (Triton kernels) shares its name with an unrelated PyPI package
-(Hugging Face's `kernels`, a hub kernel loader) that transformers probes for; transformers must
-not mistake ours for theirs.
+"""minispec and `transformers` work side by side with PyPI's `kernels` installed, from any directory.
 
-The probe, in transformers 5.24 `transformers/utils/import_utils.py`:
+Two packages could answer to `import kernels`: Hugging Face's hub-kernel loader (which
+`transformers` 5.25+ requires and imports in its GGUF and hub-kernel paths) and the repository's
+top-level `kernels/` folder. Python puts the working directory (or the script's folder) first on
+`sys.path`, so from the repository root a *regular* package `kernels/` there would shadow PyPI's,
+and `transformers` would fail (`cannot import name 'CUDAProperties' from 'kernels'`).
 
-    is_kernels_available() = find_spec("kernels") is not None
-                             and KERNELS_MIN_VERSION (0.18.2) <= version < KERNELS_MAX_VERSION (0.19)
+So the folder `kernels/` has no `__init__.py` and installs under its own import name,
+`minispec_kernels` (pyproject.toml maps it). A folder without `__init__.py` is at most a
+namespace-package portion, and Python prefers a regular package anywhere on `sys.path` over it:
+`import kernels` is PyPI's everywhere, `import minispec_kernels` is ours everywhere.
 
-where the version comes from `importlib.metadata.version("kernels")`, else from the distribution
-that `packages_distributions()` says ships `kernels` (for us: `minispec`, via its top_level.txt),
-else from importing the module and reading `__version__`. If the probe said True,
-`transformers.integrations.hub_kernels` would run `from kernels import LayerRepository, ...` at
-import time and fail, and `from_pretrained` would route flash attention through the hub.
-
-What keeps it False today: the version found is minispec's own (0.1.0, outside the range), and
-our `kernels` defines no `__version__` (the no-metadata fallback gives "N/A", which also fails).
-A minispec release numbered 0.18.x would break this; the tests below would catch it.
-
-Each check runs in a fresh interpreter, so the import order is the real one.
+Each check runs in a fresh interpreter (import order and `sys.path` are the real ones), once with
+the repository root as working directory (where the README's commands run) and once elsewhere
+(a user's own script). Each interpreter
+  1. generates with minispec on a tiny checkpoint, on both attention backends (the Triton one
+     under the interpreter on CPU), and finds minispec's kernels in this repository's `kernels/`;
+  2. imports `transformers`' hub-kernels integration and finds PyPI's `kernels` behind it;
+  3. loads a tiny GGUF through `transformers`' GGUF path and matches minispec's logits on it.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -30,105 +31,99 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiny_gguf import random_hf_state, train_tokenizer, write_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def run_python(code: str, cwd: Path, *args: str) -> dict:
-    """Run `code` in a fresh interpreter; it prints one JSON line last, which is returned."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-# One script per fresh interpreter (importing torch + transformers costs seconds, so each
-# interpreter answers every question at once).
 SCRIPT = """
-import importlib.metadata, importlib.util, json, sys
-order, path = sys.argv[1], sys.argv[2]
-if order == "ours_first":
-    import kernels
+import importlib.util, json, sys
+from pathlib import Path
+checkpoint, gguf_path = sys.argv[1], Path(sys.argv[2])
+r = dict(cwd=str(Path.cwd()))
+
+# 1. minispec: a tiny generation on each backend, with our kernels found where they live.
 import torch
+import minispec
+from minispec import LLM, SamplingParams
+import minispec_kernels.paged_attention
+r["our_kernels"] = minispec_kernels.paged_attention.__file__
+r["generated"] = {}
+for backend in ("torch", "triton"):
+    llm = LLM(model=checkpoint, backend=backend, dtype=torch.float32)
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    r["generated"][backend] = out[0].token_ids
+
+# 2. transformers: its hub-kernels integration imports PyPI's `kernels`.
+import kernels
 import transformers
-from transformers.utils import import_utils, is_kernels_available
-import transformers.integrations.hub_kernels  # imports from `kernels` at import time iff the probe says yes
-found, version = import_utils._is_package_available("kernels", return_version=True)
-r = dict(
-    transformers=transformers.__version__,
-    available=is_kernels_available(),
-    found=found,
-    version=version,
-    origin=importlib.util.find_spec("kernels").origin,
-    minispec_version=importlib.metadata.version("minispec"),
-)
+import transformers.integrations.hub_kernels
+from transformers.utils import is_kernels_available
+r["transformers"] = transformers.__version__
+r["kernels_origin"] = kernels.__file__
+r["kernels_available"] = is_kernels_available()
+r["kernels_api"] = all(hasattr(kernels, n) for n in ("LayerRepository", "Mode", "kernelize", "get_kernel"))
 
-# 1. ours still imports, with its API
-import kernels, minispec
-r["ours"] = all(hasattr(kernels, n) for n in ("flash_prefill", "paged_attention", "write_kv"))
-
-# 2. transformers loads and runs a checkpoint, and agrees with minispec
-model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-ids = torch.tensor([[3, 17, 42, 7, 99]])
+# 3. transformers' GGUF path, next to minispec's loader on the same file.
+model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                          dtype=torch.float32).eval()
+ids = [3, 17, 42, 7, 99]
 with torch.no_grad():
-    logits = model(ids).logits[0]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=4, min_new_tokens=4, pad_token_id=0)
-ours, _ = minispec.load_checkpoint(path, dtype="float32", backend="torch")
-mine = ours(ids[0], minispec.BatchMetadata.for_prompts([5]))
-r.update(
-    attn=model.config._attn_implementation,
-    new_tokens=out.shape[1] - 5,
-    finite=bool(torch.isfinite(logits).all()),
-    err=float((mine - logits).abs().max()),
-)
-
-# 3. As if minispec were on sys.path without any dist-info (PYTHONPATH=. in a fresh clone): no
-# distribution is known to ship `kernels`, so transformers imports it and reads __version__.
-import_utils._package_distribution_mapping = lambda: {}
-import_utils.is_kernels_available.cache_clear()
-found, version = import_utils._is_package_available("kernels", return_version=True)
-r["no_metadata"] = dict(found=found, version=version, available=import_utils.is_kernels_available())
+    theirs = model(torch.tensor([ids])).logits[0]  # [T, vocab]
+    ours_model, _ = minispec.load_checkpoint(gguf_path, dtype=torch.float32, backend="torch")
+    ours = ours_model(torch.tensor(ids), minispec.BatchMetadata.for_prompts([len(ids)]))
+r["gguf_logit_err"] = float((ours - theirs).abs().max())
 print(json.dumps(r))
 """
 
-RUNS = {  # fresh interpreter: (which is imported first, working directory)
-    "transformers first, outside the repo (found via the editable install)": ("transformers_first", "elsewhere"),
-    "our kernels first, in the repo root (found on sys.path[0])": ("ours_first", "repo"),
-}
+
+def run_python(code: str, cwd: Path, *args: str) -> dict:
+    """Run `code` in a fresh interpreter in `cwd`; it prints one JSON line last, which is returned."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)  # sys.path as a user gets it: the working directory first, then site-packages
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"subprocess in {cwd} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module", params=list(RUNS))
-def run(request, tiny_llama, tmp_path_factory) -> dict:
-    order, where = RUNS[request.param]
-    cwd = REPO if where == "repo" else tmp_path_factory.mktemp("elsewhere")
-    return run_python(SCRIPT, cwd, order, str(tiny_llama))
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    tokenizer = train_tokenizer()
+    state = random_hf_state("llama", tokenizer.get_vocab_size(), tied=False)
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "llama", state, tokenizer)
 
 
-def test_transformers_does_not_take_our_kernels_for_the_hub_package(run):
-    """The probe finds our `kernels`, reads minispec's version (0.1.0) and answers False, so
-    transformers.integrations.hub_kernels imports without touching our package's API."""
-    assert run["transformers"].startswith("5."), run
-    assert run["found"] and Path(run["origin"]).resolve() == (REPO / "kernels" / "__init__.py").resolve()
-    assert run["version"] == run["minispec_version"], run  # the distribution shipping `kernels` is minispec
-    assert run["available"] is False, run
-    assert run["ours"]
+@pytest.fixture(scope="module", params=["repository root", "another directory"])
+def run(request, tiny_llama, tiny_gguf, tmp_path_factory) -> dict:
+    cwd = REPO if request.param == "repository root" else tmp_path_factory.mktemp("elsewhere")
+    return run_python(SCRIPT, cwd, str(tiny_llama), str(tiny_gguf))
 
 
-def test_probe_is_false_without_package_metadata_too(run):
-    """Without dist-info the probe imports our kernels, finds no __version__ and answers False."""
-    assert run["no_metadata"] == dict(found=True, version="N/A", available=False), run
+def test_pypi_kernels_is_installed_beside_minispec():
+    """The situation users are in: transformers' `kernels` dependency is really installed (the
+    test extra names it, so this holds even if transformers stops requiring it)."""
+    assert importlib.metadata.version("kernels")
+    assert "kernels" not in importlib.metadata.distribution("minispec").read_text("top_level.txt").split()
 
 
-def test_transformers_loads_and_runs_a_model_with_our_kernels_around(run):
-    """transformers still loads a checkpoint, picks its own attention, generates, and agrees
-    with minispec on the logits."""
-    assert run["attn"] in ("sdpa", "eager"), run
-    assert run["new_tokens"] == 4 and run["finite"], run
-    assert run["err"] < 1e-4, run
+def test_minispec_generates_with_its_own_kernels(run):
+    """`minispec_kernels` is this repository's `kernels/` folder, from any working directory, and
+    both backends generate (greedy: the same tokens)."""
+    assert Path(run["our_kernels"]).resolve() == (REPO / "kernels" / "paged_attention.py").resolve(), run
+    assert len(run["generated"]["torch"]) == 4, run
+    assert run["generated"]["triton"] == run["generated"]["torch"], run
+
+
+def test_transformers_gets_the_pypi_kernels_package(run):
+    """`import kernels` is PyPI's hub-kernel loader, never our folder, so transformers' hub-kernels
+    integration imports and sees the real package."""
+    origin = Path(run["kernels_origin"]).resolve()
+    assert REPO not in origin.parents, run
+    assert "site-packages" in origin.parts, run
+    assert run["kernels_api"] and run["kernels_available"] is True, run
+
+
+def test_transformers_gguf_path_loads_a_model(run):
+    """transformers' GGUF loader (which imports `kernels` on its way) loads the tiny GGUF and
+    agrees with minispec's own GGUF loader."""
+    assert run["gguf_logit_err"] < 1e-4, run
