@@ -148,17 +148,34 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
 
 
-def bench_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': bf16 on GPU, and on CPUs whose matmuls run bf16 natively (AVX512-BF16 or AMX,
-    through oneDNN); fp32 elsewhere, where bf16 is emulated and slower than fp32."""
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16
-    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(
-        torch.cpu, "_is_amx_tile_supported", lambda: False
-    )()
-    return torch.bfloat16 if native else torch.float32
+def calibrate_dtype(target_path: Path, k: int, reps: int = 5) -> tuple[torch.dtype, dict, str]:
+    """'auto' on CPU, decided by measurement: load the target in fp32 and in bf16 and time, in
+    alternation, a 1-token forward (a decode step) and a (k+1)-token forward (a verification),
+    cache-free (the weights' matmuls, which dominate a step on CPU, are the same);
+    pick the dtype whose verification is faster: the cost of every speculative step, and what
+    decides the speedup the bench measures. Both times are reported, since the other dtype may
+    decode faster without speculation (the README says where). Whether bf16 is fast depends on
+    the CPU (native on AVX512-BF16 / AMX through oneDNN, emulated elsewhere) and whether fp32
+    verification is flat on how its matmuls run, so neither is assumed.
+    Returns (dtype, the loaded (model, tokenizer), a report line)."""
+    from minispec import BatchMetadata, load_checkpoint
+
+    candidates = {dt: load_checkpoint(target_path, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+    times: dict[tuple, list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first pass warms up
+            for dt, (model, _) in candidates.items():
+                for n in (1, k + 1):
+                    ids = torch.arange(3, 3 + n)  # n new tokens: the matmuls of a step, which dominate it
+                    t0 = time.perf_counter()
+                    model(ids, BatchMetadata.for_prompts([len(ids)]))
+                    times.setdefault((dt, n), []).append(time.perf_counter() - t0)
+    median = {key: statistics.median(ts[1:]) for key, ts in times.items()}
+    best = min(candidates, key=lambda dt: median[(dt, k + 1)])
+    report = "dtype auto: " + "; ".join(
+        f"{dtype_name(dt)} decode {median[(dt, 1)] * 1e3:.0f} ms, verify k+1={k + 1} {median[(dt, k + 1)] * 1e3:.0f} ms"
+        for dt in candidates) + f" -> {dtype_name(best)} (faster verification)"
+    return best, candidates[best], report
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -557,7 +574,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 12 on CPU, 32 with --full, 128 on GPU)")
     ap.add_argument("--modes", help="greedy and/or sampled (temperature 0.7, top-p 0.95) (default: both; --quick: greedy)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="weights and activations (auto: bfloat16 on GPU and on CPUs with native bf16 matmuls, else float32)")
+                    help="weights and activations (auto: bfloat16 on GPU; on CPU whichever of float32 and bfloat16 "
+                         "decodes and verifies faster, timed at start)")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV budget of each LLM built (target and draft together)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
     ap.add_argument("--no-plots", action="store_true")
@@ -624,9 +642,17 @@ def main(argv=None) -> dict:
 
         target_path = default_target_dir()
     draft_path = Path(args.draft) if args.draft else DEFAULT_DRAFT
-    dtype = bench_dtype(args.dtype, device)
+    dtype_note = ""
+    if args.dtype != "auto":
+        dtype = getattr(torch, args.dtype)
+        target = load_checkpoint(target_path, dtype=dtype)
+    elif device.type == "cuda":
+        dtype = torch.bfloat16
+        target = load_checkpoint(target_path, dtype=dtype)
+    else:
+        dtype, target, dtype_note = calibrate_dtype(target_path, max(p["ks"]))
+        log(dtype_note)
     log(f"device={device} dtype={dtype_name(dtype)} target={target_path} draft={draft_path}")
-    target = load_checkpoint(target_path, dtype=dtype)
     draft = load_checkpoint(draft_path, dtype=dtype) if {"draft", "adaptive"} & set(p["drafters"]) else None
     num_prompts = p["rounds"] * max(p["batches"])
     prompts = load_prompts(args.prompts, target[1], num_prompts)
@@ -674,6 +700,8 @@ def main(argv=None) -> dict:
     print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}, target={target_path.name}, "
           f"draft={draft_path.name}, {p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
           f"{bench_time}")
+    if dtype_note:
+        print(dtype_note)
     print("speedup: median over rounds of (row tok/s / the round's baseline tok/s), exact 95% interval for the "
           "median; ~1: the interval contains 1 (not distinguishable from plain decoding)")
     print_table(rows)
@@ -684,6 +712,7 @@ def main(argv=None) -> dict:
         "target": str(target_path),
         "draft": str(draft_path),
         "dtype": dtype_name(dtype),
+        "dtype_choice": dtype_note,
         "plan": p,
         "rows": [{**asdict(r), "distinguishable": r.distinguishable} for r in rows],
         "correctness": correctness,

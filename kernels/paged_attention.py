@@ -32,6 +32,7 @@ kernel combines them exactly:
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -322,6 +323,7 @@ def paged_attention_ref(
     validate: bool | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    plan: "RefPlan | None" = None,
 ) -> torch.Tensor:
     """Plain-torch twin of `paged_attention` (same signature; num_splits and tiles are ignored).
 
@@ -329,23 +331,21 @@ def paged_attention_ref(
     fp32 masked softmax for all its new tokens and heads. Output in q's dtype. Sequences with at
     most BATCHED_REF_MAX_QUERY_LEN new tokens (decode, verification) take the same math padded
     over all of them at once (`_batched_decode_ref`), the CPU backend's hot path; the others
-    (prefill chunks) loop.
+    (prefill chunks) loop. `plan`: the index tensors of `ref_plan` for this batch, which depend on
+    the metadata only, so a model builds them once per forward and shares them across its layers
+    (built here when None).
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       max_query_len, max_seq_len, sliding_window, validate)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
+    if plan is None:
+        plan = ref_plan(block_tables, seq_lens, query_start_loc, page_size, sliding_window)
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)  # [T, Hq, D]
-    starts, seq_lens_host = query_start_loc.tolist(), seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    short = [seq for seq, n in enumerate(q_lens) if 0 < n <= BATCHED_REF_MAX_QUERY_LEN]
-    if short:
-        _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens_host, starts, short,
-                            sm_scale, sliding_window, out)
-    for seq, seq_len in enumerate(seq_lens_host):
-        q_start, q_end = starts[seq], starts[seq + 1]
-        if q_lens[seq] <= BATCHED_REF_MAX_QUERY_LEN:  # empty, or done above
-            continue
+    if plan.short is not None:
+        _batched_decode_ref(q, k_cache, v_cache, plan.short, sm_scale, out)
+    for seq in plan.long_seqs:
+        q_start, q_end, seq_len = plan.starts[seq], plan.starts[seq + 1], plan.seq_lens[seq]
         pages = block_tables[seq, : triton.cdiv(seq_len, page_size)].long()  # [n_pages]
         keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, Hkv, D]
         values = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, Hkv, D]
@@ -358,55 +358,95 @@ def paged_attention_ref(
 BATCHED_REF_MAX_QUERY_LEN = 16  # sequences with at most this many new tokens share one padded softmax
 
 
-def _batched_decode_ref(q, k_cache, v_cache, block_tables, seq_lens: list[int], starts: list[int],
-                        seqs: list[int], sm_scale, sliding_window, out) -> None:
-    """`paged_attention_ref` for the sequences `seqs` (few new tokens each) with no Python loop
-    over them, written into out [T, Hq, D]: queries padded to [B, Qm] (B = len(seqs), Qm their
-    largest q_len), keys gathered by pool slot into [B, L, Hkv, D] (L their largest seq_len).
-    Same math as `masked_attention` (fp32; query i of sequence b sits at seq_len_b - q_len_b + i
-    and sees keys j <= it within the window). Padded key slots read the sequence's first key
-    (unused slots may hold anything, even NaN) and are masked; padded queries repeat the
-    sequence's last query and are dropped. seq_lens / starts are host copies of the metadata,
-    so the per-token index lists are built in Python (a few ops per layer, not dozens)."""
-    num_q_heads, head_dim = q.shape[1:]
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    device = q.device
-    B, group = len(seqs), num_q_heads // num_kv_heads
+@dataclass
+class ShortQueryPlan:
+    """Indices for the padded batch of short-query sequences (B of them, Qm = their largest q_len,
+    L = their largest seq_len): key j of sequence b is pool slot slots[b, j]; padded query (b, i)
+    repeats the sequence's last query (q row row_ids[b * Qm + i]) and sees visible[b, i]."""
+
+    slots: torch.Tensor  # [B, L] int64
+    visible: torch.Tensor  # [B, Qm, L] bool
+    row_ids: torch.Tensor  # [B * Qm] int64
+    num_seqs: int  # B
+    max_q_len: int  # Qm
+    keep: torch.Tensor | None  # [N] rows of the padded output that are real queries (None: all)
+    keep_rows: torch.Tensor | None  # [N] their rows in q
+
+
+@dataclass
+class RefPlan:
+    """Host copies of the metadata plus the short-query batch's indices: everything
+    `paged_attention_ref` derives from the metadata alone."""
+
+    starts: list[int]  # [B+1] query_start_loc
+    seq_lens: list[int]  # [B]
+    short: ShortQueryPlan | None
+    long_seqs: list[int]  # sequences with more new tokens than BATCHED_REF_MAX_QUERY_LEN (they loop)
+
+
+def ref_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+             page_size: int, sliding_window: int | None) -> RefPlan:
+    """Build the layer-independent indices of `paged_attention_ref` for one batch."""
+    starts, seq_lens_host = query_start_loc.tolist(), seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    short = [seq for seq, n in enumerate(q_lens) if 0 < n <= BATCHED_REF_MAX_QUERY_LEN]
+    long_seqs = [seq for seq, n in enumerate(q_lens) if n > BATCHED_REF_MAX_QUERY_LEN]
+    plan = _short_query_plan(block_tables, seq_lens_host, starts, short, page_size, sliding_window) if short else None
+    return RefPlan(starts, seq_lens_host, plan, long_seqs)
+
+
+def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs: list[int], page_size: int,
+                      sliding_window: int | None) -> ShortQueryPlan:
+    """Padded key slots (past len_b: the sequence's first key, masked; unused slots may hold
+    anything, even NaN), query rows and the visibility mask of query i of sequence b, which sits
+    at seq_len_b - q_len_b + i and sees keys j <= it within the window. seq_lens / starts are host
+    copies of the metadata, so the per-token index lists are built in Python."""
+    device = block_tables.device
+    B = len(seqs)
     q_lens = [starts[s + 1] - starts[s] for s in seqs]  # [B]
     lens = [seq_lens[s] for s in seqs]  # [B]
     Qm, L = max(q_lens), max(lens)
-
-    # Keys: pool slot of key j of sequence b (page from the block table), first key where j >= len_b.
     key_pos = torch.arange(L, device=device)  # [L]
     tables = block_tables[torch.tensor(seqs, device=device)]  # [B, max_pages]
     slots = tables[:, key_pos // page_size].long() * page_size + key_pos % page_size  # [B, L]
     slots = torch.where(key_pos < torch.tensor(lens, device=device)[:, None], slots, slots[:, :1])
-    keys = k_cache.flatten(0, 1)[slots].float()  # [B, L, Hkv, D]
-    values = v_cache.flatten(0, 1)[slots].float()  # [B, L, Hkv, D]
-
-    # Queries: row of q for (b, i), i < Qm; the key position each one sits at.
     rows = [starts[s] + min(i, n - 1) for s, n in zip(seqs, q_lens) for i in range(Qm)]  # [B * Qm]
     query_pos = [ln - n + min(i, n - 1) for ln, n in zip(lens, q_lens) for i in range(Qm)]  # [B * Qm]
     query_pos = torch.tensor(query_pos, device=device).view(B, Qm, 1)  # [B, Qm, 1]
     visible = key_pos <= query_pos  # [B, Qm, L] (keys past len_b lie past every query of b)
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
+    keep = keep_rows = None
+    if sum(q_lens) != B * Qm:  # padded queries (never in a decode batch)
+        kept = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]
+        keep = torch.tensor(kept, device=device)
+        keep_rows = torch.tensor([rows[j] for j in kept], device=device)
+    return ShortQueryPlan(slots, visible, torch.tensor(rows, device=device), B, Qm, keep, keep_rows)
 
-    row_ids = torch.tensor(rows, device=device)  # [B * Qm]
-    q_f = q[row_ids].float()  # [B * Qm, Hq, D]
+
+def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale, out) -> None:
+    """`paged_attention_ref` for the short-query sequences of `plan`, with no Python loop over
+    them, written into out [T, Hq, D]: queries padded to [B, Qm], keys gathered by pool slot into
+    [B, L, Hkv, D]; the same math as `masked_attention` (fp32)."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    B, Qm, group = plan.num_seqs, plan.max_q_len, num_q_heads // num_kv_heads
+    L = plan.slots.shape[1]
+    keys = k_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
+    values = v_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
+    q_f = q[plan.row_ids].float()  # [B * Qm, Hq, D]
     q_f = q_f.view(B, Qm, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qm, D]
     q_f = q_f.reshape(B, num_kv_heads, group * Qm, head_dim)
     scores = (q_f @ keys.permute(0, 2, 3, 1) * sm_scale).view(B, num_kv_heads, group, Qm, L)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    scores = scores.masked_fill(~plan.visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(B, num_kv_heads, group * Qm, L)
     out_b = probs @ values.transpose(1, 2)  # [B, Hkv, g * Qm, D]
     out_b = out_b.view(B, num_kv_heads, group, Qm, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qm, Hkv, g, D]
     out_b = out_b.reshape(B * Qm, num_q_heads, head_dim)
-    if sum(q_lens) == B * Qm:  # no padded queries (every decode batch)
-        out[row_ids] = out_b.to(q.dtype)
+    if plan.keep is None:
+        out[plan.row_ids] = out_b.to(q.dtype)
     else:
-        keep = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]
-        out[torch.tensor([rows[j] for j in keep], device=device)] = out_b[torch.tensor(keep, device=device)].to(q.dtype)
+        out[plan.keep_rows] = out_b[plan.keep].to(q.dtype)
 
 
 def _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

@@ -31,6 +31,9 @@ class BatchMetadata:
     logits_indices:  [N] int64 rows whose logits are wanted (None: all T rows)
     is_prefill:      True when every sequence starts at position 0 (no cached context), so
                      attention can run on the contiguous new K/V alone
+    ref_plan:        the torch backend's index tensors for this batch (`paged_attention.RefPlan`),
+                     built by the first layer and reused by the others: they depend on the
+                     metadata alone
     """
 
     positions: torch.Tensor
@@ -42,6 +45,7 @@ class BatchMetadata:
     block_tables: torch.Tensor | None = None
     logits_indices: torch.Tensor | None = None
     is_prefill: bool = False
+    ref_plan: object | None = None
 
     @classmethod
     def for_prompts(cls, lengths: list[int], device: torch.device | str = "cpu") -> "BatchMetadata":
@@ -76,6 +80,7 @@ class AttentionBackend:
         else:
             self._prefill, self._paged = flash_prefill.flash_prefill_ref, paged_attention.paged_attention_ref
             self._write = kv_write.write_kv_ref
+            self._ref_plan = paged_attention.ref_plan
 
     def __call__(
         self,
@@ -100,6 +105,12 @@ class AttentionBackend:
             )
         if kv_cache is None:
             raise ValueError("a forward with cached context needs a KV cache")
+        extra = {}
+        if self.name == "torch":  # indices shared by every layer of this forward
+            if meta.ref_plan is None:
+                meta.ref_plan = self._ref_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                               kv_cache[0].shape[1], sliding_window)
+            extra["plan"] = meta.ref_plan
         return self._paged(
             q,
             kv_cache[0],
@@ -112,4 +123,5 @@ class AttentionBackend:
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             validate=False,
+            **extra,
         )

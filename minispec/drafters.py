@@ -27,24 +27,31 @@ class ModelDrafter:
         self.runner = runner
         self.confidence_threshold = confidence_threshold
 
-    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Run num_draft[b] autoregressive draft steps for each sequence b.
 
         Returns draft token lists and draft_probs [B, K+1, V] (K = max(num_draft)), row b holding
-        q_1..q_n at positions < num_draft[b] and zeros after. The first step also catches up on
+        q_1..q_n at positions < num_draft[b] and zeros after; None when every request is greedy
+        (q is then one-hot at each drafted token). The first step also catches up on
         tokens the draft has not cached yet (the whole prompt at first, then 1 or 2 tokens).
         With a confidence threshold, row b stops early after a token x with softmax(logits)[x] < it.
         """
         B, K = len(seqs), max(num_draft)
         V = self.runner.model.cfg.vocab_size
+        # Greedy requests draft the argmax: q is one-hot there, which the verifier assumes of a
+        # None draft_probs, so an all-greedy batch needs no warp, sampling or [B, K+1, V] tensor.
+        greedy = all(s.params.greedy for s in seqs)
         draft_lists: list[list[int]] = [[] for _ in seqs]
-        draft_probs = torch.zeros(B, K + 1, V, device=self.runner.device)  # [B, K+1, V]
+        draft_probs = None if greedy else torch.zeros(B, K + 1, V, device=self.runner.device)  # [B, K+1, V]
         active = [b for b in range(B) if num_draft[b] > 0]
         feeds = {b: seqs[b].tokens[seqs[b].draft.num_cached :] for b in active}
         for i in range(K):
             logits = self.runner.forward([Feed(seqs[b].draft, feeds[b]) for b in active])  # [len(active), V]
-            q = warp_probs(logits, [seqs[b].params for b in active])  # [len(active), V]
-            sampled = sample(q, [seqs[b].generator for b in active])  # [len(active)]
+            if greedy:
+                sampled = logits.argmax(-1)  # [len(active)]
+            else:
+                q = warp_probs(logits, [seqs[b].params for b in active])  # [len(active), V]
+                sampled = sample(q, [seqs[b].generator for b in active])  # [len(active)]
             if self.confidence_threshold is None:
                 confident = [True] * len(active)
             else:
@@ -52,7 +59,8 @@ class ModelDrafter:
                 confident = (own >= self.confidence_threshold).tolist()
             for row, (b, t) in enumerate(zip(active, sampled.tolist())):
                 draft_lists[b].append(t)
-                draft_probs[b, i] = q[row]
+                if not greedy:
+                    draft_probs[b, i] = q[row]
                 feeds[b] = [t]
             active = [b for b, c in zip(active, confident) if c and num_draft[b] > i + 1]
             if not active:

@@ -28,9 +28,33 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op (the same math)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """y = x W^T + b, with W [out, in] as in nn.Linear (and HF checkpoints).
+
+    For a few rows (2 <= M <= weight_major_rows) it computes (W x^T)^T instead: the same numbers
+    in another order. Why: decoding feeds 1 row, a speculative verification k+1 rows, and on CPU
+    PyTorch's default path for x W^T packs W for every call once M > 1, so the cost of a forward
+    grows with M (fp32 on a Zen 3 CPU, whole SmolLM2 forward: 1.5x at M = 2, 1.8x at M = 3) even
+    though every weight is read once either way. With W as the left operand the GEMM streams W
+    once for all M rows: the same forward costs 0.9-1.2x of M = 1 for M = 2..9. M = 1 keeps the
+    default (a matrix-vector product, already one pass over W); large M (prefill) too.
+    `weight_major_rows` is 0 (off) unless the loader turns it on (fp32 on CPU, see build_model).
+    """
+
+    weight_major_rows: int = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and 2 <= x.shape[0] <= self.weight_major_rows:
+            y = (self.weight @ x.t()).t()  # [M, out] (a transposed view of [out, M])
+            return (y if self.bias is None else y + self.bias).contiguous()
+        return F.linear(x, self.weight, self.bias)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -44,10 +68,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
         self,
@@ -75,9 +99,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -106,10 +130,16 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
+
+    def set_weight_major_rows(self, rows: int) -> None:
+        """Compute linear layers fed 2..rows rows as (W x^T)^T (see `Linear`); 0 turns it off."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight_major_rows = rows
 
     @torch.inference_mode()
     def forward(

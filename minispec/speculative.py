@@ -118,6 +118,60 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
     return out
 
 
+def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The accept/reject rule at temperature 0, where p and q are one-hot: accept d_i while it is
+    the target's argmax at position i, then emit the argmax at the first mismatch (or the bonus
+    argmax after n accepted drafts). One argmax over the flat logits [sum(n_b + 1), V]; no
+    softmax, one-hot or sampling (it equals `rejection_sample` on the warped one-hot rows, and
+    draws no random numbers). Returns (tokens per sequence, num_accepted per sequence)."""
+    best = logits.argmax(-1).tolist()  # [sum(n_b + 1)]: the lowest id among tied maxima, as warp_probs
+    tokens, num_accepted, row = [], [], 0
+    for drafts in draft_lists:
+        n_acc = 0
+        while n_acc < len(drafts) and drafts[n_acc] == best[row + n_acc]:
+            n_acc += 1
+        tokens.append(drafts[:n_acc] + [best[row + n_acc]])
+        num_accepted.append(n_acc)
+        row += len(drafts) + 1
+    return tokens, num_accepted
+
+
+def sample_verify(
+    logits: torch.Tensor, seqs: list[Sequence], draft_lists: list[list[int]], draft_probs: torch.Tensor | None
+) -> tuple[list[list[int]], list[int]]:
+    """Warp the flat logits [sum(n_b + 1), V] with each request's params, lay them out as
+    [B, K+1, V] next to the draft's q (one-hot at each drafted token for a model-free drafter)
+    and apply `rejection_sample`. Returns (tokens per sequence, num_accepted per sequence)."""
+    device = logits.device
+    num_draft = [len(d) for d in draft_lists]
+    params = [s.params for s, n in zip(seqs, num_draft) for _ in range(n + 1)]
+    flat_target_probs = warp_probs(logits, params)  # [sum(n_b + 1), V]
+
+    K, V = max(num_draft), flat_target_probs.shape[-1]
+    B = len(seqs)
+    target_probs = flat_target_probs.new_zeros(B, K + 1, V)  # [B, K+1, V]
+    draft_tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
+    row = 0
+    for b, d in enumerate(draft_lists):
+        target_probs[b, : len(d) + 1] = flat_target_probs[row : row + len(d) + 1]
+        draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        row += len(d) + 1
+    if draft_probs is None:  # a model-free drafter: q is one-hot at each drafted token
+        draft_probs = torch.zeros_like(target_probs)
+        for b, d in enumerate(draft_lists):
+            draft_probs[b, torch.arange(len(d)), torch.tensor(d, dtype=torch.int64)] = 1.0
+    else:
+        draft_probs = draft_probs[:, : K + 1].to(device)
+    tokens, num_accepted = rejection_sample(
+        draft_tokens,
+        torch.tensor(num_draft, device=device),
+        draft_probs,
+        target_probs,
+        [s.generator for s in seqs],
+    )
+    return tokens.tolist(), num_accepted.tolist()
+
+
 @dataclass
 class StepTimes:
     draft_s: float = 0.0
@@ -155,34 +209,12 @@ def speculative_step(
     # 2. Verify: feed each sequence its uncached tokens plus its drafts; logits for the last n+1.
     feeds = [Feed(s.target, s.tokens[s.target.num_cached :] + d, len(d) + 1) for s, d in zip(seqs, draft_lists)]
     logits = target.forward(feeds)  # [sum(n_b + 1), V]
-    params = [s.params for s, n in zip(seqs, num_draft) for _ in range(n + 1)]
-    flat_target_probs = warp_probs(logits, params)  # [sum(n_b + 1), V]
-
-    K, V = max(num_draft), flat_target_probs.shape[-1]
-    B = len(seqs)
-    target_probs = flat_target_probs.new_zeros(B, K + 1, V)  # [B, K+1, V]
-    draft_tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
-    row = 0
-    for b, d in enumerate(draft_lists):
-        target_probs[b, : len(d) + 1] = flat_target_probs[row : row + len(d) + 1]
-        draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-        row += len(d) + 1
-    if draft_probs is None:  # a model-free drafter: q is one-hot at each drafted token
-        draft_probs = torch.zeros_like(target_probs)
-        for b, d in enumerate(draft_lists):
-            draft_probs[b, torch.arange(len(d)), torch.tensor(d, dtype=torch.int64)] = 1.0
-    else:
-        draft_probs = draft_probs[:, : K + 1].to(device)
 
     # 3. Accept / reject.
-    tokens, num_accepted = rejection_sample(
-        draft_tokens,
-        torch.tensor(num_draft, device=device),
-        draft_probs,
-        target_probs,
-        [s.generator for s in seqs],
-    )
-    tokens, num_accepted = tokens.tolist(), num_accepted.tolist()
+    if all(s.params.greedy for s in seqs):
+        tokens, num_accepted = greedy_verify(logits, draft_lists)
+    else:
+        tokens, num_accepted = sample_verify(logits, seqs, draft_lists, draft_probs)
     sync()
     t2 = time.perf_counter()
     times.draft_s += t1 - t0

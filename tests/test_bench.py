@@ -193,3 +193,12 @@ def test_divergence_check_tells_rounding_ties_from_mismatches(tiny_llama):
     assert "DIFFERED for prompts 0 (token 3" in line
     assert bench.correctness_line([], [], torch.bfloat16).endswith("identical")
     assert "rounding ties" in bench.correctness_line([(0, 3, 0.0)], [], torch.bfloat16)
+
+
+def test_dtype_auto_on_cpu_is_decided_by_timing(tiny_llama):
+    """calibrate_dtype times fp32 and bf16 decode and verification forwards and returns the model
+    loaded in the dtype it names, with both timings in its report."""
+    dtype, (model, _), report = bench.calibrate_dtype(tiny_llama, k=2, reps=2)
+    assert dtype in (torch.float32, torch.bfloat16) and model.embed_tokens.weight.dtype == dtype
+    assert report.startswith("dtype auto: float32 decode") and "bfloat16 decode" in report
+    assert report.endswith(f"-> {bench.dtype_name(dtype)} (faster verification)")

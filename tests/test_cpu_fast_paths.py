@@ -1,0 +1,126 @@
+"""The engine's fast paths compute what the reference paths compute.
+
+* `model.Linear` with a weight-major product for 2..16 rows equals `F.linear` (the loader turns
+  it on for fp32 on CPU only), and a whole k+1-token verification forward gives the same logits
+  either way;
+* the torch attention backend builds its batch indices (`paged_attention.ref_plan`) once per
+  forward and shares them across layers, with the same output as building them per layer;
+* greedy verification (`greedy_verify`: one argmax, no sampling) equals `rejection_sample` on the
+  warped one-hot rows, for random logits with planted ties and random draft runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint
+from minispec.loader import WEIGHT_MAJOR_ROWS
+from minispec.model import Linear
+from minispec.sampling import warp_probs
+from minispec.speculative import greedy_verify, rejection_sample
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 24), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_weight_major_linear_equals_f_linear(rows, bias, seed):
+    torch.manual_seed(seed)
+    layer = Linear(48, 80, bias=bias)
+    layer.weight_major_rows = 16
+    x = torch.randn(rows, 48)  # [M, in]
+    y = layer(x)  # [M, out]
+    assert y.shape == (rows, 80) and y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(2, rows, 48)  # other ranks take the default path
+    torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias))
+
+
+def test_loader_turns_weight_major_on_for_fp32_cpu_only(tiny_llama):
+    fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+    bf16, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+    assert {m.weight_major_rows for m in fp32.modules() if isinstance(m, Linear)} == {WEIGHT_MAJOR_ROWS}
+    assert {m.weight_major_rows for m in bf16.modules() if isinstance(m, Linear)} == {0}
+
+
+def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
+    """A 5-token verification over a cached prompt: logits with the weight-major product match
+    the F.linear ones to fp32 rounding, and so do the greedy tokens of a speculative run."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs, logits = [], []
+    for rows in (WEIGHT_MAJOR_ROWS, 0):
+        model, tok = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+        model.set_weight_major_rows(rows)
+        llm = LLM(model=(model, tok), draft_model="ngram", num_speculative_tokens=4, kv_cache_gib=0.01)
+        outputs.append(llm.generate(["the quick brown fox jumps"], params)[0].token_ids)
+        ids = torch.tensor(tok.encode("hello world, this is a test of"))
+
+        logits.append(model(ids, BatchMetadata.for_prompts([len(ids)]))[-5:])  # [5, V]
+    assert outputs[0] == outputs[1]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_attention_indices_are_built_once_per_forward(tiny_llama, monkeypatch):
+    """Two layers, one decode forward: ref_plan runs once, and the output equals a run that
+    builds the indices in every layer."""
+    model, tok = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+    calls = []
+    original = model.backend._ref_plan
+
+    def counting(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(model.backend, "_ref_plan", counting)
+    llm = LLM(model=(model, tok), kv_cache_gib=0.01)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    shared = llm.generate(["hello world"], params)[0].token_ids
+    assert len(calls) == 2  # two decode forwards (the prompt's prefill needs none), not 2 x num_layers
+    assert model.cfg.num_layers == 2
+
+    def per_layer(q, k, v, kv_cache, meta, sm_scale, sliding_window, call=model.backend.__call__):
+        meta.ref_plan = None  # forget the plan: every layer rebuilds it
+        return call(q, k, v, kv_cache, meta, sm_scale, sliding_window)
+
+    monkeypatch.setattr(model, "backend", per_layer)
+    assert LLM(model=(model, tok), kv_cache_gib=0.01).generate(["hello world"], params)[0].token_ids == shared
+    assert len(calls) == 2 + 2 * model.cfg.num_layers
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_greedy_verify_equals_rejection_sample_on_one_hot_rows(data):
+    vocab = data.draw(st.integers(2, 6))
+    draft_lists = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), max_size=4), min_size=1, max_size=4))
+    rows = sum(len(d) + 1 for d in draft_lists)
+    # integer-valued logits: ties are common, and both rules must break them the same way
+    logits = torch.tensor(data.draw(st.lists(st.lists(st.integers(-2, 2), min_size=vocab, max_size=vocab),
+                                             min_size=rows, max_size=rows)), dtype=torch.float32)
+    # drafts that often follow the argmax, so long accepted runs occur
+    best, row = logits.argmax(-1).tolist(), 0
+    for d in draft_lists:
+        for i in range(len(d)):
+            if data.draw(st.booleans()):
+                d[i] = best[row + i]
+        row += len(d) + 1
+    tokens, num_accepted = greedy_verify(logits, draft_lists)
+
+    greedy = SamplingParams(temperature=0)
+    probs = warp_probs(logits, [greedy] * rows)  # one-hot rows [rows, V]
+    B, K = len(draft_lists), max(len(d) for d in draft_lists)
+    target = torch.zeros(B, K + 1, vocab)
+    draft = torch.zeros(B, K + 1, vocab)
+    draft_tokens = torch.zeros(B, K, dtype=torch.int64)
+    row = 0
+    for b, d in enumerate(draft_lists):
+        target[b, : len(d) + 1] = probs[row : row + len(d) + 1]
+        for i, t in enumerate(d):
+            draft[b, i, t] = 1.0
+            draft_tokens[b, i] = t
+        row += len(d) + 1
+    gens = [torch.Generator().manual_seed(b) for b in range(B)]
+    expected, expected_accepted = rejection_sample(draft_tokens, torch.tensor([len(d) for d in draft_lists]),
+                                                   draft, target, gens)
+    assert num_accepted == expected_accepted.tolist()
+    assert tokens == [expected[b, : n + 1].tolist() for b, n in enumerate(num_accepted)]
