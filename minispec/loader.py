@@ -20,6 +20,13 @@ from .tokenizer import Tokenizer
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 WEIGHT_MAJOR_ROWS = 16  # fp32 on CPU: linear layers fed 2..16 rows stream their weight once
+UPCAST_ROWS = 4  # bf16 / fp16 on a CPU without native bf16: linear layers fed more rows compute in fp32
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (AVX512-BF16 or AMX, through oneDNN)."""
+    flags = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(f is not None and f() for f in flags)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -82,10 +89,12 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
-    if device.type == "cpu" and dtype == torch.float32:
-        # Decode (1 row) and verification (k+1 rows) then cost about the same (see model.Linear).
-        # Not for bf16 on CPU, where the default path measured flatter; not on CUDA.
-        model.set_weight_major_rows(WEIGHT_MAJOR_ROWS)
+    if device.type == "cpu":
+        if dtype == torch.float32:
+            # Decode (1 row) and verification (k+1 rows) then cost about the same (model.Linear).
+            model.set_cpu_matmul(weight_major_rows=WEIGHT_MAJOR_ROWS)
+        elif not native_cpu_bf16():
+            model.set_cpu_matmul(upcast_rows=UPCAST_ROWS)  # prefill in fp32: emulated bf16 GEMMs are slow
     return model.eval()
 
 

@@ -28,39 +28,58 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op (the same math)
+        if x.dtype == torch.float32:  # one fused op
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in fp32, round to the model's dtype, then scale (HF's order for bf16/fp16).
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Linear(nn.Linear):
     """y = x W^T + b, with W [out, in] as in nn.Linear (and HF checkpoints).
 
-    For a few rows (2 <= M <= weight_major_rows) it computes (W x^T)^T instead: the same numbers
-    in another order. Why: decoding feeds 1 row, a speculative verification k+1 rows, and on CPU
-    PyTorch's default path for x W^T packs W for every call once M > 1, so the cost of a forward
-    grows with M (fp32 on a Zen 3 CPU, whole SmolLM2 forward: 1.5x at M = 2, 1.8x at M = 3) even
-    though every weight is read once either way. With W as the left operand the GEMM streams W
-    once for all M rows: the same forward costs 0.9-1.2x of M = 1 for M = 2..9. M = 1 keeps the
-    default (a matrix-vector product, already one pass over W); large M (prefill) too.
-    `weight_major_rows` is 0 (off) unless the loader turns it on (fp32 on CPU, see build_model).
+    Two CPU entry points, both the same math, chosen by the number of rows M (the loader turns
+    them on where they were measured to help; see `Transformer.set_cpu_matmul`):
+    * 2 <= M <= weight_major_rows: (W x^T)^T. Decoding feeds 1 row, a speculative verification
+      k+1 rows, and on CPU PyTorch's default fp32 path packs W for every call once M > 1, so a
+      forward's cost grows with M (a whole SmolLM2 forward on a Zen 3 CPU: 1.5x at M = 2, 1.8x at
+      M = 3) although each weight is read once either way. With W as the left operand the GEMM
+      streams W once for all rows: 0.9-1.2x of M = 1 for M = 2..9.
+    * M > upcast_rows (bf16 / fp16 on a CPU without native bf16 matmuls): compute in fp32 from an
+      fp32 copy of W made per call. Emulated bf16 GEMMs are slow for many rows (a 60-token
+      prefill of SmolLM2: 1.8 s in bf16, 0.6 s in fp32), while the copy costs one pass over W.
+    M = 1 keeps the default, a matrix-vector product that already makes one pass over W.
     """
 
-    weight_major_rows: int = 0
+    weight_major_rows: int = 0  # 0: off
+    upcast_rows: int = 0  # 0: off
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 2 <= x.shape[0] <= self.weight_major_rows:
-            y = (self.weight @ x.t()).t()  # [M, out] (a transposed view of [out, M])
-            return (y if self.bias is None else y + self.bias).contiguous()
+        if x.dim() == 2:
+            rows = x.shape[0]
+            if 2 <= rows <= self.weight_major_rows:
+                y = (self.weight @ x.t()).t()  # [M, out] (a transposed view of [out, M])
+                return (y if self.bias is None else y + self.bias).contiguous()
+            if 0 < self.upcast_rows < rows:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] on the last axis (the HF / GPT-NeoX RoPE layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin_signed for `apply_rope` at `positions` [...] -> two [..., 1, D] tensors (the 1
+    broadcasts over heads): angle_i = position * inv_freq_i, repeated over both halves of D."""
+    freqs = positions.float()[..., None] * inv_freq  # [..., D/2]
+    cos = torch.cat((freqs, freqs), dim=-1).cos()[..., None, :].to(dtype)  # [..., 1, D]
+    sin = freqs.sin()
+    return cos, torch.cat((-sin, sin), dim=-1)[..., None, :].to(dtype)  # [..., 1, D]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE in the HF / GPT-NeoX layout: x * cos + rotate_half(x) * sin, where
+    rotate_half([x1, x2]) = [-x2, x1] on the last axis. Written as x * cos + roll(x) * sin_signed
+    with roll([x1, x2]) = [x2, x1] and sin_signed = [-sin, sin] (the same products, fewer ops).
+    x: [T, H, D]; cos, sin_signed: [T, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -82,14 +101,14 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """x: [T, hidden], cos/sin: [T, 1, head_dim] -> [T, hidden]."""
+        """x: [T, hidden], cos / sin (signed, see apply_rope): [T, 1, head_dim] -> [T, hidden]."""
         cfg = self.cfg
         T = x.shape[0]
         q = self.q_proj(x).view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         out = backend(q, k, v, kv_cache, meta, cfg.head_dim**-0.5, cfg.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, cfg.num_heads * cfg.head_dim))
 
@@ -135,11 +154,12 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
 
-    def set_weight_major_rows(self, rows: int) -> None:
-        """Compute linear layers fed 2..rows rows as (W x^T)^T (see `Linear`); 0 turns it off."""
+    def set_cpu_matmul(self, weight_major_rows: int = 0, upcast_rows: int = 0) -> None:
+        """Linear layers fed 2..weight_major_rows rows compute (W x^T)^T; those fed more than
+        upcast_rows rows compute in fp32 (see `Linear`). 0 turns either off."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.weight_major_rows = rows
+                module.weight_major_rows, module.upcast_rows = weight_major_rows, upcast_rows
 
     @torch.inference_mode()
     def forward(
@@ -152,9 +172,7 @@ class Transformer(nn.Module):
         or None for a cache-free prefill. Returns fp32 logits [N, vocab] for meta.logits_indices
         (all T rows when None)."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope_tables(meta.positions, self.inv_freq, x.dtype)  # [T, 1, D] each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i], self.backend)
         if meta.logits_indices is not None:

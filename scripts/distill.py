@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_prompts  # noqa: E402
 
 from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Transformer, load_checkpoint  # noqa: E402
-from minispec.model import rotate_half  # noqa: E402
+from minispec.model import apply_rope, rope_tables  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -289,17 +289,15 @@ def hidden_states(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
     cfg = model.cfg
     B, L = ids.shape
     x = model.embed_tokens(ids)  # [B, L, hidden]
-    freqs = torch.arange(L, device=ids.device).float()[:, None] * model.inv_freq[None, :]  # [L, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[None, :, None, :]  # [1, L, 1, D]
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = rope_tables(torch.arange(L, device=ids.device), model.inv_freq, x.dtype)  # [L, 1, D] each
     for layer in model.layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q = attn.q_proj(h).view(B, L, cfg.num_heads, cfg.head_dim)  # [B, L, Hq, D]
         k = attn.k_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
         v = attn.v_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = apply_rope(q, cos, sin)  # [L, 1, D] broadcasts over [B, L, H, D]
+        k = apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
         )  # [B, Hq, L, D]

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint
-from minispec.loader import WEIGHT_MAJOR_ROWS
+from minispec.loader import UPCAST_ROWS, WEIGHT_MAJOR_ROWS, native_cpu_bf16
 from minispec.model import Linear
 from minispec.sampling import warp_probs
 from minispec.speculative import greedy_verify, rejection_sample
@@ -37,11 +37,31 @@ def test_weight_major_linear_equals_f_linear(rows, bias, seed):
     torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias))
 
 
-def test_loader_turns_weight_major_on_for_fp32_cpu_only(tiny_llama):
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 40), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_upcast_linear_equals_fp32_math_rounded(rows, bias, seed):
+    """bf16 layers fed many rows compute in fp32 and round once: exactly F.linear in fp32 on the
+    bf16 values, rounded to bf16."""
+    torch.manual_seed(seed)
+    layer = Linear(48, 80, bias=bias).to(torch.bfloat16)
+    layer.upcast_rows = 16
+    x = torch.randn(rows, 48).to(torch.bfloat16)  # [M, in]
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    if rows > 16:
+        b = None if layer.bias is None else layer.bias.float()
+        assert torch.equal(y, F.linear(x.float(), layer.weight.float(), b).to(torch.bfloat16))
+    else:
+        assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
+
+
+def test_loader_turns_cpu_matmul_paths_on_by_dtype(tiny_llama):
+    """fp32 on CPU: the weight-major product; bf16: fp32 prefill unless the CPU has native bf16."""
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
     bf16, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
-    assert {m.weight_major_rows for m in fp32.modules() if isinstance(m, Linear)} == {WEIGHT_MAJOR_ROWS}
-    assert {m.weight_major_rows for m in bf16.modules() if isinstance(m, Linear)} == {0}
+    plan = lambda model: {(m.weight_major_rows, m.upcast_rows) for m in model.modules() if isinstance(m, Linear)}  # noqa: E731
+    assert plan(fp32) == {(WEIGHT_MAJOR_ROWS, 0)}
+    assert plan(bf16) == {(0, 0 if native_cpu_bf16() else UPCAST_ROWS)}
 
 
 def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
@@ -51,7 +71,7 @@ def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
     outputs, logits = [], []
     for rows in (WEIGHT_MAJOR_ROWS, 0):
         model, tok = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-        model.set_weight_major_rows(rows)
+        model.set_cpu_matmul(weight_major_rows=rows)
         llm = LLM(model=(model, tok), draft_model="ngram", num_speculative_tokens=4, kv_cache_gib=0.01)
         outputs.append(llm.generate(["the quick brown fox jumps"], params)[0].token_ids)
         ids = torch.tensor(tok.encode("hello world, this is a test of"))
