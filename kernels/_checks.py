@@ -5,25 +5,29 @@ launch on a GPU is otherwise an illegal memory access reported far from its caus
 wrong numbers.
 """
 
+from collections.abc import Callable
+
 import torch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
-def check(condition: bool, message: str) -> None:
-    """Raise ValueError(message) unless condition holds."""
+def check(condition: bool, message: str | Callable[[], str]) -> None:
+    """Raise ValueError(message) unless condition holds. A message that needs formatting is passed
+    as a lambda, so that it is built only on failure: the checks run in every layer of every step."""
     if not condition:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
 
 
 def check_head_dim(head_dim: int) -> None:
     check(head_dim in SUPPORTED_HEAD_DIMS,
-          f"head_dim {head_dim} is not supported; use a power of two in {SUPPORTED_HEAD_DIMS}")
+          lambda: f"head_dim {head_dim} is not supported; use a power of two in {SUPPORTED_HEAD_DIMS}")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    check(len(set(devices.values())) == 1, f"tensors are on different devices: {devices}")
+    first = next(iter(tensors.values())).device
+    check(all(t.device == first for t in tensors.values()),
+          lambda: f"tensors are on different devices: { {name: t.device for name, t in tensors.items()} }")
 
 
 def no_window() -> int:

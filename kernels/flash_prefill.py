@@ -144,7 +144,7 @@ def flash_prefill(
     default_m, default_n = default_prefill_tiles(head_dim)
     block_m, block_n = block_m or default_m, block_n or default_n
     for name, size in (("block_m", block_m), ("block_n", block_n)):
-        check(size >= 16 and size & (size - 1) == 0, f"{name} must be a power of two >= 16, got {size}")
+        check(size >= 16 and size & (size - 1) == 0, lambda: f"{name} must be a power of two >= 16, got {size}")
 
     out = torch.empty_like(q)  # [T, Hq, D]
     num_seqs = cu_seqlens.numel() - 1
@@ -199,30 +199,30 @@ def flash_prefill_ref(
 def _check_prefill_args(q, k, v, cu_seqlens, max_seqlen, sliding_window, validate) -> None:
     """Checks shared by the kernel and its reference; the value checks only when validating."""
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
-          f"q, k, v must be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+          lambda: f"q, k, v must be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
-    check(k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    check(k.shape == v.shape, lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     check(k.shape[0] == num_tokens and k.shape[2] == head_dim,
-          f"k/v {tuple(k.shape)} must be [T={num_tokens}, Hkv, D={head_dim}] like q {tuple(q.shape)}")
+          lambda: f"k/v {tuple(k.shape)} must be [T={num_tokens}, Hkv, D={head_dim}] like q {tuple(q.shape)}")
     num_kv_heads = k.shape[1]
     check(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
-          f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+          lambda: f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
     check_head_dim(head_dim)
-    check(q.dtype == k.dtype == v.dtype, f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
+    check(q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), lambda: f"unsupported dtype {q.dtype}")
     check(cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1 and cu_seqlens.dtype == torch.int32,
-          f"cu_seqlens must be a 1-D int32 tensor [B+1]; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+          lambda: f"cu_seqlens must be a 1-D int32 tensor [B+1]; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     check_same_device(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check(t.stride(2) == 1, f"{name} must be contiguous in its last (head_dim) dimension")
-    check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
-    check(max_seqlen >= 0, f"max_seqlen must be >= 0, got {max_seqlen}")
+        check(t.stride(2) == 1, lambda: f"{name} must be contiguous in its last (head_dim) dimension")
+    check(sliding_window is None or sliding_window >= 1, lambda: f"sliding_window must be >= 1, got {sliding_window}")
+    check(max_seqlen >= 0, lambda: f"max_seqlen must be >= 0, got {max_seqlen}")
     if validate is None:
         validate = not cu_seqlens.is_cuda
     if validate and cu_seqlens.numel() > 1:
         seq_lens = cu_seqlens.diff()  # [B]
         check(int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == q.shape[0],
-              f"cu_seqlens must run from 0 to T={q.shape[0]}; got {int(cu_seqlens[0])}..{int(cu_seqlens[-1])}")
+              lambda: f"cu_seqlens must run from 0 to T={q.shape[0]}; got {int(cu_seqlens[0])}..{int(cu_seqlens[-1])}")
         check(bool((seq_lens >= 0).all()), "cu_seqlens must be non-decreasing")
         check(int(seq_lens.max()) <= max_seqlen,
-              f"a sequence has {int(seq_lens.max())} tokens, more than max_seqlen={max_seqlen}")
+              lambda: f"a sequence has {int(seq_lens.max())} tokens, more than max_seqlen={max_seqlen}")

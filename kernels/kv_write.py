@@ -103,24 +103,24 @@ def write_kv_ref(
 def _check_write_args(k, v, k_cache, v_cache, slot_mapping, validate) -> None:
     """Checks shared by the kernel and its reference; the value check only when validating."""
     check(k.dim() == 3 and k.shape == v.shape,
-          f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
+          lambda: f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
     check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-          f"k_cache and v_cache must both be [num_pages, page_size, Hkv, D]; "
+          lambda: f"k_cache and v_cache must both be [num_pages, page_size, Hkv, D]; "
           f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     num_tokens, num_kv_heads, head_dim = k.shape
     num_pages, page_size = k_cache.shape[:2]
     check(k_cache.shape[2:] == (num_kv_heads, head_dim),
-          f"cache heads/head_dim {tuple(k_cache.shape[2:])} differ from k's {(num_kv_heads, head_dim)}")
-    check(head_dim >= 1 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}")
+          lambda: f"cache heads/head_dim {tuple(k_cache.shape[2:])} differ from k's {(num_kv_heads, head_dim)}")
+    check(head_dim >= 1 and head_dim & (head_dim - 1) == 0, lambda: f"head_dim must be a power of two, got {head_dim}")
     check(k.dtype == v.dtype == k_cache.dtype == v_cache.dtype,
-          f"dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+          lambda: f"dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,),
-          f"slot_mapping must be int64 [T={num_tokens}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+          lambda: f"slot_mapping must be int64 [T={num_tokens}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check(t.stride(-1) == 1, f"{name} must be contiguous in its last (head_dim) dimension")
+        check(t.stride(-1) == 1, lambda: f"{name} must be contiguous in its last (head_dim) dimension")
     if validate is None:
         validate = not k.is_cuda
     if validate and num_tokens > 0:
         check(int(slot_mapping.max()) < num_pages * page_size,
-              f"slot {int(slot_mapping.max())} is outside the pool of {num_pages} pages x {page_size} slots")
+              lambda: f"slot {int(slot_mapping.max())} is outside the pool of {num_pages} pages x {page_size} slots")

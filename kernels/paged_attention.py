@@ -255,8 +255,8 @@ def paged_attention(
     default_m, default_n = default_paged_tiles(head_dim, max_query_len, group)
     block_m, block_n = block_m or default_m, block_n or default_n
     check(block_m >= max(16, group_pad) and block_m & (block_m - 1) == 0,
-          f"block_m must be a power of two >= max(16, query heads per kv head = {group}), got {block_m}")
-    check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
+          lambda: f"block_m must be a power of two >= max(16, query heads per kv head = {group}), got {block_m}")
+    check(block_n >= 16 and block_n & (block_n - 1) == 0, lambda: f"block_n must be a power of two >= 16, got {block_n}")
     block_q = block_m // group_pad
 
     out = torch.empty_like(q)  # [T, Hq, D]
@@ -265,7 +265,7 @@ def paged_attention(
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs * num_q_tiles * num_kv_heads, max_seq_len, block_n, q.device)
-    check(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    check(1 <= num_splits <= MAX_SPLITS, lambda: f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
     if num_splits == 1:
         acc_partial = m_partial = l_partial = out  # unused by the kernel; any tensor will do
@@ -452,38 +452,38 @@ def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale, out
 def _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       max_query_len, max_seq_len, sliding_window, validate) -> None:
     """Checks shared by the kernel and its reference; the value checks only when validating."""
-    check(q.dim() == 3, f"q must be [T, Hq, D]; got {tuple(q.shape)}")
-    check(k_cache.dim() == 4, f"k_cache must be [num_pages, page_size, Hkv, D]; got {tuple(k_cache.shape)}")
+    check(q.dim() == 3, lambda: f"q must be [T, Hq, D]; got {tuple(q.shape)}")
+    check(k_cache.dim() == 4, lambda: f"k_cache must be [num_pages, page_size, Hkv, D]; got {tuple(k_cache.shape)}")
     check(k_cache.shape == v_cache.shape,
-          f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
+          lambda: f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, cache_head_dim = k_cache.shape
-    check(cache_head_dim == head_dim, f"head_dim of q ({head_dim}) and of the cache ({cache_head_dim}) differ")
+    check(cache_head_dim == head_dim, lambda: f"head_dim of q ({head_dim}) and of the cache ({cache_head_dim}) differ")
     check(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
-          f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+          lambda: f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
     check_head_dim(head_dim)
     check(page_size >= 1, "page_size must be >= 1")
     check(q.dtype == k_cache.dtype == v_cache.dtype,
-          f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
+          lambda: f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), lambda: f"unsupported dtype {q.dtype}")
     check(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
-          f"block_tables must be a 2-D int32 tensor [B, max_pages]; got {block_tables.dtype} {tuple(block_tables.shape)}")
+          lambda: f"block_tables must be a 2-D int32 tensor [B, max_pages]; got {block_tables.dtype} {tuple(block_tables.shape)}")
     num_seqs = block_tables.shape[0]
     check(seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32,
-          f"seq_lens must be int32 [B={num_seqs}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+          lambda: f"seq_lens must be int32 [B={num_seqs}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     check(query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32,
-          f"query_start_loc must be int32 [B+1={num_seqs + 1}]; got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+          lambda: f"query_start_loc must be int32 [B+1={num_seqs + 1}]; got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                       seq_lens=seq_lens, query_start_loc=query_start_loc)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check(t.stride(-1) == 1, f"{name} must be contiguous in its last (head_dim) dimension")
+        check(t.stride(-1) == 1, lambda: f"{name} must be contiguous in its last (head_dim) dimension")
     check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
-    check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
+    check(sliding_window is None or sliding_window >= 1, lambda: f"sliding_window must be >= 1, got {sliding_window}")
     check(0 <= max_query_len <= max_seq_len,
-          f"need 0 <= max_query_len ({max_query_len}) <= max_seq_len ({max_seq_len})")
+          lambda: f"need 0 <= max_query_len ({max_query_len}) <= max_seq_len ({max_seq_len})")
     pages_needed = -(-max_seq_len // page_size)
     check(block_tables.shape[1] >= pages_needed,
-          f"block_tables has {block_tables.shape[1]} columns but max_seq_len={max_seq_len} "
+          lambda: f"block_tables has {block_tables.shape[1]} columns but max_seq_len={max_seq_len} "
           f"needs ceil({max_seq_len}/{page_size}) = {pages_needed} pages")
 
     if validate is None:
@@ -492,16 +492,16 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         return
     q_lens = query_start_loc.diff()  # [B]
     check(int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == num_tokens,
-          f"query_start_loc must run from 0 to T={num_tokens}; "
+          lambda: f"query_start_loc must run from 0 to T={num_tokens}; "
           f"got {int(query_start_loc[0])}..{int(query_start_loc[-1])}")
     check(bool((q_lens >= 0).all()), "query_start_loc must be non-decreasing")
     check(int(q_lens.max()) <= max_query_len,
-          f"a sequence has {int(q_lens.max())} new tokens, more than max_query_len={max_query_len}")
+          lambda: f"a sequence has {int(q_lens.max())} new tokens, more than max_query_len={max_query_len}")
     check(bool((q_lens <= seq_lens).all()),
-          f"every sequence needs q_len <= seq_len (its new tokens are in the cache); "
+          lambda: f"every sequence needs q_len <= seq_len (its new tokens are in the cache); "
           f"q_lens {q_lens.tolist()}, seq_lens {seq_lens.tolist()}")
     check(int(seq_lens.max()) <= max_seq_len,
-          f"a sequence has {int(seq_lens.max())} tokens, more than max_seq_len={max_seq_len}")
+          lambda: f"a sequence has {int(seq_lens.max())} tokens, more than max_seq_len={max_seq_len}")
     pages_used = (seq_lens.long() + page_size - 1) // page_size  # [B]
     in_use = torch.arange(block_tables.shape[1], device=q.device)[None, :] < pages_used[:, None]  # [B, max_pages]
     bad = in_use & ((block_tables < 0) | (block_tables >= num_pages))
