@@ -19,7 +19,7 @@ from .model import Transformer
 from .tokenizer import Tokenizer
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
-WEIGHT_MAJOR_ROWS = 16  # fp32 on CPU: linear layers fed 2..16 rows stream their weight once
+WEIGHT_MAJOR_ROWS = 16  # fp32 on CPU: linear layers fed 1..16 rows compute W-major (model.weight_major)
 UPCAST_ROWS = 4  # bf16 / fp16 on a CPU without native bf16: linear layers fed more rows compute in fp32
 
 
@@ -91,7 +91,7 @@ def build_model(
     model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
     if device.type == "cpu":
         if dtype == torch.float32:
-            # Decode (1 row) and verification (k+1 rows) then cost about the same (model.Linear).
+            # Decode (1 row) on all cores; verification (k+1 rows) streams each weight once (model.Linear).
             model.set_cpu_matmul(weight_major_rows=WEIGHT_MAJOR_ROWS)
         elif not native_cpu_bf16():
             model.set_cpu_matmul(upcast_rows=UPCAST_ROWS)  # prefill in fp32: emulated bf16 GEMMs are slow

@@ -39,15 +39,16 @@ class Linear(nn.Linear):
 
     Two CPU entry points, both the same math, chosen by the number of rows M (the loader turns
     them on where they were measured to help; see `Transformer.set_cpu_matmul`):
-    * 2 <= M <= weight_major_rows: (W x^T)^T. Decoding feeds 1 row, a speculative verification
-      k+1 rows, and on CPU PyTorch's default fp32 path packs W for every call once M > 1, so a
-      forward's cost grows with M (a whole SmolLM2 forward on a Zen 3 CPU: 1.5x at M = 2, 1.8x at
-      M = 3) although each weight is read once either way. With W as the left operand the GEMM
-      streams W once for all rows: 0.9-1.2x of M = 1 for M = 2..9.
+    * 1 <= M <= weight_major_rows (fp32): `weight_major`, the product with W as the left operand,
+      its rows split into one block per thread. Decoding feeds 1 row, a speculative verification
+      k+1 rows. Measured on a 2-core Zen 3 CPU, whole SmolLM2 forward: PyTorch's default path runs
+      1 row as a single-threaded matrix-vector product, and for 2..16 rows packs W on every call,
+      so the cost grew with M (1.5x at M = 2, 1.8x at M = 3); W-major blocks use both cores for
+      one row (the matmuls 1.6x faster) and stream W once for a few rows (0.9-1.2x of M = 1's old
+      cost for M = 2..9).
     * M > upcast_rows (bf16 / fp16 on a CPU without native bf16 matmuls): compute in fp32 from an
       fp32 copy of W made per call. Emulated bf16 GEMMs are slow for many rows (a 60-token
       prefill of SmolLM2: 1.8 s in bf16, 0.6 s in fp32), while the copy costs one pass over W.
-    M = 1 keeps the default, a matrix-vector product that already makes one pass over W.
     """
 
     weight_major_rows: int = 0  # 0: off
@@ -56,13 +57,29 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             rows = x.shape[0]
-            if 2 <= rows <= self.weight_major_rows:
-                y = (self.weight @ x.t()).t()  # [M, out] (a transposed view of [out, M])
-                return (y if self.bias is None else y + self.bias).contiguous()
+            if 1 <= rows <= self.weight_major_rows:
+                return weight_major(x, self.weight, self.bias)
             if 0 < self.upcast_rows < rows:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+
+def weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] @ weight [out, in]^T (+ bias) computed as weight @ x^T, with weight's rows split
+    into P = torch.get_num_threads() blocks that one batched matmul runs in parallel:
+    [P, out/P, in] @ [P, in, M] -> [P, out/P, M] -> [M, out]. Falls back to one block when P does
+    not divide out (and to F.linear for one row, whose single block is a matrix-vector product)."""
+    out_features, in_features = weight.shape
+    rows, parts = x.shape[0], torch.get_num_threads()
+    if parts > 1 and out_features % parts == 0:
+        blocks = weight.view(parts, out_features // parts, in_features)  # [P, out/P, in]
+        y = torch.bmm(blocks, x.t().expand(parts, in_features, rows)).view(out_features, rows).t()  # [M, out]
+    elif rows > 1:
+        y = (weight @ x.t()).t()  # [M, out] (a transposed view of [out, M])
+    else:
+        return F.linear(x, weight, bias)
+    return (y if bias is None else y + bias).contiguous()
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +172,8 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
 
     def set_cpu_matmul(self, weight_major_rows: int = 0, upcast_rows: int = 0) -> None:
-        """Linear layers fed 2..weight_major_rows rows compute (W x^T)^T; those fed more than
-        upcast_rows rows compute in fp32 (see `Linear`). 0 turns either off."""
+        """Linear layers fed 1..weight_major_rows rows compute W-major (`weight_major`); those fed
+        more than upcast_rows rows compute in fp32 (see `Linear`). 0 turns either off."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.weight_major_rows, module.upcast_rows = weight_major_rows, upcast_rows

@@ -23,15 +23,26 @@ from minispec.sampling import warp_probs
 from minispec.speculative import greedy_verify, rejection_sample
 
 
-@settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 24), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_weight_major_linear_equals_f_linear(rows, bias, seed):
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 24), out=st.sampled_from([80, 81]), bias=st.booleans(), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**16))
+def test_weight_major_linear_equals_f_linear(rows, out, bias, threads, seed):
+    """Any row count, out_features divisible by the thread count or not, one or two threads."""
     torch.manual_seed(seed)
-    layer = Linear(48, 80, bias=bias)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_linear(rows, out, bias)
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_linear(rows: int, out: int, bias: bool) -> None:
+    layer = Linear(48, out, bias=bias)
     layer.weight_major_rows = 16
     x = torch.randn(rows, 48)  # [M, in]
     y = layer(x)  # [M, out]
-    assert y.shape == (rows, 80) and y.is_contiguous()
+    assert y.shape == (rows, out) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     x3 = torch.randn(2, rows, 48)  # other ranks take the default path
     torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias))
