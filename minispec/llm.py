@@ -38,6 +38,12 @@ class RequestOutput:
     finish_reason: str  # "length" | "eos" | "stop" | "abort"
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: log-prob}, if requested
+    prompt: str | None = None  # the prompt text, when it was given as text
+
+    @property
+    def outputs(self) -> list["RequestOutput"]:
+        """vLLM's shape: `output.outputs[0].text` (one completion per prompt here)."""
+        return [self]
 
 
 @dataclass
@@ -53,8 +59,11 @@ class LLM:
         self,
         model: str | tuple[Transformer, Tokenizer],
         draft_model: str | tuple[Transformer, Tokenizer] | None = None,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int | None = None,
         *,
+        speculative_model: str | tuple[Transformer, Tokenizer] | None = None,
+        speculative_config: dict | None = None,
+        tensor_parallel_size: int = 1,
         dtype: str | torch.dtype | None = "auto",
         device: str | None = None,
         backend: str | None = None,
@@ -74,7 +83,12 @@ class LLM:
         kv_cache_gib: KV budget for both pools together (default: gpu_memory_utilization of the
         free GPU memory on CUDA, 1 GiB on CPU), split in proportion to per-token KV size.
         draft_confidence_threshold: adaptive draft length for a draft model; each step drafts up
-        to num_speculative_tokens, stopping after a token the draft gave probability < threshold."""
+        to num_speculative_tokens, stopping after a token the draft gave probability < threshold.
+        vLLM spellings are accepted too: speculative_model= (older vLLM) for draft_model, and
+        speculative_config={"model": ..., "num_speculative_tokens": ..., "method": "draft_model" |
+        "ngram"} (current vLLM); tensor_parallel_size must be 1 (one device)."""
+        draft_model, num_speculative_tokens = vllm_spec_args(
+            draft_model, num_speculative_tokens, speculative_model, speculative_config, tensor_parallel_size)
         if draft_model is not None and not (isinstance(num_speculative_tokens, int) and 1 <= num_speculative_tokens <= 32):
             raise ValueError(f"num_speculative_tokens must be an int in [1, 32], got {num_speculative_tokens!r}")
         if draft_confidence_threshold is not None and (draft_model is None or draft_model == "ngram"):
@@ -186,16 +200,17 @@ class LLM:
                     self.engine.scheduler.abort(s)
         self.last_metrics = self.engine.run_metrics(seqs, time.perf_counter() - t0)
 
-    def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[StreamEvent]:
+    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Yield StreamEvent(index, new_token_ids, finished) as tokens are produced."""
-        return self._run(self._submit(prompts, params))
+        return self._run(self._submit(prompts, sampling_params))
 
     def generate(
-        self, prompts, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
     ) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order.
         use_tqdm prints a progress line (requests done, tokens, tokens/s) to stderr."""
-        seqs = self._submit(prompts, params)
+        prompts = as_prompt_list(prompts)
+        seqs = self._submit(prompts, sampling_params)
         done, tokens, t0 = 0, 0, time.perf_counter()
         for event in self._run(seqs):
             done += event.finished
@@ -205,14 +220,47 @@ class LLM:
                 print(f"\r[minispec] {done}/{len(seqs)} requests, {tokens} tokens, {rate:.1f} tok/s", end="", file=sys.stderr)
         if use_tqdm:
             print(file=sys.stderr)
-        return [self._output(i, s) for i, s in enumerate(seqs)]
+        return [self._output(i, s, p if isinstance(p, str) else None) for i, (s, p) in enumerate(zip(seqs, prompts))]
 
-    def _output(self, index: int, s: Sequence) -> RequestOutput:
+    def _output(self, index: int, s: Sequence, prompt: str | None = None) -> RequestOutput:
         text = self.tokenizer.decode(s.output_ids)
         if s.stop_text_end is not None:
             text = text[: s.stop_text_end]
         logprobs = list(s.logprobs) if s.params.logprobs is not None else None
-        return RequestOutput(index, s.prompt_ids, list(s.output_ids), text, s.finish_reason, s.metrics, logprobs)
+        return RequestOutput(index, s.prompt_ids, list(s.output_ids), text, s.finish_reason, s.metrics, logprobs, prompt)
+
+
+def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_model, speculative_config: dict | None,
+                   tensor_parallel_size: int) -> tuple:
+    """vLLM's ways of naming the drafter -> (draft_model, num_speculative_tokens; 4 by default)."""
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size must be 1 (minispec runs on one device), got {tensor_parallel_size!r}")
+    given = [name for name, value in (("draft_model", draft_model), ("speculative_model", speculative_model),
+                                      ("speculative_config", speculative_config)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"name the drafter once: got {' and '.join(given)}")
+    if speculative_model is not None:
+        draft_model = speculative_model
+    if speculative_config is not None:
+        if not isinstance(speculative_config, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
+        unknown = sorted(set(speculative_config) - {"method", "model", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative_config keys not supported: {unknown} (use method, model, num_speculative_tokens)")
+        method, model = speculative_config.get("method"), speculative_config.get("model")
+        if method == "ngram" or (method is None and model == "ngram"):
+            draft_model = "ngram"
+        elif method in (None, "draft_model"):
+            if model is None:
+                raise ValueError("speculative_config needs 'model' (a draft checkpoint) unless method is 'ngram'")
+            draft_model = model
+        else:
+            raise ValueError(f"speculative_config method {method!r} is not supported (use 'draft_model' or 'ngram')")
+        config_k = speculative_config.get("num_speculative_tokens")
+        if num_speculative_tokens is not None and config_k is not None and config_k != num_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} disagrees with speculative_config's {config_k}")
+        num_speculative_tokens = num_speculative_tokens if config_k is None else config_k
+    return draft_model, 4 if num_speculative_tokens is None else num_speculative_tokens
 
 
 def as_prompt_list(prompts) -> list:

@@ -308,3 +308,44 @@ def test_logprobs_are_the_targets_raw_log_softmax_at_each_generated_position(tin
                 assert math.isclose(lp, row[t].item(), abs_tol=1e-4), (j, t, lp, row[t].item())
             if temperature == 0:
                 assert token == top_ids[0].item()
+
+
+def test_vllm_style_code_runs_as_written(tiny_llama, tiny_llama_draft, capsys):
+    """The snippet users copy from vLLM articles, unmodified apart from the paths: the older
+    `speculative_model=` spelling, `tensor_parallel_size=1`, `output.prompt` and
+    `output.outputs[0].text`."""
+    prompt = "the quick brown fox"
+    llm = LLM(model=str(tiny_llama), speculative_model=str(tiny_llama_draft), tensor_parallel_size=1)
+    sampling_params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=100)
+    for output in llm.generate([prompt], sampling_params):
+        print(output.prompt, output.outputs[0].text)
+    assert llm.engine.drafter is not None and llm.engine.k == 4
+    out = llm.generate([prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6))[0]
+    assert out.prompt == prompt and out.outputs[0] is out and out.outputs[0].token_ids == out.token_ids
+    assert capsys.readouterr().out.startswith(prompt + " ")
+
+
+def test_vllm_speculative_config_is_accepted(tiny_llama, tiny_llama_draft):
+    """Current vLLM's speculative_config dict: a draft model (k from the dict) or n-gram drafting;
+    greedy output equals plain decoding either way."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama)).generate(["hello world"], params)[0].token_ids
+    draft = LLM(model=str(tiny_llama), speculative_config={"model": str(tiny_llama_draft), "num_speculative_tokens": 3})
+    ngram = LLM(model=str(tiny_llama), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert draft.engine.k == 3 and ngram.engine.k == 2
+    assert draft.generate(["hello world"], params)[0].token_ids == plain
+    assert ngram.generate(["hello world"], params)[0].token_ids == plain
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size must be 1"),
+    (dict(draft_model="ngram", speculative_model="ngram"), "name the drafter once: got draft_model and speculative_model"),
+    (dict(speculative_config={"method": "eagle", "model": "x"}), "method 'eagle' is not supported"),
+    (dict(speculative_config={"model": "x", "draft_tensor_parallel_size": 1}), "keys not supported"),
+    (dict(speculative_config={"num_speculative_tokens": 2}), "needs 'model'"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, num_speculative_tokens=3), "disagrees"),
+    (dict(speculative_config=["ngram"]), "must be a dict"),
+])
+def test_vllm_spellings_are_checked(tiny_llama, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tiny_llama), **kwargs)
