@@ -231,13 +231,12 @@ def hf_arms(target_dir: Path, draft_dir: Path | None, params, dtype, device, war
     # Generation settings live in one GenerationConfig (no loose kwargs, which transformers deprecates).
     base = dict(max_new_tokens=params.max_tokens, min_new_tokens=params.max_tokens, do_sample=False,
                 pad_token_id=0, temperature=None, top_p=None, top_k=None)
-    variants = [("hf generate", GenerationConfig(**base), {}),
-                ("hf prompt_lookup=10", GenerationConfig(**base, prompt_lookup_num_tokens=10), {})]
-    if not all_variants:
-        variants = variants[:1]
-    elif draft_dir is not None and draft_dir.is_dir():
-        assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval()
-        variants.insert(1, ("hf assistant_model", GenerationConfig(**base), {"assistant_model": assistant}))
+    variants = [("hf generate", GenerationConfig(**base), {})]
+    if all_variants:
+        if draft_dir is not None and draft_dir.is_dir():
+            assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval()
+            variants.append(("hf assistant_model", GenerationConfig(**base), {"assistant_model": assistant}))
+        variants.append(("hf prompt_lookup=10", GenerationConfig(**base, prompt_lookup_num_tokens=10), {}))
 
     def make_run(config, extra) -> Callable[[list[list[int]]], Run]:
         def run(prompts: list[list[int]]) -> Run:
@@ -332,25 +331,21 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
     if arm.drafter == "peer":
         row.note = "peer"
         return row
-    steps = sum(r.metrics.num_steps for r in arm.runs)  # target steps summed over requests
-    drafted = sum(r.metrics.num_drafted for r in arm.runs)
-    accepted = sum(r.metrics.num_accepted for r in arm.runs)
-    row.draft_s = sum(r.metrics.draft_s for r in arm.runs)
-    row.target_s = sum(r.metrics.target_s for r in arm.runs)
+    from minispec.metrics import RunMetrics
+
+    total = RunMetrics()  # the rounds' counts added up, as a generate call adds its requests'
+    for r in arm.runs:
+        total.add(r.metrics, r.metrics.num_generated)
+        total.draft_s += r.metrics.draft_s
+        total.target_s += r.metrics.target_s
+    steps, drafted = total.num_steps, total.num_drafted  # target steps summed over requests
+    row.draft_s, row.target_s = total.draft_s, total.target_s
     row.other_s = max(wall - row.draft_s - row.target_s, 0.0)
     row.target_fwd_per_token = steps / max(row.tokens, 1)
     row.peak_mem_mib = peak_memory_mib(device)
     if arm.drafter != "none":
-        row.acceptance = accepted / drafted if drafted else 0.0
-        row.accepted_per_step = 1 + accepted / steps if steps else 0.0
-        per_drafted = [0] * max(len(r.metrics.drafted_per_position) for r in arm.runs)
-        per_accepted = [0] * len(per_drafted)
-        for r in arm.runs:
-            for i, n in enumerate(r.metrics.drafted_per_position):
-                per_drafted[i] += n
-            for i, n in enumerate(r.metrics.accepted_per_position):
-                per_accepted[i] += n
-        row.per_position = [round(a / d, 3) if d else 0.0 for a, d in zip(per_accepted, per_drafted)]
+        row.acceptance, row.accepted_per_step = total.acceptance_rate, total.mean_accepted_per_step
+        row.per_position = [round(x, 3) for x in total.per_position_acceptance]
     if base_step_s:
         row.verify_cost = row.target_s / max(steps, 1) / base_step_s
         if arm.drafter != "none" and drafted:
