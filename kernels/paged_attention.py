@@ -367,8 +367,6 @@ class ShortQueryPlan:
     slots: torch.Tensor  # [B, L] int64
     visible: torch.Tensor  # [B, Qm, L] bool
     row_ids: torch.Tensor  # [B * Qm] int64
-    num_seqs: int  # B
-    max_q_len: int  # Qm
     keep: torch.Tensor | None  # [N] rows of the padded output that are real queries (None: all)
     keep_rows: torch.Tensor | None  # [N] their rows in q
 
@@ -421,7 +419,7 @@ def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs
         kept = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]
         keep = torch.tensor(kept, device=device)
         keep_rows = torch.tensor([rows[j] for j in kept], device=device)
-    return ShortQueryPlan(slots, visible, torch.tensor(rows, device=device), B, Qm, keep, keep_rows)
+    return ShortQueryPlan(slots, visible, torch.tensor(rows, device=device), keep, keep_rows)
 
 
 def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale, out) -> None:
@@ -430,8 +428,8 @@ def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale, out
     [B, L, Hkv, D]; the same math as `masked_attention` (fp32)."""
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    B, Qm, group = plan.num_seqs, plan.max_q_len, num_q_heads // num_kv_heads
-    L = plan.slots.shape[1]
+    B, Qm, L = plan.visible.shape
+    group = num_q_heads // num_kv_heads
     keys = k_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
     values = v_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
     q_f = q[plan.row_ids].float()  # [B * Qm, Hq, D]
