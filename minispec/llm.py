@@ -13,11 +13,13 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .attention import AttentionBackend
 from .drafters import ModelDrafter, NgramDrafter
+from .eagle import EagleDrafter, EagleModel, is_eagle_checkpoint, load_eagle
 from .engine import LLMEngine
 from .kv_cache import KVCache
 from .loader import load_checkpoint
@@ -79,14 +81,16 @@ class LLM:
         verbose: bool = False,
     ):
         """model / draft_model: an HF checkpoint dir, a .gguf file, or an already built
-        (Transformer, Tokenizer) pair; draft_model="ngram" selects prompt-lookup drafting.
+        (Transformer, Tokenizer) pair; draft_model="ngram" selects prompt-lookup drafting; an
+        EAGLE-3 checkpoint dir (config.json with draft_vocab_size, see eagle.py) or a built
+        EagleModel selects the feature drafter.
         kv_cache_gib: KV budget for both pools together (default: gpu_memory_utilization of the
         free GPU memory on CUDA, 1 GiB on CPU), split in proportion to per-token KV size.
         draft_confidence_threshold: adaptive draft length for a draft model; each step drafts up
         to num_speculative_tokens, stopping after a token the draft gave probability < threshold.
         vLLM spellings are accepted too: speculative_model= (older vLLM) for draft_model, and
         speculative_config={"model": ..., "num_speculative_tokens": ..., "method": "draft_model" |
-        "ngram"} (current vLLM); tensor_parallel_size must be 1 (one device)."""
+        "ngram" | "eagle3"} (current vLLM); tensor_parallel_size must be 1 (one device)."""
         draft_model, num_speculative_tokens = vllm_spec_args(
             draft_model, num_speculative_tokens, speculative_model, speculative_config, tensor_parallel_size)
         if draft_model is not None and not (isinstance(num_speculative_tokens, int) and 1 <= num_speculative_tokens <= 32):
@@ -99,26 +103,32 @@ class LLM:
         target, self.tokenizer = self._load(model, dtype, device, backend)
         device_ = target.embed_tokens.weight.device
         draft = None
-        if draft_model is not None and draft_model != "ngram":
+        if isinstance(draft_model, EagleModel):  # built for this target (see eagle.build_eagle)
+            draft = draft_model
+        elif isinstance(draft_model, (str, Path)) and draft_model != "ngram" and is_eagle_checkpoint(draft_model):
+            draft = load_eagle(draft_model, target)
+        elif draft_model is not None and draft_model != "ngram":
             draft, draft_tok = self._load(draft_model, dtype, device_, backend)
             check_same_vocab(self.tokenizer, draft_tok, target, draft)
 
         models = [target] + ([draft] if draft is not None else [])
         budget = self._kv_budget(kv_cache_gib, gpu_memory_utilization, device_)
-        per_token = [KVCache.bytes_per_page(m.cfg, 1, m.embed_tokens.weight.dtype) for m in models]
+        per_token = [KVCache.bytes_per_page(m.cfg, 1, m.lm_head.weight.dtype) for m in models]
         # No more pages than max_num_seqs full-length sequences could ever use.
         max_len = min(target.cfg.max_position_embeddings, max_model_len or target.cfg.max_position_embeddings)
         max_pages = max_num_seqs * -(-max_len // page_size)
         caches = [
             KVCache.from_budget(
-                m.cfg, int(budget * b / sum(per_token)), page_size, m.embed_tokens.weight.dtype, device_, max_pages
+                m.cfg, int(budget * b / sum(per_token)), page_size, m.lm_head.weight.dtype, device_, max_pages
             )
             for m, b in zip(models, per_token)
         ]
         runners = [ModelRunner(m, c) for m, c in zip(models, caches)]
         for r in runners:
             r.max_positions = min(r.max_positions, max_len)
-        if draft is not None:
+        if isinstance(draft, EagleModel):
+            drafter = EagleDrafter(runners[1], draft_confidence_threshold)
+        elif draft is not None:
             drafter = ModelDrafter(runners[1], draft_confidence_threshold)
         elif draft_model == "ngram":
             drafter = NgramDrafter(ngram_max, ngram_min)
@@ -250,12 +260,15 @@ def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_
         method, model = speculative_config.get("method"), speculative_config.get("model")
         if method == "ngram" or (method is None and model == "ngram"):
             draft_model = "ngram"
-        elif method in (None, "draft_model"):
+        elif method in (None, "draft_model", "eagle", "eagle3"):
             if model is None:
                 raise ValueError("speculative_config needs 'model' (a draft checkpoint) unless method is 'ngram'")
+            if method in ("eagle", "eagle3") and not (isinstance(model, EagleModel) or is_eagle_checkpoint(model)):
+                raise ValueError(f"speculative_config method {method!r} needs an EAGLE-3 checkpoint (config.json with "
+                                 f"draft_vocab_size); {model!r} is not one")
             draft_model = model
         else:
-            raise ValueError(f"speculative_config method {method!r} is not supported (use 'draft_model' or 'ngram')")
+            raise ValueError(f"speculative_config method {method!r} is not supported (use 'draft_model', 'eagle3' or 'ngram')")
         config_k = speculative_config.get("num_speculative_tokens")
         if num_speculative_tokens is not None and config_k is not None and config_k != num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} disagrees with speculative_config's {config_k}")

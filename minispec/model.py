@@ -100,13 +100,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """GQA attention; q/k/v read `in_features` (hidden_size unless given: the EAGLE layer's are 2x)."""
+
+    def __init__(self, cfg: ModelConfig, in_features: int | None = None):
         super().__init__()
         self.cfg = cfg
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        self.q_proj = Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias)
-        self.k_proj = Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
-        self.v_proj = Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        width = in_features or cfg.hidden_size
+        self.q_proj = Linear(width, hq * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(width, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(width, hkv * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
@@ -118,7 +121,7 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """x: [T, hidden], cos / sin (signed, see apply_rope): [T, 1, head_dim] -> [T, hidden]."""
+        """x: [T, in_features], cos / sin (signed, see apply_rope): [T, 1, head_dim] -> [T, hidden]."""
         cfg = self.cfg
         T = x.shape[0]
         q = self.q_proj(x).view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
@@ -184,14 +187,25 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         meta: BatchMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> torch.Tensor:
+        hidden_layers: tuple[int, ...] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids: [T] new tokens of all sequences, packed; kv_caches: per layer (k_pool, v_pool)
         or None for a cache-free prefill. Returns fp32 logits [N, vocab] for meta.logits_indices
-        (all T rows when None)."""
+        (all T rows when None).
+
+        hidden_layers (a feature drafter's request): also return the residual stream entering
+        each listed layer (HF's hidden_states[i]; i = num_layers is the last layer's output, before
+        the final norm), for all T rows, concatenated in the order given: (logits, [T, len * hidden])."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = rope_tables(meta.positions, self.inv_freq, x.dtype)  # [T, 1, D] each
+        taken = {}
         for i, layer in enumerate(self.layers):
+            if hidden_layers is not None and i in hidden_layers:
+                taken[i] = x
             x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i], self.backend)
-        if meta.logits_indices is not None:
-            x = x[meta.logits_indices]  # [N, hidden]: only the rows we sample from
-        return self.lm_head(self.norm(x)).float()  # [N, vocab]
+        taken[len(self.layers)] = x
+        out = x if meta.logits_indices is None else x[meta.logits_indices]  # [N, hidden]: the rows we sample from
+        logits = self.lm_head(self.norm(out)).float()  # [N, vocab]
+        if hidden_layers is None:
+            return logits
+        return logits, torch.cat([taken[i] for i in hidden_layers], dim=-1)  # [N, vocab], [T, len * hidden]

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from .attention import BatchMetadata
 from .kv_cache import BlockTable, KVCache
-from .model import Transformer
 
 
 @dataclass
@@ -30,18 +30,20 @@ class Feed:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: KVCache):
+    def __init__(self, model: nn.Module, cache: KVCache):
+        """model: a `Transformer`, or a feature drafter's `EagleModel` (same call signature)."""
         self.model = model
         self.cache = cache
-        self.device = model.embed_tokens.weight.device
+        self.device = model.lm_head.weight.device
         self.max_positions = model.cfg.max_position_embeddings
 
     def reserve(self, table: BlockTable, num_tokens: int) -> None:
         """Make sure `table` has pages for positions < num_tokens (raises KVPoolExhausted)."""
         table.reserve(num_tokens, self.cache.allocator)
 
-    def forward(self, feeds: list[Feed]) -> torch.Tensor:
-        """Run one forward over all feeds. Returns fp32 logits [sum(num_logits), vocab], in feed order.
+    def forward(self, feeds: list[Feed], **model_args) -> torch.Tensor | tuple:
+        """Run one forward over all feeds. Returns fp32 logits [sum(num_logits), vocab], in feed order
+        (the model's whole return value when `model_args` ask it for more: they are passed on).
 
         Pages missing for the new positions are allocated here (KVPoolExhausted if none are
         free; the scheduler reserves them beforehand so that a step never fails half-way)."""
@@ -88,7 +90,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),  # [N]
             is_prefill=not any(cached),
         )
-        logits = self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers())  # [N, vocab]
+        out = self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
         for f, n in zip(feeds, q_lens):
             f.table.num_cached += n
-        return logits
+        return out

@@ -29,6 +29,7 @@ class Sequence:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.target = BlockTable(page_size)  # K/V of this sequence in the target's pool
         self.draft = BlockTable(page_size)  # ... and in the draft model's pool
+        self.draft_state = None  # a drafter's own per-sequence data (the EAGLE drafter: pending target features)
         self.status = Status.WAITING
         self.finish_reason: str | None = None  # "length" | "eos" | "stop"
         self.stop_text_end: int | None = None  # output text is cut here when a stop string matched

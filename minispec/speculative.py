@@ -189,11 +189,26 @@ def speculative_step(
     """Advance every sequence by one draft-verify-accept step.
 
     `drafter` is None (plain decoding) or has `propose(seqs, num_draft) -> (draft_tokens, draft_probs)`
-    and `rollback(seqs)`; `emit(seq, token) -> bool` appends a token and says whether seq finished.
+    and `rollback(seqs)` (a feature drafter also has `target_layers` and `observe`: see eagle.py);
+    `emit(seq, token) -> bool` appends a token and says whether seq finished.
     Precondition (kept by the engine): seq.target.num_cached <= len(seq) - 1.
     """
     device = target.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    layers = getattr(drafter, "target_layers", None)
+
+    # 0. A feature drafter reads the target's hidden states of every position before the newest
+    # token. New (or preempted and recomputed) sequences have none yet: the target prefills
+    # their tokens but the newest first, so that they are drafted in this very step.
+    lagging = [s for s in seqs if s.target.num_cached < len(s) - 1] if layers is not None else []
+    if lagging:
+        t = time.perf_counter()
+        feeds = [Feed(s.target, s.tokens[s.target.num_cached : len(s) - 1]) for s in lagging]
+        starts = [s.target.num_cached for s in lagging]
+        _, hidden = target.forward(feeds, hidden_layers=layers)  # [sum(fed), 3H]
+        drafter.observe(lagging, starts, [len(f.tokens) for f in feeds], hidden)
+        sync()
+        times.target_s += time.perf_counter() - t
 
     # 1. Draft: never draft more than the request may still emit (the final token is free).
     num_draft = [min(k, s.remaining - 1) if drafter is not None else 0 for s in seqs]
@@ -207,8 +222,13 @@ def speculative_step(
     t1 = time.perf_counter()
 
     # 2. Verify: feed each sequence its uncached tokens plus its drafts; logits for the last n+1.
+    # A feature drafter (one with `target_layers`) also gets the target's hidden states there.
     feeds = [Feed(s.target, s.tokens[s.target.num_cached :] + d, len(d) + 1) for s, d in zip(seqs, draft_lists)]
-    logits = target.forward(feeds)  # [sum(n_b + 1), V]
+    starts = [s.target.num_cached for s in seqs]
+    if layers is None:
+        logits, hidden = target.forward(feeds), None  # [sum(n_b + 1), V]
+    else:
+        logits, hidden = target.forward(feeds, hidden_layers=layers)  # [sum(n_b + 1), V], [sum(fed), 3H]
 
     # 3. Accept / reject.
     if all(s.params.greedy for s in seqs):
@@ -231,8 +251,11 @@ def speculative_step(
             if emit(s, t):
                 break
 
-    # 4. Roll back: keep the K/V of accepted tokens; the newest token is fed next step.
+    # 4. Roll back: keep the K/V of accepted tokens; the newest token is fed next step. A feature
+    # drafter keeps the target's features of those same positions.
     for s in seqs:
         s.target.truncate(len(s) - 1, target.cache.allocator)
+    if hidden is not None:
+        drafter.observe(seqs, starts, [len(f.tokens) for f in feeds], hidden)
     if drafter is not None:
         drafter.rollback(seqs)

@@ -130,3 +130,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_eagle(tiny_llama, tmp_path_factory) -> Path:
+    """A random-init EAGLE-3 head for tiny_llama in the official checkpoint layout (fp32): it reads
+    the target's layers 0, 1, 2 (2 = the last layer's output) and drafts from the even token ids
+    (half the vocabulary, so the target often puts mass outside the draft's)."""
+    from minispec import load_checkpoint
+    from minispec.eagle import init_eagle, save_eagle
+
+    target, _ = load_checkpoint(tiny_llama, dtype="float32", device="cpu")
+    eagle = init_eagle(target, torch.arange(0, target.cfg.vocab_size, 2), aux_layers=(0, 1, 2), seed=3)
+    path = tmp_path_factory.mktemp("eagle")
+    save_eagle(eagle, path, torch.float32)
+    return path
+

@@ -36,16 +36,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second torc
 def bytes_per_token(drafter: str) -> int:
     """KV bytes per token of tiny_llama (2 layers, 2 KV heads, head_dim 16, fp32), plus its 1-layer draft."""
     target = 2 * 2 * 2 * 16 * 4
-    return target + (target // 2 if drafter == "model" else 0)
+    return target + (target // 2 if drafter in ("model", "eagle") else 0)
 
 
 @pytest.fixture(scope="module")
-def make_llm(tiny_llama, tiny_llama_draft):
-    """make_llm(drafter="none"|"ngram"|"model", pages=None, **LLM kwargs): pages sizes the KV
+def make_llm(tiny_llama, tiny_llama_draft, tiny_llama_eagle):
+    """make_llm(drafter="none"|"ngram"|"model"|"eagle", pages=None, **LLM kwargs): pages sizes the KV
     budget so the target pool gets exactly that many pages (None: plenty)."""
 
     def build(drafter: str = "none", pages: int | None = None, backend: str = "torch", **kwargs) -> LLM:
-        draft = {"none": None, "ngram": "ngram", "model": str(tiny_llama_draft)}[drafter]
+        draft = {"none": None, "ngram": "ngram", "model": str(tiny_llama_draft), "eagle": str(tiny_llama_eagle)}[drafter]
         gib = 0.01 if pages is None else (pages + 0.5) * PAGE_SIZE * bytes_per_token(drafter) / 2**30
         llm = LLM(model=str(tiny_llama), draft_model=draft, num_speculative_tokens=K, dtype=torch.float32,
                   backend=backend, page_size=PAGE_SIZE, kv_cache_gib=gib, **kwargs)
@@ -115,7 +115,7 @@ def test_a_finished_request_frees_its_slot_for_a_waiting_one_at_once(make_llm):
     assert outputs == one_at_a_time(llm, PROMPTS[:3], params)
 
 
-@pytest.mark.parametrize("drafter", ["none", "model"])
+@pytest.mark.parametrize("drafter", ["none", "model", "eagle"])
 def test_preemption_when_the_pool_runs_dry_changes_no_output(make_llm, drafter):
     """A 12-page pool: the five requests need 3 to 12 pages each (36 in all), the longest alone
     fills it. Requests are preempted and recomputed, yet every one finishes with its

@@ -18,27 +18,29 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minispec import LLM, SamplingParams, load_checkpoint
+from minispec.eagle import load_eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
 
 FIXED = settings(derandomize=True, deadline=None, max_examples=25, suppress_health_check=list(HealthCheck))
 GREEDY = SamplingParams(temperature=0)
-DRAFTERS = ["model", "self", "ngram", "adaptive"]
+DRAFTERS = ["model", "self", "ngram", "adaptive", "eagle", "eagle-adaptive"]
 ADAPTIVE_THRESHOLD = 0.005  # tiny_llama_draft's confidences straddle it: draft lengths vary from 1 to k
+EAGLE_THRESHOLD = 0.01  # the same for conftest's tiny_llama_eagle (its draft vocabulary: 160 tokens)
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_llama, tiny_llama_draft):
-    """(target, tokenizer), (draft, tokenizer), loaded once; LLMs are built from them."""
+def pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle):
+    """(target, tokenizer), (draft, tokenizer), the EAGLE head, loaded once; LLMs are built from them."""
     target, tok = load_checkpoint(tiny_llama, dtype="float32")
     draft, draft_tok = load_checkpoint(tiny_llama_draft, dtype="float32")
-    return (target, tok), (draft, draft_tok)
+    return (target, tok), (draft, draft_tok), load_eagle(tiny_llama_eagle, target)
 
 
 @pytest.fixture(scope="module")
 def llms(pair):
     """llms(drafter, k) -> an LLM over tiny_llama ("none": plain decoding), built once per pair."""
-    target, draft = pair
+    target, draft, eagle = pair
     built: dict = {}
 
     def get(drafter: str, k: int = 1, eos: int | None = None) -> LLM:
@@ -48,8 +50,9 @@ def llms(pair):
             if eos is not None:  # same weights, another EOS id (a copy: the shared target is untouched)
                 model = (copy.copy(target[0]), target[1])
                 model[0].cfg = dataclasses.replace(target[0].cfg, eos_token_ids=[eos])
-            draft_model = {"none": None, "model": draft, "self": target, "ngram": "ngram", "adaptive": draft}[drafter]
-            threshold = ADAPTIVE_THRESHOLD if drafter == "adaptive" else None
+            draft_model = {"none": None, "model": draft, "self": target, "ngram": "ngram", "adaptive": draft,
+                           "eagle": eagle, "eagle-adaptive": eagle}[drafter]
+            threshold = {"adaptive": ADAPTIVE_THRESHOLD, "eagle-adaptive": EAGLE_THRESHOLD}.get(drafter)
             built[key] = LLM(model=model, draft_model=draft_model, num_speculative_tokens=k,
                              kv_cache_gib=0.01, page_size=8, max_num_seqs=16, draft_confidence_threshold=threshold)
         return built[key]
@@ -201,7 +204,7 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=T
     others=st.lists(prompts, min_size=1, max_size=3),
     position=st.integers(0, 3),
     seed=st.integers(0, 2**31),
-    drafter=st.sampled_from(["none", "model", "ngram", "adaptive"]),
+    drafter=st.sampled_from(["none", "model", "ngram", "adaptive", "eagle"]),
     k=st.integers(1, 4),
 )
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch(llms, mine, others, position, seed, drafter, k):
