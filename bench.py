@@ -50,8 +50,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_DRAFT = ROOT / "weights" / "draft-smollm2"
+DEFAULT_EAGLE = ROOT / "weights" / "eagle-smollm2"
 DEFAULT_PROMPTS = ROOT / "weights" / "prompts" / "bench.jsonl"
-DRAFTERS = ("draft", "adaptive", "ngram")  # the names rows carry in their `drafter` key
+DRAFTERS = ("draft", "eagle", "adaptive", "ngram")  # the names rows carry in their `drafter` key
 START = time.perf_counter()
 
 
@@ -188,7 +189,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
 
     llm = LLM(
         model=target,
-        draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft}[drafter],
+        draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft, "eagle": str(args.eagle)}[drafter],
         num_speculative_tokens=max(k, 1),
         max_num_seqs=batch,
         kv_cache_gib=args.kv_cache_gib,
@@ -203,7 +204,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
         m = llm.last_metrics
         return Run(m.num_generated, m.wall_s, [o.token_ids for o in outs], m)
 
-    name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}",
+    name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}", "eagle": f"eagle k={k}",
             "adaptive": f"draft k<={k} conf{args.confidence:g}"}[drafter]
     llm.generate(warmup, dataclasses.replace(params, max_tokens=min(4, params.max_tokens)))
     return Arm(name, drafter, k, run)
@@ -350,7 +351,7 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
         row.verify_cost = row.target_s / max(steps, 1) / base_step_s
         if arm.drafter != "none" and drafted:
             row.draft_cost = row.draft_s / drafted / base_step_s
-        if arm.drafter == "draft":  # fixed k only: the formula's assumption
+        if arm.drafter in ("draft", "eagle"):  # fixed k only: the formula's assumption
             row.predicted_speedup = predicted_speedup(row.acceptance, arm.k, row.draft_cost or 0.0)
         elif arm.drafter == "ngram":
             row.predicted_speedup = predicted_speedup(row.acceptance, arm.k, 0.0)
@@ -472,7 +473,7 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ours = [r for r in rows if r.drafter in DRAFTERS and r.speedup is not None]
     groups = sorted({(r.mode, r.batch) for r in ours}, key=lambda g: (g[0] != "greedy", g[1]))
-    colors = {"draft": "tab:blue", "adaptive": "tab:purple", "ngram": "tab:green"}
+    colors = {"draft": "tab:blue", "eagle": "tab:red", "adaptive": "tab:purple", "ngram": "tab:green"}
     paths = []
 
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True, squeeze=False)
@@ -561,6 +562,9 @@ def parse_args(argv=None):
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
     ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default: draft,ngram on CPU, all on GPU and with --full)")
     ap.add_argument("--ks", help="comma-separated draft lengths of the draft model (default: 2 on CPU, 1,2,4,6,8 on GPU and with --full)")
+    ap.add_argument("--eagle", type=Path, default=DEFAULT_EAGLE,
+                    help=f"EAGLE-3 head directory for the eagle drafter (default: {DEFAULT_EAGLE.relative_to(ROOT)})")
+    ap.add_argument("--eagle-ks", help="ks of the eagle drafter (default: 4 on the CPU default run, else --ks)")
     ap.add_argument("--ngram-k", type=int, default=4, help="draft length of the n-gram drafter")
     ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive drafter: most tokens drafted per step")
     ap.add_argument("--confidence", type=float, default=0.4, help="adaptive drafter: stop after a token the draft gave p < this")
@@ -585,12 +589,12 @@ def plan(args, gpu: bool) -> dict:
     # distilled draft and the n-gram drafter, greedy and sampled, batch 1 and a larger batch.
     # --full adds every k, the adaptive drafter and every transformers peer.
     if args.quick:
-        defaults = dict(drafters="draft,ngram", ks="2", batches="1", rounds=6, tokens=8, modes="greedy")
+        defaults = dict(drafters="eagle,draft,ngram", ks="2", batches="1", rounds=6, tokens=8, modes="greedy")
     elif gpu_or_full:
         defaults = dict(drafters=",".join(DRAFTERS), ks="1,2,4,6,8", batches="1,16" if gpu else "1,4",
                         rounds=10, tokens=128 if gpu else 32, modes="greedy,sampled")
     else:
-        defaults = dict(drafters="draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12, modes="greedy,sampled")
+        defaults = dict(drafters="eagle,draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12, modes="greedy,sampled")
     drafters = (args.drafters or defaults["drafters"]).split(",")
     unknown = sorted(set(drafters) - set(DRAFTERS))
     if unknown:
@@ -606,13 +610,14 @@ def plan(args, gpu: bool) -> dict:
         max_tokens=args.max_tokens or defaults["tokens"],
         modes=modes,
         all_peers=gpu_or_full,
+        eagle_ks=csv_ints(args.eagle_ks) if args.eagle_ks else (csv_ints(args.ks) if args.ks or gpu_or_full else [4]),
     )
     p["groups"] = [(m, b) for m in modes for b in p["batches"]]
     if not (args.quick or gpu_or_full or args.modes or args.batch_sizes):  # CPU default: sampled at batch 1 only
         p["groups"] = [(m, b) for m, b in p["groups"] if m == "greedy" or b == 1]
     if p["rounds"] < 6:
         raise SystemExit(f"--rounds must be >= 6 (fewer admit no 95% interval for a median), got {p['rounds']}")
-    if min(p["ks"] + p["batches"]) < 1 or p["max_tokens"] < 1:
+    if min(p["ks"] + p["eagle_ks"] + p["batches"]) < 1 or p["max_tokens"] < 1:
         raise SystemExit("--ks, --batch-sizes and --max-tokens must be positive")
     return p
 
@@ -649,6 +654,12 @@ def main(argv=None) -> dict:
         log(dtype_note)
     log(f"device={device} dtype={dtype_name(dtype)} target={target_path} draft={draft_path}")
     draft = load_checkpoint(draft_path, dtype=dtype) if {"draft", "adaptive"} & set(p["drafters"]) else None
+    if "eagle" in p["drafters"]:
+        from minispec.eagle import is_eagle_checkpoint
+
+        if not is_eagle_checkpoint(args.eagle):
+            raise SystemExit(f"--eagle {args.eagle}: not an EAGLE-3 checkpoint directory (scripts/train_eagle.py "
+                             "writes one); pass another or leave eagle out of --drafters")
     num_prompts = p["rounds"] * max(p["batches"])
     prompts = load_prompts(args.prompts, target[1], num_prompts)
     log(f"{len(prompts)} prompts, {p['max_tokens']} new tokens each, {p['rounds']} paired rounds per group, "
@@ -667,7 +678,7 @@ def main(argv=None) -> dict:
         slices = [[prompts[(r * bs + i) % len(prompts)] for i in range(bs)] for r in range(p["rounds"])]
         baseline = minispec_arm(target, draft, "none", 0, params, bs, args, device, prompts[0])
         specs = [(d, k) for d in p["drafters"] for k in
-                 {"draft": p["ks"], "adaptive": [args.adaptive_k], "ngram": [args.ngram_k]}[d]]
+                 {"draft": p["ks"], "eagle": p["eagle_ks"], "adaptive": [args.adaptive_k], "ngram": [args.ngram_k]}[d]]
         arms = [minispec_arm(target, draft, d, k, params, bs, args, device, prompts[0]) for d, k in specs]
         if mode == "greedy" and bs == 1 and not args.no_peers:
             hf, peer_rows = hf_arms(target_path, draft_path if draft is not None else None, params, dtype, device,

@@ -189,11 +189,11 @@ def sampling_plan(prompts: list[dict], args) -> list[SamplingParams]:
     return plan
 
 
-def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[dict]:
+def generate_corpus(target, prompts: list[dict], args, cache_dir: Path, generate: bool = True) -> list[dict]:
     """Target responses to `prompts`: rows {key, id, temperature, prompt_ids, output_ids, gen_s},
     cached in cache_dir/corpus.jsonl under a hash of (target, prompt, sampling settings) and
     appended as each request finishes (continuous batching never drains), so a killed run resumes
-    and a longer run reuses a shorter one's rows. The soft labels (the target's top-k token ids
+    and a longer run reuses a shorter one's rows. generate=False: the cached rows only. The soft labels (the target's top-k token ids
     and log-probabilities at every response position) go to cache_dir/soft/<key>.safetensors."""
     model, tokenizer = target
     plan = sampling_plan(prompts, args)
@@ -207,10 +207,11 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path) -> list[
     prompt_ids = {i: tokenizer.encode(chat_prompt(tokenizer, prompts[i]["prompt"]))
                   for i, k in enumerate(keys) if k not in cached}
     context = model.cfg.max_position_embeddings
-    todo = [i for i, ids in prompt_ids.items() if len(ids) + args.max_tokens <= context]
-    too_long = len(prompt_ids) - len(todo)
+    todo = [i for i, ids in prompt_ids.items() if len(ids) + args.max_tokens <= context] if generate else []
+    too_long = len(prompt_ids) - len(todo) if generate else 0
     log(f"corpus: {len(prompts) - len(prompt_ids)} responses cached in {path}, {len(todo)} to generate"
-        + (f", {too_long} prompts skipped (prompt + max_tokens > the target's context {context})" if too_long else ""))
+        + (f", {too_long} prompts skipped (prompt + max_tokens > the target's context {context})" if too_long else "")
+        + ("" if generate else f" ({len(prompt_ids)} not cached are left out: cached rows only)"))
     if todo:
         llm = LLM(model=(model, tokenizer), max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
         tokens = [[] for _ in todo]

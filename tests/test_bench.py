@@ -73,16 +73,18 @@ def check_plots(result: dict, folder: Path) -> None:
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tmp_path, capsys):
-    """--quick on a tiny target/draft pair: every row with its interval, the JSON file, the plots
-    beside it, the correctness line."""
+def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle, tmp_path, capsys):
+    """--quick on a tiny target/draft pair and EAGLE head: every row with its interval, the JSON
+    file, the plots beside it, the correctness line."""
     out = tmp_path / "bench.json"
     result = bench.main(
         ["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
+         "--eagle", str(tiny_llama_eagle), "--eagle-ks", "3",
          "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--json", str(out), "--dtype", "float32",
-         "--modes", "greedy,sampled", "--batch-sizes", "1,2", "--drafters", "draft,adaptive,ngram"]
+         "--modes", "greedy,sampled", "--batch-sizes", "1,2", "--drafters", "draft,eagle,adaptive,ngram"]
     )
-    check_result(result, {"greedy", "sampled"}, {1, 2}, {"draft", "adaptive", "ngram"})
+    check_result(result, {"greedy", "sampled"}, {1, 2}, {"draft", "eagle", "adaptive", "ngram"})
+    assert {r["k"] for r in result["rows"] if r["drafter"] == "eagle"} == {3}
     check_plots(result, tmp_path)
     assert result["dtype"] == "float32"
     assert json.loads(out.read_text())["rows"] == result["rows"]
@@ -106,7 +108,7 @@ def test_quick_bench_on_default_pair(tmp_path):
     """`python bench.py --quick` on the shipped default pair (SmolLM2-135M-Instruct + distilled
     draft), with transformers' generate paired against the same baseline."""
     result = bench.main(["--quick", "--no-progress", "--json", str(tmp_path / "b.json")])
-    check_result(result, {"greedy"}, {1}, {"draft", "ngram"}, exact=result["dtype"] == "float32")
+    check_result(result, {"greedy"}, {1}, {"eagle", "draft", "ngram"}, exact=result["dtype"] == "float32")
     check_plots(result, tmp_path)
     peers = {r["name"]: r for r in result["rows"] if r["drafter"] == "peer"}
     assert {"hf generate", "vllm"} <= set(peers)
@@ -120,6 +122,7 @@ def test_quick_bench_on_default_pair(tmp_path):
     (["--rounds", "5"], "--rounds must be >= 6"),
     (["--drafters", "draft,medusa"], "--drafters: unknown medusa"),
     (["--modes", "beam"], "--modes: use greedy and/or sampled"),
+    (["--drafters", "eagle", "--eagle", "weights/draft-smollm2"], "not an EAGLE-3 checkpoint directory"),
 ])
 def test_bad_options_are_named(argv, message):
     with pytest.raises(SystemExit, match=message):

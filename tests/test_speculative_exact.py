@@ -434,3 +434,32 @@ def test_sample_is_per_row_reproducible_and_one_hot_rows_are_certain(rows, seeds
         assert sample(row[None], generators([seeds[i]])).item() == batch[i].item()
         if row.max() == 1:
             assert batch[i].item() == row.argmax().item()
+
+
+# --- a draft with a reduced vocabulary (the EAGLE head) ------------------------------------------
+
+
+@FIXED
+@given(st.data())
+def test_a_reduced_vocabulary_draft_keeps_the_target_law_exactly(data):
+    """q as the EAGLE drafter builds it: draft logits over a subset S of the vocabulary scattered
+    into a row of -inf, then the request's warp (temperature, top-k, top-p). q is 0 outside S, the
+    target puts mass there, and one step still emits exactly p: tokens outside S come only from
+    the residual, with their full probability p(x)."""
+    vocab = data.draw(st.integers(3, 9))
+    subset = sorted(data.draw(st.sets(st.integers(0, vocab - 1), min_size=1, max_size=vocab - 1)))
+    params = data.draw(sampling_params(vocab))
+    target_logits = torch.tensor(data.draw(st.lists(st.floats(-4, 4), min_size=vocab, max_size=vocab)))
+    draft_logits = torch.tensor(data.draw(st.lists(st.floats(-4, 4), min_size=len(subset), max_size=len(subset))))
+    full = torch.full((1, vocab), float("-inf"))
+    full[0, subset] = draft_logits
+    draft = warp_probs(full, [params])[0].double()  # [V], renormalised in fp64 below (fp32 rounding)
+    target = warp_probs(target_logits[None], [params])[0].double()  # [V]
+    draft, target = draft / draft.sum(), target / target.sum()
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[subset] = False
+    assume(target[outside].sum() > 1e-6)  # the case in question: p has mass where q cannot go
+    assert (draft[outside] == 0).all() and draft.sum().item() == pytest.approx(1.0)
+    emitted = emitted_distribution(target, draft)
+    torch.testing.assert_close(emitted, target, rtol=0, atol=1e-12)
+    torch.testing.assert_close(emitted[outside], target[outside], rtol=0, atol=1e-12)

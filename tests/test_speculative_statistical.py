@@ -3,7 +3,9 @@ alone would sample.
 
 Setting. A tiny random target (vocabulary V = 6, one layer, logits scaled up so distributions are
 far from uniform and depend on the context) and two drafts: a perturbed copy of the target
-(acceptance ~0.6-0.8) and an independent random model (low acceptance), plus the n-gram drafter.
+(acceptance ~0.6-0.8) and an independent random model (low acceptance), plus the n-gram drafter
+and an EAGLE-3 head (random, reading the target's hidden states) whose draft vocabulary holds 4 of
+the 6 tokens, so the target puts mass where q is 0.
 For each configuration we sample N = 2000 requests of m tokens in one batch, each with its own
 seed, and compare the empirical distribution of the m-token continuations with the exact one,
 P(y_1..y_m) = prod_j warp(target logits | prompt, y_<j)(y_j), computed by enumerating all V^m
@@ -34,8 +36,10 @@ import torch
 import torch.nn.functional as F
 
 import minispec.drafters
+import minispec.eagle
 import minispec.speculative
 from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
+from minispec.eagle import init_eagle
 from minispec.sampling import sample, warp_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
@@ -44,6 +48,7 @@ ALPHA = 1e-3  # significance level of every test in this file
 N = 2000  # requests per configuration
 V = 6  # vocabulary size
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so the n-gram drafter finds matches
+EAGLE_VOCAB = torch.tensor([0, 2, 3, 5])  # the EAGLE head's draft vocabulary: tokens 1 and 4 are outside
 MIN_EXPECTED = 5.0  # chi-square cells are pooled up to this expected count
 
 
@@ -160,7 +165,11 @@ def word_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def models():
     target = random_target(0)
-    return {"target": target, "near": perturbed(target, 0.3, 1), "far": random_target(2), "tok": word_tokenizer()}
+    eagle = init_eagle(target, EAGLE_VOCAB, aux_layers=(0, 1, 1), seed=5)
+    with torch.no_grad():
+        eagle.lm_head.weight.mul_(2.0)  # acceptance ~0.3: the mutants' q matters often enough to be seen
+    return {"target": target, "near": perturbed(target, 0.3, 1), "far": random_target(2), "tok": word_tokenizer(),
+            "eagle": eagle}
 
 
 class DenseCausal:
@@ -222,7 +231,10 @@ def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n:
 
 
 def p_value(models, drafter: str, k: int, params: SamplingParams, m: int, threshold: float | None = None) -> tuple[float, object]:
-    draft = {"none": None, "ngram": "ngram"}[drafter] if drafter in ("none", "ngram") else (models[drafter], models["tok"])
+    if drafter in ("none", "ngram", "eagle"):
+        draft = {"none": None, "ngram": "ngram", "eagle": models["eagle"]}[drafter]
+    else:
+        draft = (models[drafter], models["tok"])
     counts, metrics = sample_counts(models["target"], draft, k, params, m, models["tok"], threshold=threshold)
     pval, stat, df = pooled_chi_square(counts, exact_distribution(models["target"], params, m))
     print(f"\n{drafter} k={k} m={m} threshold={threshold} {params}: chi2={stat:.1f} df={df} p={pval:.3g} "
@@ -247,6 +259,9 @@ CASES = [
     ("near", 3, SP(temperature=0.8, top_p=0.9), 4),
     ("ngram", 4, SP(temperature=1.2, top_k=4), 5),
     ("near", 5, SP(temperature=1.0, top_k=5), 6),
+    ("eagle", 2, SP(temperature=0.6), 3),  # the EAGLE mutants below run here
+    ("eagle", 3, SP(temperature=1.0, top_k=5, top_p=0.95), 4),
+    ("eagle", 1, SP(temperature=1.3), 3),
 ]
 
 
@@ -263,6 +278,7 @@ def test_generated_sequences_follow_the_target_distribution(models, drafter, k, 
 ADAPTIVE = [  # (drafter, k, params, m, confidence threshold): draft lengths vary step by step
     ("near", 4, SP(temperature=1.0), 5, 0.6),
     ("far", 3, SP(temperature=0.8, top_k=4), 4, 0.5),
+    ("eagle", 3, SP(temperature=1.0), 4, 0.6),
 ]
 
 
@@ -328,15 +344,39 @@ def draft_reports_another_q(monkeypatch):
     monkeypatch.setattr(minispec.drafters, "sample", lambda probs, generators: sample(tempered["q"], generators))
 
 
-MUTANTS = [no_residual, always_accept, bonus_off_by_one, target_ignores_temperature, draft_reports_another_q]
+def eagle_reports_another_q(monkeypatch):
+    """(d') for the EAGLE drafter: it samples at the request's temperature, reports q at 1."""
+    tempered = {}
+
+    def warp(logits, params):
+        tempered["q"] = warp_probs(logits, params)
+        return warp_probs(logits, _untempered(params))
+
+    monkeypatch.setattr(minispec.eagle, "warp_probs", warp)
+    monkeypatch.setattr(minispec.eagle, "sample", lambda probs, generators: sample(tempered["q"], generators))
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.__name__ for m in MUTANTS])
-def test_statistic_rejects_planted_bugs(models, monkeypatch, mutant):
+def eagle_ignores_d2t(monkeypatch):
+    """(e) the reduced vocabulary's map ignored for the proposed token: draft id i is proposed as
+    target id i while q is reported at i + d2t[i] (the reported EAGLE bug class)."""
+    def sample_draft_id(probs, generators):
+        target_ids = sample(probs, generators)
+        return torch.searchsorted(EAGLE_VOCAB.to(target_ids.device), target_ids)
+
+    monkeypatch.setattr(minispec.eagle, "sample", sample_draft_id)
+
+
+MUTANTS = [("near", no_residual), ("near", always_accept), ("near", bonus_off_by_one),
+           ("near", target_ignores_temperature), ("near", draft_reports_another_q),
+           ("eagle", no_residual), ("eagle", eagle_reports_another_q), ("eagle", eagle_ignores_d2t)]
+
+
+@pytest.mark.parametrize("drafter,mutant", MUTANTS, ids=[f"{d}-{m.__name__}" for d, m in MUTANTS])
+def test_statistic_rejects_planted_bugs(models, monkeypatch, drafter, mutant):
     """Power: each mutant's samples are REJECTED (p < ALPHA) by the statistic the real code passes."""
-    assert ("near", MUTANT_K, MUTANT_PARAMS, MUTANT_M) in CASES  # ... in this very configuration
+    assert (drafter, MUTANT_K, MUTANT_PARAMS, MUTANT_M) in CASES  # ... in this very configuration
     mutant(monkeypatch)
-    pval, _ = p_value(models, "near", MUTANT_K, MUTANT_PARAMS, MUTANT_M)
+    pval, _ = p_value(models, drafter, MUTANT_K, MUTANT_PARAMS, MUTANT_M)
     assert pval < ALPHA
 
 

@@ -1,0 +1,514 @@
+"""Train minispec's EAGLE-3 head for its default target (SmolLM2-135M-Instruct).
+
+Pipeline (progress lines throughout; every size is a flag, defaults = the shipped run):
+
+1. corpus    the target's answers to the training prompts (scripts/corpus.py; the rows
+             scripts/distill.py uses, read from the same cache, generated where missing).
+2. features  one teacher-forced forward of the target (fp32) per sequence, keeping at every
+             position the draft's input features (the residual stream entering target layers
+             2, L//2, L-3), the last layer's output (the target's logits over the draft
+             vocabulary are computed from it while training) and the target's argmax.
+3. vocab     the draft vocabulary: the V_d most frequent tokens of the training responses (EOS
+             included), sorted by id (d2t / t2d). Several sizes can be compared (--draft-vocab).
+4. train     the EAGLE-3 training-time test: S unrolled steps (S = 7). Step 0 at index t reads
+             (fc(target features at t), token t+1); step i reads (its own step i-1 output at t,
+             token t+i+1), RoPE position t+i, and attends to step 0's keys at indices <= t plus
+             steps 1..i's keys at index t (what a chained draft step sees at inference). Tokens
+             stay teacher-forced. Loss: soft cross-entropy against the target's softmax over the
+             draft vocabulary at position t+i+1, on response positions where the target's argmax
+             is in the draft vocabulary, weighted 0.8^i. AdamW (0.9, 0.95), warmup + cosine, clip.
+             The lm_head starts from the target's head rows, the final norm from the target's.
+5. eval      greedy speculative decoding (k = 4) with minispec on held-out bench prompts: tokens per
+             target step and per-position acceptance, next to the distilled draft and n-gram.
+6. save      bf16 safetensors in the official EAGLE-3 layout + a model card.
+
+Run: python scripts/train_eagle.py --threads 2                       (the shipped head)
+     python scripts/train_eagle.py --num-generate 8 --max-tokens 16 --epochs 1 --out /tmp/e   (smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import corpus  # noqa: E402
+from corpus import REPO_ROOT, default_target, eval_prompts, evaluate_drafts, generate_corpus, load_prompts, log  # noqa: E402
+
+from minispec import BatchMetadata, load_checkpoint  # noqa: E402
+from minispec.eagle import EagleModel, init_eagle, load_eagle, save_eagle  # noqa: E402
+from minispec.model import Transformer, apply_rope, rope_tables  # noqa: E402
+
+# --- 2. features --------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def extract_features(target: Transformer, rows: list[dict], aux_layers: tuple[int, ...], max_len: int,
+                     chunk_tokens: int = 2048) -> list[dict]:
+    """Per corpus row with a response (cut to max_len tokens): its row index, ids [T], prompt length, features [T, 3H] bf16,
+    last-layer output [T, H] bf16 and the target's argmax [T]; sequences packed into cache-free
+    forwards of about chunk_tokens tokens."""
+    L = target.cfg.num_layers
+    out, batch = [], []
+    t0, done = time.perf_counter(), 0
+
+    def flush():
+        nonlocal done
+        lengths = [len(ids) for ids, _, _ in batch]
+        ids = torch.tensor([t for seq, _, _ in batch for t in seq])
+        logits, hidden = target(ids, BatchMetadata.for_prompts(lengths), None, hidden_layers=(*aux_layers, L))
+        H = target.cfg.hidden_size
+        start = 0
+        for (seq, prompt_len, row), n in zip(batch, lengths):
+            h = hidden[start : start + n]
+            out.append({"row": row, "ids": torch.tensor(seq), "prompt_len": prompt_len, "features": h[:, : 3 * H].bfloat16(),
+                        "last": h[:, 3 * H :].bfloat16(), "argmax": logits[start : start + n].argmax(-1)})
+            start += n
+        done += sum(lengths)
+        batch.clear()
+
+    for row, r in enumerate(rows):
+        seq = (r["prompt_ids"] + r["output_ids"])[:max_len]
+        if len(seq) <= len(r["prompt_ids"]):
+            continue
+        batch.append((seq, len(r["prompt_ids"]), row))
+        if sum(len(s) for s, _, _ in batch) >= chunk_tokens:
+            flush()
+            if len(out) % 64 < len(batch) + 8:
+                log(f"features: {len(out)}/{len(rows)} sequences, {done} tokens ({done / (time.perf_counter() - t0):.0f} tok/s)")
+    if batch:
+        flush()
+    log(f"features: {len(out)} sequences, {done} tokens in {time.perf_counter() - t0:.0f}s")
+    return out
+
+
+# --- 3. vocabulary -------------------------------------------------------------------------------
+
+
+def draft_vocabulary(examples: list[dict], size: int, vocab_size: int, eos_ids: list[int]) -> torch.Tensor:
+    """The `size` most frequent response tokens (ties by id), EOS ids always in; sorted ids [size]."""
+    counts = Counter()
+    for e in examples:
+        counts.update(e["ids"][e["prompt_len"] :].tolist())
+    chosen = [t for t in eos_ids if t < vocab_size]
+    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(chosen) >= size:
+            break
+        if t not in chosen:
+            chosen.append(t)
+    rest = (t for t in range(vocab_size) if t not in set(chosen))  # a corpus with fewer distinct tokens
+    while len(chosen) < size:
+        chosen.append(next(rest))
+    return torch.tensor(sorted(chosen))
+
+
+def coverage(examples: list[dict], ids: torch.Tensor) -> float:
+    """Share of response tokens inside the draft vocabulary."""
+    inside = torch.zeros(int(max(ids.max().item(), max(e["ids"].max().item() for e in examples))) + 1, dtype=torch.bool)
+    inside[ids] = True
+    hits = total = 0
+    for e in examples:
+        resp = e["ids"][e["prompt_len"] :]
+        hits += inside[resp].sum().item()
+        total += resp.numel()
+    return hits / max(total, 1)
+
+
+# --- 4. the training-time test --------------------------------------------------------------------
+
+
+def shifted(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, T, ...] moved n places left along T, zero-padded at the end."""
+    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
+
+
+def ttt_loss(model: EagleModel, target: Transformer, batch: list[dict], steps: int, decay: float = 0.8):
+    """The unrolled training-time test on a batch of examples. Returns (loss, per-step top-1
+    agreement and weights [steps], per-step loss [steps])."""
+    cfg = model.config.layer
+    B, T = len(batch), max(e["ids"].numel() for e in batch)
+    H, Hq, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    feats = torch.zeros(B, T, model.fc.in_features)
+    last = torch.zeros(B, T, H)
+    argmax = torch.full((B, T), -1, dtype=torch.int64)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    response = torch.zeros(B, T, dtype=torch.bool)  # position t's next token is a response token
+    for b, e in enumerate(batch):
+        n = e["ids"].numel()
+        ids[b, :n], feats[b, :n], last[b, :n], argmax[b, :n] = e["ids"], e["features"].float(), e["last"].float(), e["argmax"]
+        valid[b, :n] = True
+        response[b, max(e["prompt_len"] - 1, 0) : n] = True
+    draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size))
+    with torch.no_grad():
+        target_logits = F.linear(target.norm(last), target.lm_head.weight[draft_ids])  # [B, T, V_d]
+        target_probs = target_logits.softmax(-1)
+        in_vocab = model.t2d[argmax.clamp(min=0)] & (argmax >= 0)  # [B, T]
+        target_best = target_logits.argmax(-1)
+    scale = D**-0.5
+    causal = torch.ones(T, T, dtype=torch.bool).tril()  # [T, T] query t sees step-0 key j <= t
+    layer = model.midlayer
+    attn = layer.self_attn
+    keys, values = [], []
+    feature = model.fc(feats)  # [B, T, H]
+    total = torch.zeros(())
+    stats, losses = [], []
+    for i in range(steps):
+        emb = F.embedding(shifted(ids, i + 1), model.embed_weight)  # token t+i+1
+        normed = layer.hidden_norm(feature)
+        x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)  # [B, T, 2H]
+        cos, sin = rope_tables(torch.arange(T) + i, model.inv_freq, x.dtype)  # [T, 1, D]
+        q = apply_rope(attn.q_proj(x).view(B, T, Hq, D), cos, sin).transpose(1, 2)  # [B, Hq, T, D]
+        k = apply_rope(attn.k_proj(x).view(B, T, Hkv, D), cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
+        v = attn.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, T, D]
+        keys.append(k)
+        values.append(v)
+        scores = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, Hq, T, T]
+        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # i x [B, Hq, T, 1]
+        weights = torch.cat([scores, *diag], dim=-1).softmax(-1)  # [B, Hq, T, T + i]
+        out = weights[..., :T] @ values[0]  # [B, Hq, T, D]
+        for j, vj in enumerate(values[1:]):
+            out = out + weights[..., T + j : T + j + 1] * vj
+        residual = normed if model.config.norm_before_residual else feature
+        r = residual + attn.o_proj(out.transpose(1, 2).reshape(B, T, Hq * D))
+        g = r + layer.mlp(layer.post_attention_layernorm(r))  # [B, T, H]
+        logits = model.lm_head(model.norm(g))  # [B, T, V_d]
+        p, best = shifted(target_probs, i + 1), shifted(target_best, i + 1)  # at position t+i+1
+        mask = shifted(valid & response & in_vocab, i + 1)  # [B, T]
+        if mask.any():
+            ce = -(p * logits.log_softmax(-1)).sum(-1)  # [B, T]
+            loss = ce[mask].mean()
+            total = total + decay**i * loss
+            stats.append(((logits.argmax(-1) == best)[mask].float().mean().item(), mask.sum().item()))
+            losses.append(loss.item())
+        else:
+            stats.append((0.0, 0))
+            losses.append(0.0)
+        feature = g
+    return total, stats, losses
+
+
+def batches(examples: list[dict], batch_tokens: int, rng: random.Random) -> list[list[dict]]:
+    """Length-sorted groups of about batch_tokens padded tokens, in a shuffled order."""
+    order = sorted(range(len(examples)), key=lambda i: examples[i]["ids"].numel())
+    groups, cur = [], []
+    for i in order:
+        cur.append(examples[i])
+        if len(cur) * examples[i]["ids"].numel() >= batch_tokens:
+            groups.append(cur)
+            cur = []
+    if cur:
+        groups.append(cur)
+    rng.shuffle(groups)
+    return groups
+
+
+def evaluate_ttt(model: EagleModel, target: Transformer, examples: list[dict], steps: int) -> list[float]:
+    """Per-step top-1 agreement with the target over examples (teacher-forced tokens, own features)."""
+    hits, count = [0.0] * steps, [0] * steps
+    with torch.no_grad():
+        for group in batches(examples, 4096, random.Random(0)):
+            _, stats, _ = ttt_loss(model, target, group, steps)
+            for i, (acc, n) in enumerate(stats):
+                hits[i] += acc * n
+                count[i] += n
+    return [h / max(c, 1) for h, c in zip(hits, count)]
+
+
+def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_ids: torch.Tensor, args) -> tuple[EagleModel, dict]:
+    """Initialise a head with this draft vocabulary and train it; returns (model, stats)."""
+    model = init_eagle(target, draft_ids, intermediate_size=args.ffn, seed=args.seed)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+        model.norm.weight.copy_(target.norm.weight)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    rng = random.Random(args.seed + 1)
+    plan = [batches(train_ex, args.batch_tokens, rng) for _ in range(args.epochs)]
+    total_steps = sum(len(p) for p in plan)
+    warmup = max(1, int(args.warmup * total_steps))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the bench extra; plain progress lines without it
+        tqdm = None
+    bar = tqdm(total=total_steps, desc=f"train V_d={len(draft_ids)}", file=sys.stderr, mininterval=5) if tqdm else None
+    curve, window, step, t0 = [], [], 0, time.perf_counter()
+    val_curve = []
+    for epoch, groups in enumerate(plan):
+        for group in groups:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss, stats, losses = ttt_loss(model, target, group, args.steps)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
+            opt.step()
+            window.append((loss.item(), stats[0][0], stats[-1][0]))
+            step += 1
+            if bar:
+                bar.update(1)
+            if step % args.log_every == 0 or step == total_steps:
+                n = len(window)
+                mean = [sum(w[j] for w in window) / n for j in range(3)]
+                curve.append({"step": step, "loss": mean[0], "top1_step0": mean[1], f"top1_step{args.steps - 1}": mean[2]})
+                log(f"train V_d={len(draft_ids)}: step {step}/{total_steps} loss {mean[0]:.3f} top-1 step 0 {mean[1]:.3f}, "
+                    f"step {args.steps - 1} {mean[2]:.3f} ({time.perf_counter() - t0:.0f}s)")
+                window = []
+        if val_ex:
+            model.eval()
+            val_curve.append(evaluate_ttt(model, target, val_ex, args.steps))
+            model.train()
+            log(f"train V_d={len(draft_ids)}: epoch {epoch + 1} validation top-1 per step {[round(x, 3) for x in val_curve[-1]]}")
+    if bar:
+        bar.close()
+    model.eval()
+    return model, {"curve": curve, "val": val_curve, "steps": total_steps, "seconds": time.perf_counter() - t0}
+
+
+# --- 5. evaluation and 6. the card ---------------------------------------------------------------
+
+
+def write_card(out: Path, argv: list[str], info: dict) -> None:
+    ev = info["eval"]
+    table = "\n".join(
+        f"| {name} | {m['mean_accepted_per_step']:.2f} | {m['acceptance_rate']:.3f} | "
+        f"{', '.join(f'{x:.2f}' for x in m['per_position_acceptance'])} |"
+        for name, m in ev.items())
+    sizes = "\n".join(
+        f"| {r['draft_vocab']} | {r['coverage']:.3f} | {', '.join(f'{x:.3f}' for x in r.get('val_top1', []))} | "
+        f"{r.get('accepted_per_step', float('nan')):.2f} |" for r in info["vocab_runs"])
+    growth = "\n".join(
+        f"| {r['fraction']:.0%} | {r['tokens']:,} | {', '.join(f'{x:.3f}' for x in r['val_top1'])} | {r['accepted_per_step']:.2f} |"
+        for r in info["growth"])
+    curve = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {c['top1_step0']:.3f} |" for c in info["train"]["curve"])
+    text = f"""---
+license: apache-2.0
+base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+tags: [speculative-decoding, eagle-3, minispec]
+---
+
+# eagle-smollm2: an EAGLE-3 head for SmolLM2-135M-Instruct
+
+A one-layer feature drafter (EAGLE-3, Li et al. 2025) for minispec's default target. It reads the
+target's hidden states (the inputs of target layers {list(info['aux_layers'])}), shares the target's
+embedding (not stored here) and proposes from a draft vocabulary of {info['draft_vocab']} tokens
+(d2t / t2d map it to the target's 49152). Official EAGLE-3 checkpoint layout (`fc`,
+`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`); bf16, {info['bytes'] / 2**20:.1f} MB.
+Use: `LLM(model=target, draft_model="weights/eagle-smollm2")` or `python bench.py --drafters eagle`.
+
+## Data
+
+{info['num_rows']} target answers from the shared corpus (`scripts/corpus.py`: the same cached rows
+`scripts/distill.py` trains on; greedy and temperature-0.8 answers to `weights/prompts/train.jsonl`
+and self-written prompts, none sharing a subject with the bench prompts), cut to {info['max_len']}
+tokens: {info['train_tokens']:,} training tokens ({info['train_response_tokens']:,} in responses);
+{len(info['val_ids'])} answers held out for validation. Features: one fp32 teacher-forced target
+forward per sequence ({info['feature_s']:.0f}s).
+
+## Training
+
+Training-time test with {info['steps']} unrolled steps (teacher-forced tokens, the head's own
+features after step 0), soft cross-entropy against the target's softmax over the draft
+vocabulary, step weights 0.8^i; AdamW lr {info['lr']} (betas 0.9/0.95), warmup + cosine, clip
+{info['clip']}, about {info['batch_tokens']} tokens a batch, {info['epochs']} epochs = {info['train']['steps']}
+steps, fp32 on a 2-core CPU ({info['train']['seconds'] / 60:.1f} min). The lm_head starts from the
+target's head rows of the draft vocabulary, the final norm from the target's.
+
+Loss curve (mean over each logging window):
+
+| step | loss | top-1 at step 0 |
+| --- | --- | --- |
+{curve}
+
+## Draft vocabulary size
+
+Each size trained the same way on {info['vocab_share']:.0%} of the training answers; validation
+top-1 agreement with the target per unrolled step (teacher-forced tokens), and greedy tokens per
+target step at k = {info['k']} on {info['val_prompts']} validation prompts:
+
+| V_d | response tokens covered | validation top-1 per step | tokens per target step |
+| --- | --- | --- | --- |
+{sizes}
+
+Shipped: V_d = {info['draft_vocab']} ({info['why']}).
+
+## How acceptance grows with data
+
+The shipped vocabulary trained on a share of the training answers (same epochs); the last
+column is greedy tokens per target step at k = {info['k']} on the validation prompts:
+
+| share | training tokens | validation top-1 per step | tokens per target step |
+| --- | --- | --- | --- |
+{growth}
+
+## Held-out acceptance
+
+Greedy speculative decoding with minispec, k = {info['k']}, {info['eval_n']} bench prompts
+(subjects never trained on), {info['eval_tokens']} tokens each; tokens per target step include
+the bonus token:
+
+| drafter | tokens per target step | acceptance | per position |
+| --- | --- | --- | --- |
+{table}
+
+## Command
+
+```
+python scripts/train_eagle.py {' '.join(argv)}
+```
+"""
+    (out / "README.md").write_text(text)
+
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description="Train the EAGLE-3 head for the default target.")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "weights" / "eagle-smollm2")
+    corpus.add_arguments(ap)
+    g = ap.add_argument_group("head and training")
+    g.add_argument("--draft-vocab", default="8192", help="comma list of draft vocabulary sizes to compare")
+    g.add_argument("--ffn", type=int, default=None, help="the layer's MLP width (default: the target's)")
+    g.add_argument("--steps", type=int, default=7, help="unrolled steps of the training-time test")
+    g.add_argument("--epochs", type=int, default=2)
+    g.add_argument("--batch-tokens", type=int, default=4096)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=float, default=0.05)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip", type=float, default=0.5)
+    g.add_argument("--max-len", type=int, default=384, help="cut training sequences to this many tokens")
+    g.add_argument("--val-fraction", type=float, default=0.05)
+    g.add_argument("--max-rows", type=int, default=0, help="use only the first N corpus rows (0: all)")
+    g.add_argument("--cached-only", action="store_true", help="train on the corpus rows already cached, generate none")
+    g.add_argument("--vocab-share", type=float, default=0.5, help="share of the training data each vocabulary size is compared on")
+    g.add_argument("--fractions", default="", help="comma list of training shares for the data-growth table (e.g. 0.25,0.5)")
+    g.add_argument("--log-every", type=int, default=10)
+    g = ap.add_argument_group("evaluation")
+    g.add_argument("--eval-per-category", type=int, default=2)
+    g.add_argument("--eval-tokens", type=int, default=64)
+    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--val-eval-prompts", type=int, default=16, help="validation prompts for the vocabulary choice")
+    return ap.parse_args(argv)
+
+
+def val_acceptance(target, tokenizer, eagle_dir: Path, rows: list[dict], args) -> float:
+    """Greedy tokens per target step at k on validation rows' prompts (not bench prompts: the
+    vocabulary is chosen without looking at the bench)."""
+    from minispec import LLM, SamplingParams
+
+    llm = LLM(model=(target, tokenizer), draft_model=str(eagle_dir), num_speculative_tokens=args.num_speculative_tokens,
+              max_num_seqs=len(rows), kv_cache_gib=1.0)
+    llm.generate([r["prompt_ids"] for r in rows], SamplingParams(temperature=0, max_tokens=args.eval_tokens))
+    return llm.last_metrics.mean_accepted_per_step
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    default_target(args)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. corpus (the corpus is generated in the dtype --target-dtype names; features in fp32)
+    gen_target = load_checkpoint(args.target, dtype=getattr(torch, args.target_dtype), device="cpu", backend="torch")
+    prompts, _, bench, _ = load_prompts(args, gen_target)
+    rows = generate_corpus(gen_target, prompts, args, args.cache_dir, generate=not args.cached_only)
+    if args.max_rows:
+        rows = rows[: args.max_rows]
+    target, tokenizer = load_checkpoint(args.target, dtype=torch.float32, device="cpu", backend="torch")
+    del gen_target
+    L = target.cfg.num_layers
+    aux = (2, L // 2, L - 3)
+
+    # 2. features
+    rng = random.Random(args.seed + 1)
+    val_idx = set(rng.sample(range(len(rows)), max(1, int(args.val_fraction * len(rows)))))
+    t0 = time.perf_counter()
+    examples = extract_features(target, rows, aux, args.max_len)
+    feature_s = time.perf_counter() - t0
+    train_ex = [e for e in examples if e["row"] not in val_idx]
+    val_ex = [e for e in examples if e["row"] in val_idx]
+    val_rows = [rows[i] for i in sorted(val_idx)][: args.val_eval_prompts]
+    log(f"data: {len(train_ex)} training / {len(val_ex)} validation sequences")
+
+    # 3 + 4. the draft vocabulary: each size trained the same way on a share of the data; the size
+    # with the most validation tokens per target step is trained on all of it and shipped.
+    random.Random(args.seed + 2).shuffle(train_ex)  # shares below are random subsets
+    eos = target.cfg.eos_token_ids or tokenizer.eos_token_ids
+    vocab_dir = args.cache_dir.parent / "eagle"
+
+    def share_of(frac: float) -> list[dict]:
+        return train_ex[: max(1, int(frac * len(train_ex)))]
+
+    def trained(examples: list[dict], ids: torch.Tensor, name: str) -> tuple[EagleModel, dict]:
+        model, stats = train(target, examples, val_ex, ids, args)
+        save_eagle(model, vocab_dir / name, torch.float32)
+        stats["accepted_per_step"] = val_acceptance(target, tokenizer, vocab_dir / name, val_rows, args) if val_rows else float("nan")
+        stats["tokens"] = sum(e["ids"].numel() for e in examples)
+        log(f"{name}: validation greedy tokens per target step {stats['accepted_per_step']:.2f} (k={args.num_speculative_tokens})")
+        return model, stats
+
+    sizes = [min(int(s), target.cfg.vocab_size) for s in args.draft_vocab.split(",")]
+    vocab_runs, growth = [], []
+    for size in sizes:
+        ids = draft_vocabulary(train_ex, size, target.cfg.vocab_size, eos)
+        cov = coverage(train_ex, ids)
+        log(f"vocab: V_d={size} covers {cov:.3f} of the training response tokens")
+        run = {"draft_vocab": size, "coverage": cov, "ids": ids, "share": args.vocab_share}
+        if len(sizes) > 1:
+            _, stats = trained(share_of(args.vocab_share), ids, f"v{size}-share{args.vocab_share:g}")
+            run.update(val_top1=stats["val"][-1] if stats["val"] else [], accepted_per_step=stats["accepted_per_step"])
+        vocab_runs.append(run)
+    chosen = max(vocab_runs, key=lambda r: r.get("accepted_per_step", 0.0))
+    why = (f"the most validation tokens per target step when each size was trained on {args.vocab_share:.0%} of the data"
+           if len(sizes) > 1 else "the only size trained in this run")
+    for frac in [float(f) for f in args.fractions.split(",") if f]:
+        _, stats = trained(share_of(frac), chosen["ids"], f"v{chosen['draft_vocab']}-share{frac:g}")
+        growth.append({"fraction": frac, "tokens": stats["tokens"], "val_top1": stats["val"][-1],
+                       "accepted_per_step": stats["accepted_per_step"]})
+    model, stats = trained(train_ex, chosen["ids"], f"v{chosen['draft_vocab']}")
+    growth.append({"fraction": 1.0, "tokens": stats["tokens"], "val_top1": stats["val"][-1] if stats["val"] else [],
+                   "accepted_per_step": stats["accepted_per_step"]})
+
+    # 6. save (bf16), check, 5. evaluate
+    save_eagle(model, args.out)
+    saved = load_eagle(args.out, target)
+    log(f"saved {args.out} (V_d={model.config.draft_vocab_size})")
+    held_out = eval_prompts(bench, args.eval_per_category)
+    drafts = {"eagle (this head)": str(args.out), "distilled draft": str(REPO_ROOT / "weights" / "draft-smollm2"), "ngram": "ngram"}
+    args.kv_cache_gib = 1.0
+    ev = evaluate_drafts((target, tokenizer), drafts, held_out, args)
+    info = {
+        "aux_layers": saved.config.aux_layers, "draft_vocab": model.config.draft_vocab_size,
+        "bytes": (args.out / "model.safetensors").stat().st_size, "num_rows": len(rows), "max_len": args.max_len,
+        "train_tokens": sum(e["ids"].numel() for e in train_ex),
+        "train_response_tokens": sum(e["ids"].numel() - e["prompt_len"] for e in train_ex),
+        "val_ids": sorted(val_idx), "feature_s": feature_s, "steps": args.steps, "lr": args.lr, "clip": args.clip,
+        "batch_tokens": args.batch_tokens, "epochs": args.epochs, "train": stats, "why": why,
+        "vocab_runs": [{k: v for k, v in r.items() if k != "ids"} for r in vocab_runs], "growth": growth,
+        "eval": ev, "k": args.num_speculative_tokens, "vocab_share": args.vocab_share, "val_prompts": len(val_rows), "eval_n": len(held_out), "eval_tokens": args.eval_tokens,
+    }
+    write_card(args.out, argv, info)
+    log(f"wrote {args.out / 'README.md'}")
+    (args.cache_dir.parent / "eagle" / "last_run.json").write_text(json.dumps(info, indent=2, default=str))
+    return info
+
+
+if __name__ == "__main__":
+    main()
