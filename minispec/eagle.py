@@ -45,7 +45,7 @@ from torch import nn
 
 from .attention import AttentionBackend, BatchMetadata
 from .config import ModelConfig, rope_inv_freq
-from .loader import read_safetensors, resolve_dtype
+from .loader import read_safetensors, resolve_dtype, use_cpu_fast_paths
 from .model import MLP, Attention, Linear, RMSNorm, Transformer, rope_tables
 from .runner import Feed, ModelRunner
 from .sampling import sample, warp_probs
@@ -211,12 +211,7 @@ def build_eagle(cfg: EagleConfig, state: dict[str, torch.Tensor], target: Transf
     model = model.to(dtype)  # floating tensors only; d2t / t2d keep their types
     model.embed_weight = embedding.to(device=device, dtype=dtype)
     model.inv_freq = rope_inv_freq(cfg.layer).to(device)
-    if device.type == "cpu" and dtype == torch.float32:
-        from .loader import WEIGHT_MAJOR_ROWS
-
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.weight_major_rows = WEIGHT_MAJOR_ROWS
+    use_cpu_fast_paths(model, dtype, device)
     return model.eval()
 
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from .attention import AttentionBackend
 from .config import DTYPES, ModelConfig, rope_inv_freq
-from .model import Transformer
+from .model import Transformer, set_cpu_matmul
 from .tokenizer import Tokenizer
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -89,13 +89,19 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
-    if device.type == "cpu":
-        if dtype == torch.float32:
-            # Decode (1 row) on all cores; verification (k+1 rows) streams each weight once (model.Linear).
-            model.set_cpu_matmul(weight_major_rows=WEIGHT_MAJOR_ROWS)
-        elif not native_cpu_bf16():
-            model.set_cpu_matmul(upcast_rows=UPCAST_ROWS)  # prefill in fp32: emulated bf16 GEMMs are slow
+    use_cpu_fast_paths(model, dtype, device)
     return model.eval()
+
+
+def use_cpu_fast_paths(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """On CPU, the Linear entry points measured to help (see model.Linear)."""
+    if device.type != "cpu":
+        return
+    if dtype == torch.float32:
+        # Decode (1 row) on all cores; verification (k+1 rows) streams each weight once (model.Linear).
+        set_cpu_matmul(model, weight_major_rows=WEIGHT_MAJOR_ROWS)
+    elif not native_cpu_bf16():
+        set_cpu_matmul(model, upcast_rows=UPCAST_ROWS)  # prefill in fp32: emulated bf16 GEMMs are slow
 
 
 def load_checkpoint(

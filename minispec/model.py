@@ -38,7 +38,7 @@ class Linear(nn.Linear):
     """y = x W^T + b, with W [out, in] as in nn.Linear (and HF checkpoints).
 
     Two CPU entry points, both the same math, chosen by the number of rows M (the loader turns
-    them on where they were measured to help; see `Transformer.set_cpu_matmul`):
+    them on where they were measured to help; see `set_cpu_matmul`):
     * 1 <= M <= weight_major_rows (fp32): `weight_major`, the product with W as the left operand,
       its rows split into one block per thread. Decoding feeds 1 row, a speculative verification
       k+1 rows. Measured on a 2-core Zen 3 CPU, whole SmolLM2 forward: PyTorch's default path runs
@@ -80,6 +80,14 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     else:
         return F.linear(x, weight, bias)
     return (y if bias is None else y + bias).contiguous()
+
+
+def set_cpu_matmul(model: nn.Module, weight_major_rows: int = 0, upcast_rows: int = 0) -> None:
+    """In `model`, Linear layers fed 1..weight_major_rows rows compute W-major (`weight_major`);
+    those fed more than upcast_rows rows compute in fp32 (see `Linear`). 0 turns either off."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.weight_major_rows, module.upcast_rows = weight_major_rows, upcast_rows
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,13 +181,6 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
-
-    def set_cpu_matmul(self, weight_major_rows: int = 0, upcast_rows: int = 0) -> None:
-        """Linear layers fed 1..weight_major_rows rows compute W-major (`weight_major`); those fed
-        more than upcast_rows rows compute in fp32 (see `Linear`). 0 turns either off."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.weight_major_rows, module.upcast_rows = weight_major_rows, upcast_rows
 
     @torch.inference_mode()
     def forward(

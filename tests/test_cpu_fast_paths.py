@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint
 from minispec.loader import UPCAST_ROWS, WEIGHT_MAJOR_ROWS, native_cpu_bf16
-from minispec.model import Linear
+from minispec.model import Linear, set_cpu_matmul
 from minispec.sampling import warp_probs
 from minispec.speculative import greedy_verify, rejection_sample
 
@@ -82,7 +82,7 @@ def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
     outputs, logits = [], []
     for rows in (WEIGHT_MAJOR_ROWS, 0):
         model, tok = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-        model.set_cpu_matmul(weight_major_rows=rows)
+        set_cpu_matmul(model, weight_major_rows=rows)
         llm = LLM(model=(model, tok), draft_model="ngram", num_speculative_tokens=4, kv_cache_gib=0.01)
         outputs.append(llm.generate(["the quick brown fox jumps"], params)[0].token_ids)
         ids = torch.tensor(tok.encode("hello world, this is a test of"))

@@ -283,3 +283,25 @@ def test_init_eagle_maps_its_vocabulary_both_ways(target):
     assert e.t2d.nonzero().flatten().tolist() == [1, 4, 9, 200]
     assert dataclasses.asdict(e.config)["aux_layers"] == (0, 1, 2)
     assert minispec.eagle.hf_config(e.config)["draft_vocab_size"] == 4
+
+
+def test_stream_logprobs_and_stop_strings_with_the_feature_drafter(target, eagle):
+    """stream() yields what generate() returns; logprobs equal plain decoding's (they are the
+    target's); a stop string ends the text where plain decoding ends it."""
+    plain = LLM(model=target, kv_cache_gib=0.01, page_size=8)
+    llm = LLM(model=target, draft_model=eagle, num_speculative_tokens=3, kv_cache_gib=0.01, page_size=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    streamed = [[] for _ in PROMPTS]
+    for event in llm.stream(PROMPTS, params):
+        streamed[event.index] += event.new_token_ids
+    outs, ref = llm.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert streamed == [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    for o, r in zip(outs, ref):
+        assert [sorted(d) for d in o.logprobs] == [sorted(d) for d in r.logprobs]
+        for d, e in zip(o.logprobs, r.logprobs):
+            assert all(abs(d[t] - e[t]) < 1e-4 for t in d)
+    stop = target[1].decode(ref[0].token_ids[3:5])
+    assert stop.strip(), "tokens 3-4 of the first greedy answer should print something"
+    stopped = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop])
+    a, b = llm.generate(PROMPTS[:1], stopped)[0], plain.generate(PROMPTS[:1], stopped)[0]
+    assert a.finish_reason == "stop" and (a.text, a.token_ids) == (b.text, b.token_ids)
