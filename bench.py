@@ -596,6 +596,8 @@ def plan(args, gpu: bool) -> dict:
     else:
         defaults = dict(drafters="eagle,draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12, modes="greedy,sampled")
     drafters = (args.drafters or defaults["drafters"]).split(",")
+    if not args.drafters and "eagle" in drafters and not (Path(args.eagle) / "config.json").exists():
+        drafters.remove("eagle")  # no EAGLE head at --eagle: the default sweep goes without it
     unknown = sorted(set(drafters) - set(DRAFTERS))
     if unknown:
         raise SystemExit(f"--drafters: unknown {', '.join(unknown)} (choose from {', '.join(DRAFTERS)})")

@@ -228,7 +228,7 @@ def load_eagle(path: str | Path, target: Transformer, dtype: str | torch.dtype |
 
 
 def init_eagle(target: Transformer, draft_ids: torch.Tensor, aux_layers: tuple[int, ...] | None = None,
-               intermediate_size: int | None = None, seed: int = 0) -> EagleModel:
+               intermediate_size: int | None = None, seed: int = 0, norm_before_residual: bool = False) -> EagleModel:
     """A randomly initialised EAGLE-3 head for `target` (fp32, on the target's device) whose draft
     vocabulary is `draft_ids` (distinct target ids, sorted here). The layer has the target's
     attention shapes, RoPE and eps; the embedding is the target's."""
@@ -237,7 +237,7 @@ def init_eagle(target: Transformer, draft_ids: torch.Tensor, aux_layers: tuple[i
     L = t.num_layers
     layer = replace(t, num_layers=1, intermediate_size=intermediate_size or t.intermediate_size,
                     tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None)
-    cfg = EagleConfig(layer, len(ids), t.hidden_size, tuple(aux_layers or (2, L // 2, L - 3)))
+    cfg = EagleConfig(layer, len(ids), t.hidden_size, tuple(aux_layers or (2, L // 2, L - 3)), norm_before_residual)
     torch.manual_seed(seed)
     model = EagleModel(cfg, target.embed_tokens.weight.detach().float(), target.backend)
     model.d2t.copy_(ids - torch.arange(len(ids)))

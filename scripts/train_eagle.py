@@ -29,6 +29,7 @@ Run: python scripts/train_eagle.py --threads 2                       (the shippe
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -131,37 +132,21 @@ def shifted(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
 
 
-def ttt_loss(model: EagleModel, target: Transformer, batch: list[dict], steps: int, decay: float = 0.8):
-    """The unrolled training-time test on a batch of examples. Returns (loss, per-step top-1
-    agreement and weights [steps], per-step loss [steps])."""
+def unrolled_logits(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, steps: int):
+    """The training-time test's forward, one step at a time: yields logits [B, T, V_d] of step i
+    = 0..steps-1. ids [B, T] (right-padded), feats [B, T, 3H] target features. Step i at index t:
+    token ids[t+i+1], feature fc(feats[t]) (i = 0) or step i-1's output g at t, RoPE position
+    t+i; it attends to step 0's keys at indices <= t and steps 1..i's keys at index t, which is
+    what the chained draft step at position t+i sees at inference (tests/test_eagle.py checks it)."""
     cfg = model.config.layer
-    B, T = len(batch), max(e["ids"].numel() for e in batch)
-    H, Hq, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    ids = torch.zeros(B, T, dtype=torch.int64)
-    feats = torch.zeros(B, T, model.fc.in_features)
-    last = torch.zeros(B, T, H)
-    argmax = torch.full((B, T), -1, dtype=torch.int64)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    response = torch.zeros(B, T, dtype=torch.bool)  # position t's next token is a response token
-    for b, e in enumerate(batch):
-        n = e["ids"].numel()
-        ids[b, :n], feats[b, :n], last[b, :n], argmax[b, :n] = e["ids"], e["features"].float(), e["last"].float(), e["argmax"]
-        valid[b, :n] = True
-        response[b, max(e["prompt_len"] - 1, 0) : n] = True
-    draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size))
-    with torch.no_grad():
-        target_logits = F.linear(target.norm(last), target.lm_head.weight[draft_ids])  # [B, T, V_d]
-        target_probs = target_logits.softmax(-1)
-        in_vocab = model.t2d[argmax.clamp(min=0)] & (argmax >= 0)  # [B, T]
-        target_best = target_logits.argmax(-1)
+    B, T = ids.shape
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     scale = D**-0.5
     causal = torch.ones(T, T, dtype=torch.bool).tril()  # [T, T] query t sees step-0 key j <= t
     layer = model.midlayer
     attn = layer.self_attn
     keys, values = [], []
     feature = model.fc(feats)  # [B, T, H]
-    total = torch.zeros(())
-    stats, losses = [], []
     for i in range(steps):
         emb = F.embedding(shifted(ids, i + 1), model.embed_weight)  # token t+i+1
         normed = layer.hidden_norm(feature)
@@ -183,6 +168,34 @@ def ttt_loss(model: EagleModel, target: Transformer, batch: list[dict], steps: i
         r = residual + attn.o_proj(out.transpose(1, 2).reshape(B, T, Hq * D))
         g = r + layer.mlp(layer.post_attention_layernorm(r))  # [B, T, H]
         logits = model.lm_head(model.norm(g))  # [B, T, V_d]
+        yield logits
+        feature = g
+
+
+def ttt_loss(model: EagleModel, target: Transformer, batch: list[dict], steps: int, decay: float = 0.8):
+    """The unrolled training-time test on a batch of examples. Returns (loss, per-step top-1
+    agreement and weights [steps], per-step loss [steps])."""
+    B, T, H = len(batch), max(e["ids"].numel() for e in batch), model.config.layer.hidden_size
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    feats = torch.zeros(B, T, model.fc.in_features)
+    last = torch.zeros(B, T, H)
+    argmax = torch.full((B, T), -1, dtype=torch.int64)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    response = torch.zeros(B, T, dtype=torch.bool)  # position t's next token is a response token
+    for b, e in enumerate(batch):
+        n = e["ids"].numel()
+        ids[b, :n], feats[b, :n], last[b, :n], argmax[b, :n] = e["ids"], e["features"].float(), e["last"].float(), e["argmax"]
+        valid[b, :n] = True
+        response[b, max(e["prompt_len"] - 1, 0) : n] = True
+    draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size))
+    with torch.no_grad():
+        target_logits = F.linear(target.norm(last), target.lm_head.weight[draft_ids])  # [B, T, V_d]
+        target_probs = target_logits.softmax(-1)
+        in_vocab = model.t2d[argmax.clamp(min=0)] & (argmax >= 0)  # [B, T]
+        target_best = target_logits.argmax(-1)
+    total = torch.zeros(())
+    stats, losses = [], []
+    for i, logits in enumerate(unrolled_logits(model, ids, feats, steps)):
         p, best = shifted(target_probs, i + 1), shifted(target_best, i + 1)  # at position t+i+1
         mask = shifted(valid & response & in_vocab, i + 1)  # [B, T]
         if mask.any():
@@ -194,7 +207,6 @@ def ttt_loss(model: EagleModel, target: Transformer, batch: list[dict], steps: i
         else:
             stats.append((0.0, 0))
             losses.append(0.0)
-        feature = g
     return total, stats, losses
 
 
@@ -227,7 +239,8 @@ def evaluate_ttt(model: EagleModel, target: Transformer, examples: list[dict], s
 
 def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_ids: torch.Tensor, args) -> tuple[EagleModel, dict]:
     """Initialise a head with this draft vocabulary and train it; returns (model, stats)."""
-    model = init_eagle(target, draft_ids, intermediate_size=args.ffn, seed=args.seed)
+    model = init_eagle(target, draft_ids, intermediate_size=args.ffn, seed=args.seed,
+                       norm_before_residual=args.norm_before_residual)
     with torch.no_grad():
         model.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
         model.norm.weight.copy_(target.norm.weight)
@@ -386,9 +399,13 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--draft-vocab", default="8192", help="comma list of draft vocabulary sizes to compare")
     g.add_argument("--ffn", type=int, default=None, help="the layer's MLP width (default: the target's)")
     g.add_argument("--steps", type=int, default=7, help="unrolled steps of the training-time test")
+    g.add_argument("--norm-before-residual", action=argparse.BooleanOptionalAction, default=True,
+                   help="the layer's residual starts from hidden_norm(feature), not the raw feature (SmolLM2's "
+                        "residual stream has dimensions averaging 100-360 and outliers near 25,000 in layers 15 and "
+                        "27: a raw residual drowns the layer's output)")
     g.add_argument("--epochs", type=int, default=2)
-    g.add_argument("--batch-tokens", type=int, default=4096)
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--batch-tokens", type=int, default=768)
+    g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--warmup", type=float, default=0.05)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip", type=float, default=0.5)
@@ -440,8 +457,16 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed + 1)
     val_idx = set(rng.sample(range(len(rows)), max(1, int(args.val_fraction * len(rows)))))
     t0 = time.perf_counter()
-    examples = extract_features(target, rows, aux, args.max_len)
-    feature_s = time.perf_counter() - t0
+    key = hashlib.sha256(json.dumps([str(args.target), aux, args.max_len, [r["key"] for r in rows]]).encode()).hexdigest()[:16]
+    cached = args.cache_dir.parent / "eagle" / f"features-{key}.pt"
+    if cached.exists():
+        examples, feature_s = torch.load(cached)
+        log(f"features: {len(examples)} sequences read from {cached}")
+    else:
+        examples = extract_features(target, rows, aux, args.max_len)
+        feature_s = time.perf_counter() - t0
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        torch.save((examples, feature_s), cached)
     train_ex = [e for e in examples if e["row"] not in val_idx]
     val_ex = [e for e in examples if e["row"] in val_idx]
     val_rows = [rows[i] for i in sorted(val_idx)][: args.val_eval_prompts]
@@ -457,10 +482,20 @@ def main(argv: list[str] | None = None) -> dict:
         return train_ex[: max(1, int(frac * len(train_ex)))]
 
     def trained(examples: list[dict], ids: torch.Tensor, name: str) -> tuple[EagleModel, dict]:
+        """Train (or reuse the cached result of the same run: a later invocation adds comparisons
+        without retraining what an earlier one trained) and measure validation acceptance."""
+        settings = [key, name, args.epochs, args.lr, args.batch_tokens, args.steps, args.seed, args.ffn, args.clip,
+                    args.norm_before_residual,
+                    args.warmup, args.weight_decay, args.eval_tokens, args.num_speculative_tokens, len(val_rows)]
+        path, meta = vocab_dir / name, vocab_dir / name / "run.json"
+        if meta.exists() and json.loads(meta.read_text())["settings"] == json.loads(json.dumps(settings)):
+            log(f"{name}: reusing the trained head in {path}")
+            return load_eagle(path, target), json.loads(meta.read_text())["stats"]
         model, stats = train(target, examples, val_ex, ids, args)
-        save_eagle(model, vocab_dir / name, torch.float32)
-        stats["accepted_per_step"] = val_acceptance(target, tokenizer, vocab_dir / name, val_rows, args) if val_rows else float("nan")
+        save_eagle(model, path, torch.float32)
+        stats["accepted_per_step"] = val_acceptance(target, tokenizer, path, val_rows, args) if val_rows else float("nan")
         stats["tokens"] = sum(e["ids"].numel() for e in examples)
+        meta.write_text(json.dumps({"settings": settings, "stats": stats}))
         log(f"{name}: validation greedy tokens per target step {stats['accepted_per_step']:.2f} (k={args.num_speculative_tokens})")
         return model, stats
 
@@ -473,18 +508,24 @@ def main(argv: list[str] | None = None) -> dict:
         run = {"draft_vocab": size, "coverage": cov, "ids": ids, "share": args.vocab_share}
         if len(sizes) > 1:
             _, stats = trained(share_of(args.vocab_share), ids, f"v{size}-share{args.vocab_share:g}")
-            run.update(val_top1=stats["val"][-1] if stats["val"] else [], accepted_per_step=stats["accepted_per_step"])
+            run.update(val_top1=stats["val"][-1] if stats["val"] else [], accepted_per_step=stats["accepted_per_step"],
+                       tokens=stats["tokens"])
         vocab_runs.append(run)
     chosen = max(vocab_runs, key=lambda r: r.get("accepted_per_step", 0.0))
     why = (f"the most validation tokens per target step when each size was trained on {args.vocab_share:.0%} of the data"
            if len(sizes) > 1 else "the only size trained in this run")
     for frac in [float(f) for f in args.fractions.split(",") if f]:
+        if len(sizes) > 1 and frac == args.vocab_share:  # that run is already done
+            growth.append({k: chosen[k] for k in ("tokens", "val_top1", "accepted_per_step")} | {"fraction": frac})
+            continue
         _, stats = trained(share_of(frac), chosen["ids"], f"v{chosen['draft_vocab']}-share{frac:g}")
         growth.append({"fraction": frac, "tokens": stats["tokens"], "val_top1": stats["val"][-1],
                        "accepted_per_step": stats["accepted_per_step"]})
     model, stats = trained(train_ex, chosen["ids"], f"v{chosen['draft_vocab']}")
     growth.append({"fraction": 1.0, "tokens": stats["tokens"], "val_top1": stats["val"][-1] if stats["val"] else [],
                    "accepted_per_step": stats["accepted_per_step"]})
+    if len(sizes) == 1:  # the one size's row is the full run
+        chosen.update(val_top1=growth[-1]["val_top1"], accepted_per_step=stats["accepted_per_step"], share=1.0)
 
     # 6. save (bf16), check, 5. evaluate
     save_eagle(model, args.out)

@@ -305,3 +305,28 @@ def test_stream_logprobs_and_stop_strings_with_the_feature_drafter(target, eagle
     stopped = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop])
     a, b = llm.generate(PROMPTS[:1], stopped)[0], plain.generate(PROMPTS[:1], stopped)[0]
     assert a.finish_reason == "stop" and (a.text, a.token_ids) == (b.text, b.token_ids)
+
+
+def test_the_training_forward_is_the_drafting_forward(target, eagle):
+    """scripts/train_eagle.py's unrolled training-time test computes, at step i and index t, the
+    logits the drafter computes at inference for the chained draft position t+i fed the true
+    tokens (the fresh cache-free reference above): training and drafting cannot drift apart."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_eagle.py"
+    spec = importlib.util.spec_from_file_location("train_eagle", path)
+    train_eagle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_eagle)
+    tokens = [5, 6, 7, 8, 9, 100, 3, 77, 12, 9]
+    ids = torch.tensor(tokens)
+    with torch.inference_mode():
+        _, hidden = target[0](ids, BatchMetadata.for_prompts([len(ids)]), None, hidden_layers=eagle.config.aux_layers)
+        steps = list(train_eagle.unrolled_logits(eagle, ids[None], hidden[None], 3))  # 3 x [1, T, V_d]
+    params = SamplingParams(temperature=1.0)
+    for t in (0, 3, 5):
+        # positions 0..t from the target's features, then drafts = the true next tokens
+        fresh = fresh_proposals(target[0], eagle, tokens[: t + 2], tokens[t + 2 : t + 4], params)  # [2, V]
+        for i in range(2):
+            expected = steps[i][0, t].softmax(-1)
+            torch.testing.assert_close(fresh[i][eagle.t2d], expected, atol=1e-5, rtol=1e-4)
