@@ -340,7 +340,8 @@ def test_vllm_speculative_config_is_accepted(tiny_llama, tiny_llama_draft):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tensor_parallel_size=2), "tensor_parallel_size must be 1"),
     (dict(draft_model="ngram", speculative_model="ngram"), "name the drafter once: got draft_model and speculative_model"),
-    (dict(speculative_config={"method": "eagle", "model": "x"}), "method 'eagle' is not supported"),
+    (dict(speculative_config={"method": "medusa", "model": "x"}), "method 'medusa' is not supported"),
+    (dict(speculative_config={"method": "eagle", "model": "x"}), "method 'eagle' needs an EAGLE-3 checkpoint"),
     (dict(speculative_config={"model": "x", "draft_tensor_parallel_size": 1}), "keys not supported"),
     (dict(speculative_config={"num_speculative_tokens": 2}), "needs 'model'"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, num_speculative_tokens=3), "disagrees"),
