@@ -22,7 +22,9 @@ Pipeline (progress lines throughout; every size is a flag, defaults = the shippe
              target step and per-position acceptance, next to the distilled draft and n-gram.
 6. save      bf16 safetensors in the official EAGLE-3 layout + a model card.
 
-Run: python scripts/train_eagle.py --threads 2                       (the shipped head)
+Run: python scripts/train_eagle.py --threads 2     (sizes 4096 and 8192 compared on 25% of the data,
+                                                    25/50% growth points, the chosen size on all of it)
+     ... --cached-only                              (train on the corpus rows already cached)
      python scripts/train_eagle.py --num-generate 8 --max-tokens 16 --epochs 1 --out /tmp/e   (smoke)
 """
 
@@ -396,7 +398,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "weights" / "eagle-smollm2")
     corpus.add_arguments(ap)
     g = ap.add_argument_group("head and training")
-    g.add_argument("--draft-vocab", default="8192", help="comma list of draft vocabulary sizes to compare")
+    g.add_argument("--draft-vocab", default="4096,8192", help="comma list of draft vocabulary sizes to compare")
     g.add_argument("--ffn", type=int, default=None, help="the layer's MLP width (default: the target's)")
     g.add_argument("--steps", type=int, default=7, help="unrolled steps of the training-time test")
     g.add_argument("--norm-before-residual", action=argparse.BooleanOptionalAction, default=True,
@@ -413,8 +415,8 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--val-fraction", type=float, default=0.05)
     g.add_argument("--max-rows", type=int, default=0, help="use only the first N corpus rows (0: all)")
     g.add_argument("--cached-only", action="store_true", help="train on the corpus rows already cached, generate none")
-    g.add_argument("--vocab-share", type=float, default=0.5, help="share of the training data each vocabulary size is compared on")
-    g.add_argument("--fractions", default="", help="comma list of training shares for the data-growth table (e.g. 0.25,0.5)")
+    g.add_argument("--vocab-share", type=float, default=0.25, help="share of the training data each vocabulary size is compared on")
+    g.add_argument("--fractions", default="0.25,0.5", help="comma list of training shares for the data-growth table (e.g. 0.25,0.5)")
     g.add_argument("--log-every", type=int, default=10)
     g = ap.add_argument_group("evaluation")
     g.add_argument("--eval-per-category", type=int, default=2)

@@ -332,28 +332,21 @@ def target_ignores_temperature(monkeypatch):
     monkeypatch.setattr(minispec.speculative, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
 
 
-def draft_reports_another_q(monkeypatch):
-    """(d') temperature applied to the draft's sampling but not to the q it reports (HF #32867)."""
-    tempered = {}
+def reports_another_q(module):
+    """(d') a drafter in `module` samples at the request's temperature but reports q at
+    temperature 1 (HF #32867)."""
+    def mutant(monkeypatch):
+        tempered = {}
 
-    def warp(logits, params):
-        tempered["q"] = warp_probs(logits, params)
-        return warp_probs(logits, _untempered(params))
+        def warp(logits, params):
+            tempered["q"] = warp_probs(logits, params)
+            return warp_probs(logits, _untempered(params))
 
-    monkeypatch.setattr(minispec.drafters, "warp_probs", warp)
-    monkeypatch.setattr(minispec.drafters, "sample", lambda probs, generators: sample(tempered["q"], generators))
+        monkeypatch.setattr(module, "warp_probs", warp)
+        monkeypatch.setattr(module, "sample", lambda probs, generators: sample(tempered["q"], generators))
 
-
-def eagle_reports_another_q(monkeypatch):
-    """(d') for the EAGLE drafter: it samples at the request's temperature, reports q at 1."""
-    tempered = {}
-
-    def warp(logits, params):
-        tempered["q"] = warp_probs(logits, params)
-        return warp_probs(logits, _untempered(params))
-
-    monkeypatch.setattr(minispec.eagle, "warp_probs", warp)
-    monkeypatch.setattr(minispec.eagle, "sample", lambda probs, generators: sample(tempered["q"], generators))
+    mutant.__name__ = "reports_another_q"
+    return mutant
 
 
 def eagle_ignores_d2t(monkeypatch):
@@ -367,8 +360,8 @@ def eagle_ignores_d2t(monkeypatch):
 
 
 MUTANTS = [("near", no_residual), ("near", always_accept), ("near", bonus_off_by_one),
-           ("near", target_ignores_temperature), ("near", draft_reports_another_q),
-           ("eagle", no_residual), ("eagle", eagle_reports_another_q), ("eagle", eagle_ignores_d2t)]
+           ("near", target_ignores_temperature), ("near", reports_another_q(minispec.drafters)),
+           ("eagle", no_residual), ("eagle", reports_another_q(minispec.eagle)), ("eagle", eagle_ignores_d2t)]
 
 
 @pytest.mark.parametrize("drafter,mutant", MUTANTS, ids=[f"{d}-{m.__name__}" for d, m in MUTANTS])
