@@ -45,11 +45,16 @@ from torch import nn
 
 from .attention import AttentionBackend, BatchMetadata
 from .config import ModelConfig, rope_inv_freq
-from .loader import read_safetensors, resolve_dtype, use_cpu_fast_paths
+from .loader import check_tensors, read_safetensors, resolve_dtype, use_cpu_fast_paths
 from .model import MLP, Attention, Linear, RMSNorm, Transformer, rope_tables
 from .runner import Feed, ModelRunner
 from .sampling import sample, warp_probs
 from .sequence import Sequence
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target layers EAGLE-3 reads by default: 2, L//2, L-3 (HF hidden_states indices)."""
+    return (2, num_layers // 2, num_layers - 3)
 
 
 @dataclass
@@ -85,7 +90,7 @@ class EagleConfig:
             raise ValueError(f"{where} has draft_vocab_size {draft_vocab}; need 1..{target.vocab_size} (the target's vocab)")
         L = target.num_layers
         ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        aux = tuple(int(i) for i in ids) if ids is not None else (2, L // 2, L - 3)
+        aux = tuple(int(i) for i in ids) if ids is not None else default_aux_layers(L)
         if len(aux) != 3 or not all(0 <= i <= L for i in aux):
             raise ValueError(f"{where} reads target layers {list(aux)}; the target has {L} layers "
                              f"(3 ids in 0..{L} needed)")
@@ -188,15 +193,8 @@ def build_eagle(cfg: EagleConfig, state: dict[str, torch.Tensor], target: Transf
         state["d2t"], state["t2d"] = torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool)
     with torch.device("meta"):
         model = EagleModel(cfg, torch.empty(0), target.backend)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{where}: missing tensors {missing[:8]}, unexpected tensors {unexpected[:8]} "
-                         "(expected the EAGLE-3 layout: fc, midlayer.*, norm, lm_head, d2t, t2d)")
-    for key, shape in expected.items():
-        if tuple(state[key].shape) != tuple(shape):
-            raise ValueError(f"{where}: tensor {key} has shape {tuple(state[key].shape)}, the config and the "
-                             f"target imply {tuple(shape)}")
+    check_tensors({k: v.shape for k, v in model.state_dict().items()}, state, where,
+                  "the EAGLE-3 layout (fc, midlayer.*, norm, lm_head, d2t, t2d) for this config and target")
     d2t, t2d = state["d2t"].long(), state["t2d"].bool()
     ids = torch.arange(V_d) + d2t  # [V_d] target ids
     if ids.min() < 0 or ids.max() >= V or ids.unique().numel() != V_d:
@@ -234,10 +232,10 @@ def init_eagle(target: Transformer, draft_ids: torch.Tensor, aux_layers: tuple[i
     attention shapes, RoPE and eps; the embedding is the target's."""
     t = target.cfg
     ids = torch.as_tensor(draft_ids, dtype=torch.int64).unique()  # [V_d] sorted
-    L = t.num_layers
     layer = replace(t, num_layers=1, intermediate_size=intermediate_size or t.intermediate_size,
                     tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None)
-    cfg = EagleConfig(layer, len(ids), t.hidden_size, tuple(aux_layers or (2, L // 2, L - 3)), norm_before_residual)
+    cfg = EagleConfig(layer, len(ids), t.hidden_size, tuple(aux_layers or default_aux_layers(t.num_layers)),
+                      norm_before_residual)
     torch.manual_seed(seed)
     model = EagleModel(cfg, target.embed_tokens.weight.detach().float(), target.backend)
     model.d2t.copy_(ids - torch.arange(len(ids)))

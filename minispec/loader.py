@@ -60,6 +60,20 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def check_tensors(expected: dict[str, torch.Size], state: dict[str, torch.Tensor], what: str, user: str) -> None:
+    """Every expected tensor present with its shape and nothing else, or a ValueError naming the
+    tensors (what: the checkpoint, e.g. its path; user: what reads it, e.g. "this llama config")."""
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{what} is missing tensors: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(f"{what} has tensors {user} does not use: {', '.join(unexpected[:8])}")
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != tuple(shape):
+            raise ValueError(f"{what}: tensor {key} has shape {tuple(state[key].shape)}, {user} implies {tuple(shape)}")
+
+
 def build_model(
     cfg: ModelConfig,
     state: dict[str, torch.Tensor],
@@ -75,15 +89,7 @@ def build_model(
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
         state.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise ValueError(f"checkpoint has tensors this {cfg.architecture} config does not use: {', '.join(unexpected[:8])}")
-    for key, shape in expected.items():
-        if tuple(state[key].shape) != tuple(shape):
-            raise ValueError(f"tensor {key} has shape {tuple(state[key].shape)}, config implies {tuple(shape)}")
+    check_tensors(expected, state, "checkpoint", f"this {cfg.architecture} config")
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:

@@ -48,7 +48,7 @@ import corpus  # noqa: E402
 from corpus import REPO_ROOT, default_target, eval_prompts, evaluate_drafts, generate_corpus, load_prompts, log  # noqa: E402
 
 from minispec import BatchMetadata, load_checkpoint  # noqa: E402
-from minispec.eagle import EagleModel, init_eagle, load_eagle, save_eagle  # noqa: E402
+from minispec.eagle import EagleModel, default_aux_layers, init_eagle, load_eagle, save_eagle  # noqa: E402
 from minispec.model import Transformer, apply_rope, rope_tables  # noqa: E402
 
 # --- 2. features --------------------------------------------------------------------------------
@@ -452,8 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = rows[: args.max_rows]
     target, tokenizer = load_checkpoint(args.target, dtype=torch.float32, device="cpu", backend="torch")
     del gen_target
-    L = target.cfg.num_layers
-    aux = (2, L // 2, L - 3)
+    aux = default_aux_layers(target.cfg.num_layers)
 
     # 2. features
     rng = random.Random(args.seed + 1)

@@ -242,7 +242,7 @@ BAD = [
     ({"vocab_size": 999}, None, (), "vocab_size 999 but the target's is"),
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}}, None, (), "reads target layers [0, 1, 5]; the target has 2 layers"),
     ({"num_hidden_layers": 2}, None, (), "num_hidden_layers 2; an EAGLE-3 draft has 1"),
-    (None, None, ("fc.weight",), "missing tensors ['fc.weight']"),
+    (None, None, ("fc.weight",), "is missing tensors: fc.weight"),
     (None, {"d2t": torch.full((160,), 10**6, dtype=torch.int64)}, (), "d2t must map the 160 draft ids to distinct ids"),
     (None, {"lm_head.weight": torch.zeros(7, 64)}, (), "tensor lm_head.weight has shape (7, 64)"),
 ]
