@@ -76,11 +76,18 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins the running batch at the next step with room for it.
         Raises (before queueing anything) as `check_request` does."""
-        self.check_request(prompt_ids, params)
-        seq = Sequence(self._next_id, prompt_ids, params, self.target.cache.page_size, self.target.device)
-        self._next_id += 1
-        self.scheduler.add(seq)
-        return seq
+        return self.add_requests([(prompt_ids, params)])[0]
+
+    def add_requests(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Sequence]:
+        """Queue several requests: all of them, or (if any is refused) none."""
+        for prompt_ids, params in requests:
+            self.check_request(prompt_ids, params)
+        seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.target.device)
+                for i, (ids, params) in enumerate(requests)]
+        self._next_id += len(seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -104,8 +111,11 @@ class LLMEngine:
             outputs.append(StepOutput(s, s.output_ids[n:], done))
         return outputs
 
-    def run_metrics(self, seqs: list[Sequence], wall_s: float) -> RunMetrics:
-        m = RunMetrics(draft_s=self.times.draft_s, target_s=self.times.target_s, wall_s=wall_s)
+    def run_metrics(self, seqs: list[Sequence], wall_s: float, since: StepTimes | None = None) -> RunMetrics:
+        """Totals over seqs; draft / target times are the engine's since `since` (a copy of
+        self.times taken earlier), so they include steps of other requests run meanwhile."""
+        since = since or StepTimes()
+        m = RunMetrics(draft_s=self.times.draft_s - since.draft_s, target_s=self.times.target_s - since.target_s, wall_s=wall_s)
         for s in seqs:
             m.add(s.metrics, len(s.output_ids))
         m.num_preemptions = sum(self.scheduler.preemptions[s.request_id] for s in seqs)

@@ -5,13 +5,23 @@
     outputs[0].text, outputs[0].token_ids, llm.last_metrics.summary()
 
 `LLM.stream(...)` yields tokens per request as they are produced.
+
+Calls own their requests: a `generate` or `stream` sees only the requests it queued, and a stream
+that is abandoned (closed, garbage-collected) takes its requests and their pages with it. One LLM
+may be used from several threads: engine steps are serialised by a lock (each step advances every
+queued request and hands each call its own tokens), so concurrent calls interleave their steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +38,7 @@ from .model import Transformer
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
+from .speculative import StepTimes
 from .tokenizer import Tokenizer
 
 
@@ -37,10 +48,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens (EOS / the token completing a stop string included)
     text: str  # generated text, cut before a matched stop string
-    finish_reason: str  # "length" | "eos" | "stop" | "abort"
+    finish_reason: str  # "length" | "eos" | "stop" | "abort" | "error"
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: log-prob}, if requested
     prompt: str | None = None  # the prompt text, when it was given as text
+    error: str | None = None  # what went wrong, when finish_reason is "error"
 
     @property
     def outputs(self) -> list["RequestOutput"]:
@@ -50,10 +62,17 @@ class RequestOutput:
 
 @dataclass
 class StreamEvent:
+    """New tokens of request `index` (its position in the call's prompts). `new_text` is the text
+    they complete: text that may still change (a partial UTF-8 character, a possible start of a
+    stop string) is held back until it cannot, and a matched stop string is never sent."""
+
     index: int
     new_token_ids: list[int]
     finished: bool
     new_logprobs: list[dict[int, float]] | None = None  # one per new token, if requested
+    new_text: str = ""
+    finish_reason: str | None = None  # set on the request's last event (see RequestOutput)
+    error: str | None = None
 
 
 class LLM:
@@ -93,12 +112,19 @@ class LLM:
         "ngram" | "eagle3"} (current vLLM); tensor_parallel_size must be 1 (one device)."""
         draft_model, num_speculative_tokens = vllm_spec_args(
             draft_model, num_speculative_tokens, speculative_model, speculative_config, tensor_parallel_size)
-        if draft_model is not None and not (isinstance(num_speculative_tokens, int) and 1 <= num_speculative_tokens <= 32):
-            raise ValueError(f"num_speculative_tokens must be an int in [1, 32], got {num_speculative_tokens!r}")
+        if draft_model is not None:
+            check_int("num_speculative_tokens", num_speculative_tokens, 1, 32)
         if draft_confidence_threshold is not None and (draft_model is None or draft_model == "ngram"):
             raise ValueError("draft_confidence_threshold needs a draft model (the n-gram drafter has no probabilities)")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("ngram_max", ngram_max), ("ngram_min", ngram_min)):
+            check_int(name, value, 1)
+        if max_model_len is not None:
+            check_int("max_model_len", max_model_len, 1)
+        for name, value in (("kv_cache_gib", kv_cache_gib), ("gpu_memory_utilization", gpu_memory_utilization)):
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         backend = AttentionBackend(backend)
         target, self.tokenizer = self._load(model, dtype, device, backend)
         device_ = target.embed_tokens.weight.device
@@ -129,7 +155,7 @@ class LLM:
         if isinstance(draft, EagleModel):
             drafter = EagleDrafter(runners[1], draft_confidence_threshold)
         elif draft is not None:
-            drafter = ModelDrafter(runners[1], draft_confidence_threshold)
+            drafter = ModelDrafter(runners[1], draft_confidence_threshold, target.cfg.vocab_size)
         elif draft_model == "ngram":
             drafter = NgramDrafter(ngram_max, ngram_min)
         else:
@@ -144,6 +170,10 @@ class LLM:
             max_num_batched_tokens,
         )
         self.last_metrics: RunMetrics | None = None
+        self._lock = threading.RLock()  # one engine step, submission or abort at a time
+        self._owners: dict[int, _Call] = {}  # request_id -> the call that queued it (until it finishes)
+        self._stepping = False
+        self._closed_while_stepping: list[_Call] = []
         if verbose:
             for name, c in zip(("target", "draft"), caches):
                 print(
@@ -172,47 +202,108 @@ class LLM:
             return int(free * utilization)
         return 2**30
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _prompt_ids(self, prompt) -> list[int]:
+        """One prompt -> token ids: text, token ids (ints in the vocabulary), or vLLM's
+        {"prompt": text} / {"prompt_token_ids": ids} dicts."""
+        if isinstance(prompt, dict):
+            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1:
+                raise ValueError(f"a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            prompt = prompt[keys.pop()]
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list):
+            raise TypeError(f"a prompt must be a str, a list of int token ids or a vLLM prompt dict, got "
+                            f"{type(prompt).__name__}" + (" (convert it with .tolist())" if hasattr(prompt, "tolist") else ""))
         vocab = self.engine.target.model.cfg.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        return list(prompt)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {prompt[:8]!r}"
+                             + (" ..." if len(prompt) > 8 else ""))
+        return [int(t) for t in prompt]
 
-    def _submit(self, prompts, params) -> list[Sequence]:
+    def _requests(self, prompts, params) -> list[tuple[list[int], SamplingParams]]:
+        """Validated (token ids, params) per prompt; raises before anything is queued."""
         prompts = as_prompt_list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got {type(p).__name__}")
+            p.validate()  # again: fields may have been changed since construction
         ids = [self._prompt_ids(p) for p in prompts]
-        for i, p in zip(ids, params):  # validate all before queueing any
+        for i, p in zip(ids, params):
             self.engine.check_request(i, p)
-        return [self.engine.add_request(i, p) for i, p in zip(ids, params)]
+        return list(zip(ids, params))
 
-    def _run(self, seqs: list[Sequence]) -> Iterator[StreamEvent]:
-        index = {s.request_id: i for i, s in enumerate(seqs)}
-        self.engine.times.draft_s = self.engine.times.target_s = 0.0
-        t0 = time.perf_counter()
+    def _start(self, requests: list[tuple[list[int], SamplingParams]], with_text: bool) -> _Call:
+        """Queue all of a call's requests (or none: see LLMEngine.add_requests)."""
+        with self._lock:
+            call = _Call(self.engine.add_requests(requests), with_text, self.engine.times)
+            for s in call.seqs:
+                self._owners[s.request_id] = call
+        return call
+
+    def _events(self, call: _Call) -> Iterator[StreamEvent]:
+        """The call's events in order. Each engine step advances every queued request, whoever
+        made it; events of other calls' requests wait in those calls' queues."""
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.new_token_ids or out.finished:
-                        s, n = out.seq, len(out.new_token_ids)
-                        logprobs = s.logprobs[len(s.logprobs) - n :] if s.params.logprobs is not None else None
-                        yield StreamEvent(index[s.request_id], out.new_token_ids, out.finished, logprobs)
-        finally:  # a stream abandoned midway must not leave its requests in the engine
-            for s in seqs:
+            while True:
+                with self._lock:
+                    if not call.events:
+                        if all(s.finished for s in call.seqs):
+                            return
+                        self._step()
+                        continue
+                    event = call.events.popleft()
+                yield event
+        finally:  # run to the end, closed, abandoned or garbage-collected: its requests leave the engine
+            self._close(call)
+
+    def _step(self) -> None:
+        """One engine step (lock held); outputs go to the calls that own them."""
+        self._stepping = True
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._stepping = False
+        for out in outputs:
+            if out.new_token_ids or out.finished:
+                self._owners[out.seq.request_id].add_event(out.seq, out.new_token_ids, out.finished, self.tokenizer)
+            if out.finished:
+                del self._owners[out.seq.request_id]
+        closed, self._closed_while_stepping = self._closed_while_stepping, []
+        for call in closed:
+            self._close(call)
+
+    def _close(self, call: _Call) -> None:
+        """Abort the call's unfinished requests (their pages are freed) and record its metrics."""
+        with self._lock:
+            if self._stepping:  # a stream collected by the garbage collector inside a step: after it
+                self._closed_while_stepping.append(call)
+                return
+            for s in call.seqs:
                 if not s.finished:
                     self.engine.scheduler.abort(s)
-        self.last_metrics = self.engine.run_metrics(seqs, time.perf_counter() - t0)
+                self._owners.pop(s.request_id, None)
+            self.last_metrics = self.engine.run_metrics(call.seqs, time.perf_counter() - call.t0, call.times_at_start)
 
     def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[StreamEvent]:
-        """Yield StreamEvent(index, new_token_ids, finished) as tokens are produced."""
-        return self._run(self._submit(prompts, sampling_params))
+        """Yield StreamEvents (new tokens, their text, finished) as tokens are produced.
+
+        Bad input raises here; the requests are queued when iteration starts, and leave the
+        engine (pages freed) when the stream ends, is closed or is garbage-collected. Other calls
+        made while this stream is paused keep its requests running and its events queued for it."""
+        requests = self._requests(prompts, sampling_params)
+
+        def events() -> Iterator[StreamEvent]:
+            yield from self._events(self._start(requests, with_text=True))
+
+        return events()
 
     def generate(
         self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
@@ -220,24 +311,57 @@ class LLM:
         """Generate for every prompt (continuous batching); outputs in prompt order.
         use_tqdm prints a progress line (requests done, tokens, tokens/s) to stderr."""
         prompts = as_prompt_list(prompts)
-        seqs = self._submit(prompts, sampling_params)
+        call = self._start(self._requests(prompts, sampling_params), with_text=False)
         done, tokens, t0 = 0, 0, time.perf_counter()
-        for event in self._run(seqs):
+        for event in self._events(call):
             done += event.finished
             tokens += len(event.new_token_ids)
             if use_tqdm:
                 rate = tokens / max(time.perf_counter() - t0, 1e-9)
-                print(f"\r[minispec] {done}/{len(seqs)} requests, {tokens} tokens, {rate:.1f} tok/s", end="", file=sys.stderr)
+                print(f"\r[minispec] {done}/{len(call.seqs)} requests, {tokens} tokens, {rate:.1f} tok/s", end="", file=sys.stderr)
         if use_tqdm:
             print(file=sys.stderr)
-        return [self._output(i, s, p if isinstance(p, str) else None) for i, (s, p) in enumerate(zip(seqs, prompts))]
+        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompts]
+        return [self._output(i, s, text) for i, (s, text) in enumerate(zip(call.seqs, texts))]
 
     def _output(self, index: int, s: Sequence, prompt: str | None = None) -> RequestOutput:
-        text = self.tokenizer.decode(s.output_ids)
-        if s.stop_text_end is not None:
-            text = text[: s.stop_text_end]
         logprobs = list(s.logprobs) if s.params.logprobs is not None else None
-        return RequestOutput(index, s.prompt_ids, list(s.output_ids), text, s.finish_reason, s.metrics, logprobs, prompt)
+        return RequestOutput(index, s.prompt_ids, list(s.output_ids), output_text(s, self.tokenizer), s.finish_reason,
+                             s.metrics, logprobs, prompt, s.error)
+
+
+class _Call:
+    """One generate / stream call: its sequences, in prompt order, and their events not yet yielded."""
+
+    def __init__(self, seqs: list[Sequence], with_text: bool, times: StepTimes):
+        self.seqs = seqs
+        self.index = {s.request_id: i for i, s in enumerate(seqs)}
+        self.events: deque[StreamEvent] = deque()
+        self.with_text = with_text  # streams carry text; generate decodes once at the end
+        self.text_sent = [0] * len(seqs)  # characters of each request's text already in events
+        self.t0 = time.perf_counter()
+        self.times_at_start = dataclasses.replace(times)  # the engine's cumulative times, copied
+
+    def add_event(self, s: Sequence, new_ids: list[int], finished: bool, tokenizer: Tokenizer) -> None:
+        i, n = self.index[s.request_id], len(new_ids)
+        logprobs = s.logprobs[len(s.logprobs) - n :] if s.params.logprobs is not None and n else None
+        text = ""
+        if self.with_text:
+            full = output_text(s, tokenizer)
+            end = len(full)
+            if not finished:  # hold back what may still change: a partial UTF-8 character, a stop string's start
+                end = len(full.rstrip("\ufffd"))
+                if s.params.stop:
+                    end = min(end, len(full) - max(map(len, s.params.stop)) + 1)
+            text, self.text_sent[i] = full[self.text_sent[i] : end], max(self.text_sent[i], end)
+        self.events.append(StreamEvent(i, new_ids, finished, logprobs, text, s.finish_reason if finished else None,
+                                       s.error if finished else None))
+
+
+def output_text(s: Sequence, tokenizer: Tokenizer) -> str:
+    """The request's output text, cut before a matched stop string."""
+    text = tokenizer.decode(s.output_ids)
+    return text if s.stop_text_end is None else text[: s.stop_text_end]
 
 
 def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_model, speculative_config: dict | None,
@@ -276,21 +400,34 @@ def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_
     return draft_model, 4 if num_speculative_tokens is None else num_speculative_tokens
 
 
+def check_int(name: str, value, low: int, high: int | None = None) -> None:
+    """A ValueError naming the argument unless value is an int (not a bool) in [low, high]."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and low <= value and (high is None or value <= high)):
+        raise ValueError(f"{name} must be an int in [{low}, {high if high is not None else 'inf'}], got {value!r}")
+
+
 def as_prompt_list(prompts) -> list:
-    """One prompt (text or token ids) or a list of them -> a list."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    """One prompt (text, token ids, a vLLM prompt dict) or an iterable of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Integral)):
         return [prompts]
+    if prompts is None or isinstance(prompts, (bytes, bytearray, numbers.Number)) or not isinstance(prompts, Iterable) \
+            or hasattr(prompts, "tolist"):
+        raise TypeError(f"prompts must be a str, a list of int token ids, a vLLM prompt dict, or a list of these; "
+                        f"got {type(prompts).__name__}" + (" (convert it with .tolist())" if hasattr(prompts, "tolist") else ""))
     return list(prompts)
 
 
 def check_same_vocab(target_tok: Tokenizer, draft_tok: Tokenizer, target: Transformer, draft: Transformer) -> None:
-    """Speculative sampling compares p and q token by token: both models must share one vocabulary."""
-    if target.cfg.vocab_size != draft.cfg.vocab_size:
-        raise ValueError(
-            f"draft model vocab_size {draft.cfg.vocab_size} != target vocab_size {target.cfg.vocab_size}: "
-            "the draft must use the target's tokenizer"
-        )
+    """Speculative sampling compares p and q token by token: both models must share one
+    tokenizer. Their embeddings may be padded to different sizes (Qwen2.5-0.5B: 151936 rows,
+    Qwen2.5-7B: 152064) as long as both cover the tokenizer's whole vocabulary."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     if tv != dv:
         diff = sorted(set(tv.items()) ^ set(dv.items()))[:3]
         raise ValueError(f"draft tokenizer differs from the target's (e.g. {diff}); they must be identical")
+    needed = max(tv.values(), default=-1) + 1  # ids the tokenizer can produce
+    if min(target.cfg.vocab_size, draft.cfg.vocab_size) < needed:
+        raise ValueError(
+            f"draft model vocab_size {draft.cfg.vocab_size} and target vocab_size {target.cfg.vocab_size}: both must "
+            f"cover the tokenizer's {needed} ids (the draft must use the target's tokenizer)"
+        )
