@@ -5,7 +5,9 @@ KV cache), sampling each draft token from its warped distribution q with the req
 generator. With a confidence threshold it drafts adaptively: a sequence stops drafting after a
 token the draft itself gave probability < threshold (softmax at temperature 1), so k is only an
 upper bound (the dynamic draft length of HF's assisted generation). Exactness is unaffected: the
-decision to stop depends only on what was already drafted. NgramDrafter: no model; it looks up the latest earlier occurrence of the sequence's
+decision to stop depends only on what was already drafted (so does stopping at a draft row whose
+logits are not finite, drawing no random number for it: a broken draft lowers acceptance, never
+exactness). NgramDrafter: no model; it looks up the latest earlier occurrence of the sequence's
 last n tokens (prompt lookup decoding, Saxena 2023) and proposes what followed; its q is one-hot.
 
 Both implement `propose(seqs, num_draft) -> (draft_lists, draft_probs)` and `rollback(seqs)`.
@@ -16,16 +18,30 @@ from __future__ import annotations
 import torch
 
 from .runner import Feed, ModelRunner
-from .sampling import sample, warp_probs
+from .sampling import finite_rows, sample, warp_probs
 from .sequence import Sequence
 
 
 class ModelDrafter:
-    def __init__(self, runner: ModelRunner, confidence_threshold: float | None = None):
+    def __init__(self, runner: ModelRunner, confidence_threshold: float | None = None, vocab_size: int | None = None):
+        """vocab_size: the target's, when the draft's embedding is padded to another size (the
+        same tokenizer: the rows past the real vocabulary are never real tokens). q then lives
+        on the target's vocabulary: extra draft columns are dropped, missing ones get q = 0."""
         if confidence_threshold is not None and not 0 < confidence_threshold < 1:
             raise ValueError(f"draft confidence_threshold must be in (0, 1), got {confidence_threshold}")
         self.runner = runner
         self.confidence_threshold = confidence_threshold
+        self.vocab_size = vocab_size or runner.model.cfg.vocab_size
+
+    def logits(self, feeds: list[Feed]) -> tuple[torch.Tensor, list[bool]]:
+        """Draft logits on the target's vocabulary [n, V] (non-finite rows zeroed) and which rows are usable."""
+        logits = self.runner.forward(feeds)  # [n, V_draft]
+        V, Vd = self.vocab_size, logits.shape[-1]
+        if Vd > V:
+            logits = logits[:, :V]
+        elif Vd < V:
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], V - Vd), float("-inf"))], dim=-1)
+        return drop_nonfinite(logits)
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Run num_draft[b] autoregressive draft steps for each sequence b.
@@ -36,8 +52,11 @@ class ModelDrafter:
         tokens the draft has not cached yet (the whole prompt at first, then 1 or 2 tokens).
         With a confidence threshold, row b stops early after a token x with softmax(logits)[x] < it.
         """
-        B, K = len(seqs), max(num_draft)
-        V = self.runner.model.cfg.vocab_size
+        # The draft's own context: the i-th draft token is sampled after feeding position len(s) - 2 + i.
+        num_draft = [max(0, min(n, self.runner.max_positions - len(s) + 1)) for s, n in zip(seqs, num_draft)]
+        B, K, V = len(seqs), max(num_draft), self.vocab_size
+        if K == 0:
+            return [[] for _ in seqs], None
         # Greedy requests draft the argmax: q is one-hot there, which the verifier assumes of a
         # None draft_probs, so an all-greedy batch needs no warp, sampling or [B, K+1, V] tensor.
         greedy = all(s.params.greedy for s in seqs)
@@ -46,23 +65,24 @@ class ModelDrafter:
         active = [b for b in range(B) if num_draft[b] > 0]
         feeds = {b: seqs[b].tokens[seqs[b].draft.num_cached :] for b in active}
         for i in range(K):
-            logits = self.runner.forward([Feed(seqs[b].draft, feeds[b]) for b in active])  # [len(active), V]
+            logits, usable = self.logits([Feed(seqs[b].draft, feeds[b]) for b in active])  # [len(active), V]
             if greedy:
                 sampled = logits.argmax(-1)  # [len(active)]
             else:
                 q = warp_probs(logits, [seqs[b].params for b in active])  # [len(active), V]
-                sampled = sample(q, [seqs[b].generator for b in active])  # [len(active)]
+                sampled = sample(q, [seqs[b].generator if u else None for b, u in zip(active, usable)])  # [len(active)]
             if self.confidence_threshold is None:
                 confident = [True] * len(active)
             else:
                 own = logits.float().softmax(-1).gather(-1, sampled[:, None]).squeeze(-1)  # [len(active)]
                 confident = (own >= self.confidence_threshold).tolist()
             for row, (b, t) in enumerate(zip(active, sampled.tolist())):
-                draft_lists[b].append(t)
-                if not greedy:
-                    draft_probs[b, i] = q[row]
-                feeds[b] = [t]
-            active = [b for b, c in zip(active, confident) if c and num_draft[b] > i + 1]
+                if usable[row]:
+                    draft_lists[b].append(t)
+                    if not greedy:
+                        draft_probs[b, i] = q[row]
+                    feeds[b] = [t]
+            active = [b for b, c, u in zip(active, confident, usable) if c and u and num_draft[b] > i + 1]
             if not active:
                 break
         return draft_lists, draft_probs
@@ -71,6 +91,16 @@ class ModelDrafter:
         """Forget draft K/V past the accepted tokens (the newest token is fed next step)."""
         for s in seqs:
             s.draft.truncate(len(s) - 1, self.runner.cache.allocator)
+
+
+def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """A draft whose logits are not finite proposes nothing from that row on (it can only lower
+    acceptance; the target's verification keeps the output exact). Returns the logits with such
+    rows zeroed (so warping and sampling them stays in range; the caller drops what they give)
+    and which rows are usable. logits: [n, V] -> ([n, V], n bools)."""
+    ok = finite_rows(logits)  # [n]
+    usable = ok.tolist()
+    return (logits if all(usable) else torch.where(ok[:, None], logits, 0.0)), usable
 
 
 class NgramDrafter:

@@ -45,6 +45,7 @@ from torch import nn
 
 from .attention import AttentionBackend, BatchMetadata
 from .config import ModelConfig, rope_inv_freq
+from .drafters import drop_nonfinite
 from .loader import check_tensors, read_safetensors, resolve_dtype, use_cpu_fast_paths
 from .model import MLP, Attention, Linear, RMSNorm, Transformer, rope_tables
 from .runner import Feed, ModelRunner
@@ -340,6 +341,7 @@ class EagleDrafter:
         project = True
         for i in range(K):
             logits, g = self.runner.forward(feeds, hidden=hidden, project=project)  # [n, V_d], [n, H]
+            logits, usable = drop_nonfinite(logits)
             if greedy:
                 best = logits.argmax(-1)  # [n] draft ids
                 sampled = self.draft_ids[best]  # [n] target ids
@@ -348,15 +350,16 @@ class EagleDrafter:
                 full = logits.new_full((logits.shape[0], V), float("-inf"))  # [n, V]
                 full[:, self.draft_ids] = logits
                 q = warp_probs(full, [seqs[b].params for b in active])  # [n, V], 0 outside the draft vocab
-                sampled = sample(q, [seqs[b].generator for b in active])  # [n]
+                sampled = sample(q, [seqs[b].generator if u else None for b, u in zip(active, usable)])  # [n]
                 own = full.softmax(-1).gather(-1, sampled[:, None]).squeeze(-1) if self.confidence_threshold else None
             confident = [True] * len(active) if own is None else (own >= self.confidence_threshold).tolist()
             for row, (b, t) in enumerate(zip(active, sampled.tolist())):
-                draft_lists[b].append(t)
-                if not greedy:
-                    draft_probs[b, i] = q[row]
+                if usable[row]:
+                    draft_lists[b].append(t)
+                    if not greedy:
+                        draft_probs[b, i] = q[row]
             # 2. Chained: the next position reads the drafted token and this step's own output g.
-            keep = [row for row, (b, c) in enumerate(zip(active, confident)) if c and num_draft[b] > i + 1]
+            keep = [row for row, (b, c, u) in enumerate(zip(active, confident, usable)) if c and u and num_draft[b] > i + 1]
             if not keep:
                 break
             active = [active[row] for row in keep]

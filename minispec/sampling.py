@@ -17,7 +17,7 @@ import torch
 class SamplingParams:
     """Per-request sampling options (vLLM's names).
 
-    temperature: 0 means greedy; top_k: 0 or -1 disables; top_p in (0, 1];
+    temperature: 0 (or below 1e-5) means greedy; top_k: 0 or -1 disables; top_p in (0, 1];
     max_tokens: new tokens to generate; stop: strings that end generation (not included in
     the text); seed: makes the request reproducible and independent of the batch it runs in;
     ignore_eos: keep generating past EOS (benchmarks); logprobs: also return, for every
@@ -36,29 +36,48 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field. Run at construction and again when a
+        request is queued, so fields changed after construction are checked too. Normalises
+        stop: one string -> [string], None -> []."""
+
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
+        def is_real(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf")):
+        elif self.stop is None:
+            self.stop = []
+        if not (is_real(self.temperature) and 0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.seed is not None and not (is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an int >= 0 or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below GREEDY_TEMPERATURE (vLLM's rule too): logits / T would
+        overflow or divide by an fp32 zero, and the law it tends to is the argmax's."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 
 
 def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -120,27 +139,39 @@ def truncation_cutoff(
     # The cut-off is the last surviving token whose preceding mass is < top_p (top_p = 1 keeps
     # them all: rounding must not drop a tail); keep all at least as likely.
     kept = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & (candidates > float("-inf"))  # [N, C]
+    kept[:, 0] = True  # the most likely token always survives (a top_p that is 0 in fp32 keeps just it)
     cutoff = candidates.gather(-1, kept.sum(-1, keepdim=True) - 1)  # [N, 1]
     decided = known_kth & ~kept[:, -1] if num_candidates < V else torch.ones_like(known_kth)
     return cutoff, decided
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """Draw one token per row, row i from generators[i]. probs: [N, V] -> tokens [N] int64.
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> [N] bool: the rows a distribution can be made from (no NaN, no +inf, not
+    all -inf). One reduction: amax is NaN if any entry is, +inf if any is, -inf if all are."""
+    return logits.amax(-1).isfinite()
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row, row i from generators[i] (None: no draw, for a row the caller
+    drops). probs: [N, V] -> tokens [N] int64.
 
     Inverse CDF with one fp64 uniform per row: the first token whose cumulative mass exceeds
     u * total. Zero-probability tokens are never drawn (the CDF is flat there), a one-hot row
     always yields its token, and a request's draws depend only on its own generator (batch
     invariance). fp64 keeps u * total strictly below the total, so no index falls off the end.
+    Rows must be distributions (callers drop non-finite logits first: see `finite_rows`); should
+    one not be, the clamp still keeps the id inside the vocabulary.
     """
     u = uniforms(generators, 1, probs.device)  # [N, 1] fp64
     cdf = probs.double().cumsum(-1)  # [N, V]
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [N]
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)  # [N]
 
 
-def uniforms(generators: list[torch.Generator], n: int, device: torch.device | str) -> torch.Tensor:
-    """[len(generators), n] fp64 uniforms in [0, 1), row i drawn from generators[i] only."""
+def uniforms(generators: list[torch.Generator | None], n: int, device: torch.device | str) -> torch.Tensor:
+    """[len(generators), n] fp64 uniforms in [0, 1), row i drawn from generators[i] only (zeros,
+    drawing nothing, where it is None: a row whose result the caller drops)."""
     if not generators:
         return torch.empty(0, n, dtype=torch.float64, device=device)
-    draws = [torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generators]
+    draws = [torch.zeros(n, dtype=torch.float64) if g is None else torch.rand(n, generator=g, dtype=torch.float64, device=g.device)
+             for g in generators]
     return torch.stack(draws).to(device)

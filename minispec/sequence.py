@@ -31,7 +31,8 @@ class Sequence:
         self.draft = BlockTable(page_size)  # ... and in the draft model's pool
         self.draft_state = None  # a drafter's own per-sequence data (the EAGLE drafter: pending target features)
         self.status = Status.WAITING
-        self.finish_reason: str | None = None  # "length" | "eos" | "stop"
+        self.finish_reason: str | None = None  # "length" | "eos" | "stop" | "abort" | "error"
+        self.error: str | None = None  # the message, when finish_reason is "error"
         self.stop_text_end: int | None = None  # output text is cut here when a stop string matched
         self.metrics = RequestMetrics()
         self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .runner import Feed, ModelRunner
-from .sampling import sample, warp_probs
+from .sampling import finite_rows, sample, warp_probs
 from .sequence import Sequence
 
 
@@ -172,6 +172,19 @@ def sample_verify(
     return tokens.tolist(), num_accepted.tolist()
 
 
+def failed_sequences(logits: torch.Tensor, num_draft: list[int]) -> dict[int, int]:
+    """{sequence b: its first verified row whose logits are not finite} for the flat logits
+    [sum(n_b + 1), V] (one reduction and one host copy; empty when all are finite)."""
+    finite = finite_rows(logits).tolist()
+    broken, row = {}, 0
+    for b, n in enumerate(num_draft):
+        bad = [j for j in range(n + 1) if not finite[row + j]]
+        if bad:
+            broken[b] = bad[0]
+        row += n + 1
+    return broken
+
+
 @dataclass
 class StepTimes:
     draft_s: float = 0.0
@@ -230,6 +243,17 @@ def speculative_step(
     else:
         logits, hidden = target.forward(feeds, hidden_layers=layers)  # [sum(n_b + 1), V], [sum(fed), 3H]
 
+    # A request whose target logits are not finite (a broken checkpoint, an overflow) cannot be
+    # sampled: it finishes with finish_reason "error" and emits nothing; the others go on.
+    broken = failed_sequences(logits, num_draft)
+    if broken:
+        logits = logits.clone()
+        for b, row in broken.items():
+            s = seqs[b]
+            s.finish_reason = "error"
+            s.error = f"the target's logits are not finite (NaN or inf) for the token at position {s.target.num_cached - num_draft[b] + row}"
+            logits[sum(n + 1 for n in num_draft[:b]) : sum(n + 1 for n in num_draft[: b + 1])] = 0.0  # sampled, then dropped
+
     # 3. Accept / reject.
     if all(s.params.greedy for s in seqs):
         tokens, num_accepted = greedy_verify(logits, draft_lists)
@@ -244,6 +268,8 @@ def speculative_step(
     # Requested logprobs: emitted token j of sequence b was sampled at flat logits row row_b + j.
     top = top_logprobs(logits, seqs, num_draft)
     for s, toks, n_acc, n_draft, rows in zip(seqs, tokens, num_accepted, num_draft, top):
+        if s.finish_reason == "error":
+            continue
         s.metrics.record(n_draft, n_acc)
         for j, t in enumerate(toks[: n_acc + 1]):
             if rows is not None:
