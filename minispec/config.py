@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .tokenizer import as_id_list
+
 # architecture name in config.json -> model family
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -68,6 +70,13 @@ class ModelConfig:
                 raise ValueError(
                     f"rope scaling type {kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
                 )
+            needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(kind, ())
+            for key in needed:
+                value = self.rope_scaling.get(key)
+                if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                    raise ValueError(f"rope scaling {kind!r} needs a positive number {key!r}, got {value!r}")
+            if kind == "llama3" and not self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"]:
+                raise ValueError(f"rope scaling 'llama3' needs high_freq_factor > low_freq_factor, got {self.rope_scaling}")
 
     @property
     def group_size(self) -> int:
@@ -93,7 +102,10 @@ class ModelConfig:
 
         # RoPE: transformers 5 nests theta and scaling in rope_parameters.
         rope = dict(hf.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0):
+            raise ValueError(f"config.json rope_theta must be a positive number, got {theta!r}")
+        theta = float(theta)
         scaling = rope or hf.get("rope_scaling") or None
         if scaling is not None:
             scaling = dict(scaling)
@@ -116,10 +128,23 @@ class ModelConfig:
         if dtype_name not in DTYPES:
             raise ValueError(f"checkpoint dtype {dtype_name!r} is not supported ({sorted(DTYPES)})")
 
-        eos = hf.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        def positive_int(key: str, default=None) -> int:
+            value = hf.get(key, default)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"config.json field {key!r} must be a positive int, got {value!r}")
+            return value
+
+        def number(key: str, default: float) -> float:
+            value = hf.get(key, default)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+                raise ValueError(f"config.json field {key!r} must be a positive number, got {value!r}")
+            return float(value)
+
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            positive_int(key)
+        eos_ids = as_id_list(hf.get("eos_token_id"), "config.json eos_token_id")
         num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        head_dim = positive_int("head_dim") if hf.get("head_dim") is not None else hf["hidden_size"] // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             architecture=family,
@@ -128,12 +153,12 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=positive_int("num_key_value_heads") if hf.get("num_key_value_heads") is not None else num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=positive_int("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=sliding_window,
             qkv_bias=family == "qwen2" or attention_bias,

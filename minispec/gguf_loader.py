@@ -71,13 +71,27 @@ PRE_TOKENIZERS = {
 def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
     """(HF config.json dict, fp32 state dict with HF names, Tokenizer) from a .gguf file."""
     path = Path(path)
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     arch = _require(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} in {path.name} is not supported (supported: {sorted(GGUF_ARCHITECTURES)})")
     hf_config = gguf_config(reader, arch)
     state = gguf_state_dict(reader, arch, hf_config)
     return hf_config, state, gguf_tokenizer(reader, path)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """The file's reader; a ValueError naming the file if it is not a GGUF file or is cut short
+    (a partial download: the header or some tensor data would lie past its end)."""
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({size} bytes; truncated or not GGUF: {e})") from e
+    short = [t.name for t in reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
+    if short:
+        raise ValueError(f"{path} is truncated ({size} bytes): tensor data of {', '.join(short[:4])} lies past its end")
+    return reader
 
 
 def gguf_config(reader: GGUFReader, arch: str) -> dict:

@@ -33,6 +33,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: tor
     """'auto'/None: the checkpoint's dtype on CUDA, fp32 on CPU (emulated bf16 is slow on most
     CPUs; where the CPU has native bf16 matmuls, pass dtype="bfloat16", as bench.py does)."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)} or 'auto'")
         return dtype
     if dtype in (None, "auto"):
         return cfg.dtype if device.type == "cuda" else torch.float32
@@ -135,7 +137,6 @@ def load_checkpoint(
         state = read_safetensors(path)
         tokenizer = Tokenizer.from_dir(path, hf_config)
     cfg = ModelConfig.from_hf(hf_config)
-    if not cfg.eos_token_ids:
-        cfg.eos_token_ids = tokenizer.eos_token_ids
+    cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))  # every declared end
     model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend)
     return model, tokenizer

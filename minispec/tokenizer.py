@@ -37,10 +37,12 @@ class Tokenizer:
                 value = value.get("content")
             return tok.token_to_id(value) if isinstance(value, str) else None
 
-        eos = gen.get("eos_token_id", (hf_config or {}).get("eos_token_id"))
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        if not eos_ids and token_id(tc.get("eos_token")) is not None:
-            eos_ids = [token_id(tc.get("eos_token"))]
+        # Every declared end: Qwen2.5- and Llama-3-Instruct list their end-of-turn token only in
+        # generation_config.json, beside the end-of-text token config.json names.
+        eos_ids = as_id_list(gen.get("eos_token_id"), "generation_config.json eos_token_id")
+        eos_ids += as_id_list((hf_config or {}).get("eos_token_id"), "config.json eos_token_id")
+        eos_ids += [] if token_id(tc.get("eos_token")) is None else [token_id(tc.get("eos_token"))]
+        eos_ids = list(dict.fromkeys(eos_ids))  # unique, in order
         bos = (hf_config or {}).get("bos_token_id", token_id(tc.get("bos_token")))
         return cls(tok, eos_ids, bos, tc.get("chat_template"))
 
@@ -67,6 +69,14 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
         )
+
+
+def as_id_list(value, what: str) -> list[int]:
+    """An eos_token_id field (absent, one id or a list of ids) -> a list of ids."""
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{what} must be a token id or a list of them, got {value!r}")
+    return list(ids)
 
 
 def _read_json(path: Path) -> dict:
