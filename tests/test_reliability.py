@@ -1,0 +1,518 @@
+"""One LLM object that bad input, abandoned streams, threads and broken numbers cannot corrupt.
+
+Invariants:
+  * a call (generate / stream) owns its requests: other calls never see them; a stream that is
+    paused keeps its requests running and gets every one of its tokens when resumed; one that is
+    closed, abandoned or garbage-collected (started or not) takes its requests and pages with it;
+  * a call queues all its requests or none;
+  * concurrent calls from threads give each caller its own exact outputs and leak no page;
+  * after every call: all KV pages free when nothing runs;
+  * a request whose target logits are not finite finishes with finish_reason "error" and a
+    message, the rest of the batch is untouched; NaN in the draft only lowers acceptance;
+  * values that underflow (temperature, top_p) never produce an id outside the vocabulary;
+  * EOS is every end the checkpoint declares; drafts padded to another vocab_size work;
+  * bad arguments and bad checkpoints raise errors naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import shutil
+import threading
+
+import pytest
+import torch
+
+from minispec import LLM, SamplingParams, load_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["the quick brown fox", "hello world", "to be or not to be, that is"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def sampled(seed: int, max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+
+
+def idle_and_whole(llm: LLM) -> bool:
+    """Nothing queued or running, and every page of every pool free."""
+    return not llm.engine.has_unfinished() and all(
+        r.cache.allocator.num_free == r.cache.num_pages for r, _ in llm.engine.runners)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama, tiny_llama_draft) -> LLM:
+    return LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, kv_cache_gib=0.01)
+
+
+@pytest.fixture(scope="module")
+def solo(spec):
+    """Each request alone: greedy PROMPTS, then PROMPTS sampled with seeds 0, 1, 2."""
+    greedy = [spec.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    seeded = [spec.generate([p], sampled(i))[0].token_ids for i, p in enumerate(PROMPTS)]
+    return greedy, seeded
+
+
+def collect(events, n: int):
+    tokens, finished = [[] for _ in range(n)], [0] * n
+    for e in events:
+        tokens[e.index] += e.new_token_ids
+        finished[e.index] += e.finished
+    return tokens, finished
+
+
+# --- calls own their requests -----------------------------------------------------------------
+
+
+def test_a_stream_never_started_holds_nothing(spec, solo):
+    """Used to queue at call time: the next generate ran the orphan too and failed (KeyError)."""
+    stream = spec.stream(PROMPTS, GREEDY)
+    assert idle_and_whole(spec)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == solo[0]
+    del stream
+    gc.collect()
+    assert idle_and_whole(spec)
+
+
+def test_a_paused_stream_loses_nothing_to_a_generate_in_between(spec, solo):
+    """Paused after two events, then a generate: both get exactly their solo outputs, the stream
+    still reports each request finished once, and no page is left behind."""
+    stream = spec.stream(PROMPTS, [sampled(i) for i in range(3)])
+    first = [next(stream), next(stream)]
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == solo[0]
+    tokens, finished = collect(first + list(stream), 3)
+    assert tokens == solo[1] and finished == [1, 1, 1]
+    assert idle_and_whole(spec)
+
+
+def test_interleaved_streams_and_a_generate_inside_a_stream_loop(spec, solo):
+    a = spec.stream(PROMPTS, GREEDY)
+    b = spec.stream(PROMPTS, [sampled(i) for i in range(3)])
+    events_a, events_b, inner = [next(a)], [next(b)], None
+    for ea in a:  # alternate: one event of a, one of b, a generate inside the loop once
+        events_a.append(ea)
+        events_b.append(next(b, None))
+        if inner is None:
+            inner = spec.generate(PROMPTS[:1], sampled(0))[0].token_ids
+    events_b = [e for e in events_b if e is not None] + list(b)
+    assert collect(events_a, 3) == (solo[0], [1, 1, 1])
+    assert collect(events_b, 3) == (solo[1], [1, 1, 1])
+    assert inner == solo[1][0]
+    assert idle_and_whole(spec)
+
+
+@pytest.mark.parametrize("how", ["close", "del", "break"])
+def test_an_abandoned_stream_frees_its_requests_and_pages(spec, solo, how):
+    stream = spec.stream(PROMPTS, GREEDY)
+    if how == "break":
+        for _ in stream:
+            break
+    else:
+        next(stream)
+    if how == "close":
+        stream.close()
+    else:
+        del stream
+        gc.collect()
+    assert idle_and_whole(spec)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == solo[0]
+
+
+def test_stream_text_is_the_generated_text_cut_at_the_stop_string(spec):
+    """StreamEvent.new_text, concatenated, is generate's text: a stop string never leaks out."""
+    full = spec.generate(PROMPTS, GREEDY)
+    stops = [o.text[3:6] for o in full if len(o.text.strip()) > 6]
+    assert stops, "the tiny model produced no text to stop in"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stops)
+    expected = [o.text for o in spec.generate(PROMPTS, params)]
+    texts = ["", "", ""]
+    for e in spec.stream(PROMPTS, params):
+        texts[e.index] += e.new_text
+        assert not any(s in texts[e.index] for s in stops)
+    assert texts == expected
+    assert any(o.finish_reason == "stop" for o in spec.generate(PROMPTS, params))
+
+
+# --- all or nothing ---------------------------------------------------------------------------
+
+
+def test_a_seed_torch_cannot_take_is_refused_before_anything_is_queued(spec, solo):
+    """seed=2**70 used to pass validation and overflow in Sequence() after earlier prompts of
+    the same call were queued."""
+    with pytest.raises(ValueError, match=r"^seed"):
+        SamplingParams(seed=2**70)
+    bad = SamplingParams(max_tokens=4)
+    bad.seed = 2**70  # changed after construction: checked again when queued
+    with pytest.raises(ValueError, match=r"^seed"):
+        spec.generate(PROMPTS, [GREEDY, GREEDY, bad])
+    assert idle_and_whole(spec)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == solo[0]
+
+
+def test_fields_changed_after_construction_are_validated(spec):
+    """temperature=-1 set after construction used to sample the inverted distribution."""
+    params = SamplingParams(temperature=0.5, max_tokens=4)
+    params.temperature = -1.0
+    with pytest.raises(ValueError, match=r"^temperature"):
+        spec.generate(PROMPTS[:1], params)
+    assert idle_and_whole(spec)
+
+
+# --- threads ------------------------------------------------------------------------------------
+
+
+def test_threads_sharing_one_llm_get_their_own_exact_outputs(spec, solo):
+    """Used to raise random internal errors, return wrong outputs and leak pages."""
+    results, errors = {}, []
+
+    def worker(t: int) -> None:
+        try:
+            for rep in range(2):
+                if t % 2:
+                    results[(t, rep)] = [o.token_ids for o in spec.generate(PROMPTS, [sampled(i) for i in range(3)])]
+                else:
+                    results[(t, rep)] = collect(spec.stream(PROMPTS, GREEDY), 3)[0]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    assert not errors, errors
+    assert len(results) == 8
+    for (t, _), tokens in results.items():
+        assert tokens == (solo[1] if t % 2 else solo[0])
+    assert idle_and_whole(spec)
+
+
+# --- numbers that break -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1e-50), dict(temperature=1e-6), dict(temperature=0.8, top_p=1e-50)])
+def test_underflowing_temperature_and_top_p_are_greedy(spec, solo, params):
+    """temperature=1e-50 is 0 in fp32 (max_tokens=1 returned id == vocab_size, longer runs an
+    IndexError); top_p=1e-50 raised 'index -1 is out of bounds'. Both limits are the argmax."""
+    outs = spec.generate(PROMPTS, SamplingParams(**params, max_tokens=12, ignore_eos=True, seed=0))
+    assert [o.token_ids for o in outs] == solo[0]
+
+
+def nan_embedding_target(path, token: int):
+    """The tiny target with one embedding row set to NaN: prompts containing `token` get NaN logits."""
+    model, tok = load_checkpoint(path, dtype=torch.float32, device="cpu", backend="torch")
+    with torch.no_grad():
+        model.embed_tokens.weight[token] = float("nan")
+    return model, tok
+
+
+@pytest.mark.parametrize("draft", [None, "ngram", "model"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_request_with_non_finite_target_logits_fails_alone(tiny_llama, tiny_llama_draft, draft, temperature):
+    """The poisoned request finishes with finish_reason "error" and a message; the others (and a
+    request run later on the freed pages) equal their outputs on a healthy target."""
+    drafter = dict(draft_model={"model": str(tiny_llama_draft), "ngram": "ngram", None: None}[draft],
+                   num_speculative_tokens=3, kv_cache_gib=0.01)
+    healthy = LLM(model=tiny_llama, **drafter)
+    ids = [healthy.tokenizer.encode(p) for p in PROMPTS]
+    poison = 7
+    assert all(poison not in i for i in ids)
+    params = SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True, seed=1)
+    expected = [o.token_ids for o in healthy.generate(ids, params)]
+    llm = LLM(model=nan_embedding_target(tiny_llama, poison), **drafter)
+    outs = llm.generate([ids[0], ids[1] + [poison], ids[2]], params)
+    assert outs[1].finish_reason == "error" and "not finite" in outs[1].error and outs[1].token_ids == []
+    assert [outs[0].token_ids, outs[2].token_ids] == [expected[0], expected[2]]
+    assert idle_and_whole(llm)
+    assert [o.token_ids for o in llm.generate(ids, params)] == expected  # pages that held NaN, reused
+
+
+def nan_draft(path):
+    model, tok = load_checkpoint(path, dtype=torch.float32, device="cpu", backend="torch")
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    return model, tok
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_nan_draft_only_lowers_acceptance(tiny_llama, tiny_llama_draft, temperature):
+    """Sampled requests used to crash (the draft sampled id == vocab_size). Now the broken draft
+    proposes nothing and draws no random number: the output is plain decoding's, token for token
+    (seeded)."""
+    plain = LLM(model=tiny_llama, kv_cache_gib=0.01)
+    llm = LLM(model=tiny_llama, draft_model=nan_draft(tiny_llama_draft), num_speculative_tokens=3, kv_cache_gib=0.01)
+    params = [SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True, seed=i) for i in range(3)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert llm.last_metrics.num_drafted == 0
+    assert idle_and_whole(llm)
+
+
+# --- checkpoints: EOS, padded vocabularies, the draft's context -----------------------------------
+
+
+def test_eos_is_every_end_the_checkpoint_declares(tiny_llama, tmp_path):
+    """config.json says 1, generation_config.json [1, 146]: used to stop at 1 only."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 146]}))
+    llm = LLM(model=str(path), kv_cache_gib=0.01)
+    assert sorted(llm.engine.eos_ids) == [1, 146]
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_at = out.token_ids[2]  # make the third greedy token an end token
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop_at]}))
+    out2 = LLM(model=str(path), kv_cache_gib=0.01).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12))[0]
+    first = out.token_ids.index(stop_at)
+    assert out2.finish_reason == "eos" and out2.token_ids == out.token_ids[: first + 1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_draft_padded_to_another_vocab_size_drafts(tiny_llama, checkpoint_factory, temperature):
+    """Same tokenizer, embedding padded past it (Qwen2.5-0.5B vs -7B): used to be refused."""
+    padded = checkpoint_factory("llama", seed=1, num_hidden_layers=1, vocab_size=384)
+    plain = LLM(model=tiny_llama, kv_cache_gib=0.01)
+    llm = LLM(model=tiny_llama, draft_model=padded, num_speculative_tokens=3, kv_cache_gib=0.01)
+    params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=0)
+    outs = llm.generate(PROMPTS, params)
+    assert llm.last_metrics.num_drafted > 0
+    assert all(max(o.token_ids) < 320 for o in outs)
+    if temperature == 0:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+
+
+def test_the_draft_models_context_limit_is_respected(tiny_llama, checkpoint_factory):
+    """A draft with max_position_embeddings 24 under a 512-token target: drafting stops where the
+    draft's RoPE range ends (it used to read past it), generation goes on, output unchanged."""
+    short = checkpoint_factory("llama", seed=1, num_hidden_layers=1, max_position_embeddings=24)
+    plain = LLM(model=tiny_llama, kv_cache_gib=0.01)
+    llm = LLM(model=tiny_llama, draft_model=short, num_speculative_tokens=4, kv_cache_gib=0.01)
+    runner, fed = llm.engine.drafter.runner, []
+    forward = runner.forward
+
+    def recording_forward(feeds, **kwargs):
+        fed.extend(f.table.num_cached + len(f.tokens) for f in feeds)  # positions used: < this
+        return forward(feeds, **kwargs)
+
+    runner.forward = recording_forward
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10]
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == plain.generate([prompt], params)[0].token_ids
+    assert llm.last_metrics.num_drafted > 0 and len(out.token_ids) == 30
+    assert max(fed) == 24  # drafted up to the draft's last position, never past it
+
+
+# --- arguments ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kv_cache_gib=math.nan), "kv_cache_gib"),
+        (dict(kv_cache_gib=math.inf), "kv_cache_gib"),
+        (dict(page_size=16.0), "page_size"),
+        (dict(page_size=True), "page_size"),
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(max_model_len=-5), "max_model_len"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(dtype=torch.float64), "dtype"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(draft_model="ngram", num_speculative_tokens=True), "num_speculative_tokens"),
+    ],
+)
+def test_bad_constructor_arguments_are_named(tiny_llama, kwargs, message):
+    """float64 used to pass construction and fail at the first generate; NaN / inf budgets,
+    float page sizes, a zero max_model_len and bool k slipped through or failed deep."""
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_llama, **{"kv_cache_gib": 0.01, **kwargs})
+
+
+@pytest.mark.parametrize("field, value", [("ignore_eos", "no"), ("seed", 2**64), ("seed", -(2**63) - 1),
+                                          ("temperature", True), ("stop", 5)])
+def test_more_sampling_params_are_checked(field, value):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_stop_none_means_no_stop_strings():
+    assert SamplingParams(stop=None).stop == []
+
+
+@pytest.mark.parametrize("prompts, error", [
+    (5, TypeError), (None, TypeError), (b"hello", TypeError), ([b"hello"], TypeError),
+    ([[True, False]], ValueError), ([[1.0, 2.0]], ValueError), ([{"text": "hi"}], ValueError),
+    (torch.tensor([5, 6]), TypeError), ([torch.tensor([5, 6])], TypeError),
+])
+def test_bad_prompt_types_are_named(spec, prompts, error):
+    """bytes and bools used to be taken as token ids; ints, None and tensors failed obscurely."""
+    with pytest.raises(error, match="prompt"):
+        spec.generate(prompts, GREEDY)
+    assert idle_and_whole(spec)
+
+
+def test_prompt_forms_vllm_users_pass(spec, solo):
+    """vLLM prompt dicts, a generator of prompts and numpy integer ids all work."""
+    import numpy as np
+
+    ids = [spec.tokenizer.encode(p) for p in PROMPTS]
+    forms = [
+        [{"prompt": p} for p in PROMPTS],
+        [{"prompt_token_ids": i} for i in ids],
+        (p for p in PROMPTS),
+        [list(np.array(i)) for i in ids],
+    ]
+    for prompts in forms:
+        assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == solo[0]
+    assert [o.prompt for o in spec.generate(forms[0], GREEDY)] == PROMPTS
+
+
+def test_truncated_gguf_is_named(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_gguf import random_hf_state, train_tokenizer, write_gguf
+
+    tok = train_tokenizer()
+    path = write_gguf(tmp_path / "a.gguf", "llama", random_hf_state("llama", tok.get_vocab_size(), tied=True), tok)
+    data = path.read_bytes()
+    for cut in (len(data) - 100, len(data) // 2, 20, 0):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=f"cut{cut}.gguf"):
+            load_checkpoint(bad)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(vocab_size="320"), "vocab_size"),
+    (dict(max_position_embeddings=None), "max_position_embeddings"),
+    (dict(rope_parameters={"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
+    (dict(rope_parameters={"rope_theta": 1e4, "rope_type": "linear"}), "factor"),
+    (dict(eos_token_id="</s>"), "eos_token_id"),
+    (dict(rms_norm_eps="1e-5"), "rms_norm_eps"),
+])
+def test_bad_config_values_are_named(tiny_llama, tmp_path, change, message):
+    """A string vocab_size, a null max_position_embeddings, llama3 RoPE without its factors used
+    to fail with TypeError / KeyError deep inside."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(change)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(path)
+
+
+# --- everything at once: a stateful test --------------------------------------------------------
+
+
+def test_random_interleavings_of_calls_keep_the_llm_whole(tiny_llama, tiny_llama_draft):
+    """Hypothesis drives one speculative LLM, whose KV pools hold only a few requests at once
+    (so steps preempt), through random interleavings of generate, streams consumed in part,
+    resumed, finished or abandoned, and invalid requests. After every step: when no stream is
+    open, nothing is queued and every page is free; every finished request (greedy or seeded)
+    got exactly the tokens it gets alone on a roomy LLM; only documented errors are raised."""
+    from hypothesis import settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import (
+        RuleBasedStateMachine,
+        invariant,
+        precondition,
+        rule,
+        run_state_machine_as_test,
+    )
+
+    from minispec.kv_cache import KVCache
+
+    page_size = 4
+    models = [load_checkpoint(p, dtype=torch.float32, device="cpu", backend="torch") for p in (tiny_llama, tiny_llama_draft)]
+    per_page = sum(KVCache.bytes_per_page(m.cfg, page_size, torch.float32) for m, _ in models)
+    llm = LLM(model=models[0], draft_model=models[1], num_speculative_tokens=3, page_size=page_size,
+              kv_cache_gib=12 * per_page / 2**30)  # 12 pages a pool: one 24-token request takes 6
+    ref = LLM(model=models[0], draft_model=models[1], num_speculative_tokens=3, kv_cache_gib=0.01)
+    solo: dict = {}
+
+    def alone(prompt: int, seed: int | None, max_tokens: int) -> list[int]:
+        key = (prompt, seed, max_tokens)
+        if key not in solo:
+            solo[key] = ref.generate([PROMPTS[prompt]], params_for(seed, max_tokens))[0].token_ids
+        return solo[key]
+
+    def params_for(seed: int | None, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0 if seed is None else 0.9, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+
+    requests = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([None, 0, 1]), st.sampled_from([5, 16])),
+                        min_size=1, max_size=3)
+
+    class Interleavings(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.streams: list[list] = []  # [generator, requests, events so far]
+
+        def check(self, reqs, tokens, finished):
+            assert finished == [1] * len(reqs)
+            assert tokens == [alone(*r) for r in reqs]
+
+        @rule(reqs=requests)
+        def generate(self, reqs):
+            outs = llm.generate([PROMPTS[p] for p, _, _ in reqs], [params_for(s, m) for _, s, m in reqs])
+            self.check(reqs, [o.token_ids for o in outs], [1] * len(reqs))
+
+        @rule(reqs=requests, take=st.integers(0, 3))
+        def open_stream(self, reqs, take):
+            g = llm.stream([PROMPTS[p] for p, _, _ in reqs], [params_for(s, m) for _, s, m in reqs])
+            events = [e for e in (next(g, None) for _ in range(take)) if e is not None]
+            self.streams.append([g, reqs, events])
+
+        @precondition(lambda self: self.streams)
+        @rule(i=st.integers(0, 9), take=st.integers(1, 4))
+        def advance_stream(self, i, take):
+            g, _, events = self.streams[i % len(self.streams)]
+            events += [e for e in (next(g, None) for _ in range(take)) if e is not None]
+
+        @precondition(lambda self: self.streams)
+        @rule(i=st.integers(0, 9))
+        def finish_stream(self, i):
+            g, reqs, events = self.streams.pop(i % len(self.streams))
+            self.check(reqs, *collect(events + list(g), len(reqs)))
+
+        @precondition(lambda self: self.streams)
+        @rule(i=st.integers(0, 9), close=st.booleans())
+        def abandon_stream(self, i, close):
+            g = self.streams.pop(i % len(self.streams))[0]
+            if close:
+                g.close()
+            del g
+            gc.collect()
+
+        @rule(bad=st.sampled_from(["seed", "prompt", "length", "type"]))
+        def invalid_request(self, bad):
+            params = SamplingParams(max_tokens=4)
+            prompts = list(PROMPTS)
+            if bad == "seed":
+                params.seed = 2**70
+            elif bad == "prompt":
+                prompts[1] = [5, 10_000]
+            elif bad == "length":
+                params.max_tokens = 600
+            else:
+                prompts[2] = b"bytes"
+            with pytest.raises((ValueError, TypeError)):
+                llm.generate(prompts, params)
+
+        @invariant()
+        def whole_when_idle(self):
+            if not self.streams:
+                assert idle_and_whole(llm)
+
+        def teardown(self):
+            for g, _, _ in self.streams:
+                g.close()
+            self.streams.clear()
+            assert idle_and_whole(llm)
+
+    run_state_machine_as_test(Interleavings, settings=settings(max_examples=25, stateful_step_count=8, deadline=None,
+                                                               derandomize=True))
+    assert llm.engine.scheduler.num_preemptions > 0  # the small pools did force preemptions
