@@ -26,6 +26,8 @@ class StepOutput:
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
+    drafted: list[int]  # the step's draft tokens for seq (empty without a drafter)
+    num_accepted: int  # how many of them the target accepted: new_token_ids[:num_accepted] are drafts
 
 
 class LLMEngine:
@@ -102,13 +104,13 @@ class LLMEngine:
         if not seqs:
             return []
         before = [len(s.output_ids) for s in seqs]
-        speculative_step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
+        verdicts = speculative_step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
         outputs = []
-        for s, n in zip(seqs, before):
+        for s, n, (drafted, num_accepted) in zip(seqs, before, verdicts):
             done = s.finish_reason is not None
             if done:
                 self.scheduler.finish(s)
-            outputs.append(StepOutput(s, s.output_ids[n:], done))
+            outputs.append(StepOutput(s, s.output_ids[n:], done, drafted, num_accepted))
         return outputs
 
     def run_metrics(self, seqs: list[Sequence], wall_s: float, since: StepTimes | None = None) -> RunMetrics:

@@ -30,7 +30,7 @@ import torch
 from .attention import AttentionBackend
 from .drafters import ModelDrafter, NgramDrafter
 from .eagle import EagleDrafter, EagleModel, is_eagle_checkpoint, load_eagle
-from .engine import LLMEngine
+from .engine import LLMEngine, StepOutput
 from .kv_cache import KVCache
 from .loader import load_checkpoint
 from .metrics import RequestMetrics, RunMetrics
@@ -73,6 +73,12 @@ class StreamEvent:
     new_text: str = ""
     finish_reason: str | None = None  # set on the request's last event (see RequestOutput)
     error: str | None = None
+    # The step behind these tokens: the drafter proposed `drafted`, the target accepted the first
+    # `num_accepted`; so new_token_ids[:num_accepted] are accepted drafts and the token after them
+    # is the target's own (the replacement of the first rejected draft, or the bonus token). EOS or
+    # a stop string may cut new_token_ids short of num_accepted + 1.
+    drafted: list[int] = dataclasses.field(default_factory=list)
+    num_accepted: int = 0
 
 
 class LLM:
@@ -273,7 +279,7 @@ class LLM:
             self._stepping = False
         for out in outputs:
             if out.new_token_ids or out.finished:
-                self._owners[out.seq.request_id].add_event(out.seq, out.new_token_ids, out.finished, self.tokenizer)
+                self._owners[out.seq.request_id].add_event(out, self.tokenizer)
             if out.finished:
                 del self._owners[out.seq.request_id]
         closed, self._closed_while_stepping = self._closed_while_stepping, []
@@ -342,7 +348,8 @@ class _Call:
         self.t0 = time.perf_counter()
         self.times_at_start = dataclasses.replace(times)  # the engine's cumulative times, copied
 
-    def add_event(self, s: Sequence, new_ids: list[int], finished: bool, tokenizer: Tokenizer) -> None:
+    def add_event(self, out: StepOutput, tokenizer: Tokenizer) -> None:
+        s, new_ids, finished = out.seq, out.new_token_ids, out.finished
         i, n = self.index[s.request_id], len(new_ids)
         logprobs = s.logprobs[len(s.logprobs) - n :] if s.params.logprobs is not None and n else None
         text = ""
@@ -355,7 +362,7 @@ class _Call:
                     end = min(end, len(full) - max(map(len, s.params.stop)) + 1)
             text, self.text_sent[i] = full[self.text_sent[i] : end], max(self.text_sent[i], end)
         self.events.append(StreamEvent(i, new_ids, finished, logprobs, text, s.finish_reason if finished else None,
-                                       s.error if finished else None))
+                                       s.error if finished else None, out.drafted, out.num_accepted))
 
 
 def output_text(s: Sequence, tokenizer: Tokenizer) -> str:

@@ -198,8 +198,9 @@ def speculative_step(
     k: int,
     emit,
     times: StepTimes,
-) -> None:
-    """Advance every sequence by one draft-verify-accept step.
+) -> list[tuple[list[int], int]]:
+    """Advance every sequence by one draft-verify-accept step. Returns, per sequence, the tokens
+    drafted for it and how many of them the target accepted (what a viewer colours).
 
     `drafter` is None (plain decoding) or has `propose(seqs, num_draft) -> (draft_tokens, draft_probs)`
     and `rollback(seqs)` (a feature drafter also has `target_layers` and `observe`: see eagle.py);
@@ -285,3 +286,4 @@ def speculative_step(
         drafter.observe(seqs, starts, [len(f.tokens) for f in feeds], hidden)
     if drafter is not None:
         drafter.rollback(seqs)
+    return list(zip(draft_lists, num_accepted))
