@@ -1,0 +1,7 @@
+"""`python -m minispec ...` runs the `minispec` command (see cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
