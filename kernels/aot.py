@@ -1,0 +1,269 @@
+"""Every kernel compiled ahead of time for NVIDIA GPUs that are not here, with its resource usage.
+
+How: each launcher (`paged_attention`, `flash_prefill`, `write_kv`) is called on small CPU tensors
+of a configuration's shapes, with its Triton kernels swapped for recorders, so what gets compiled
+is exactly what the launcher would launch: its constexprs (tile sizes, split count, precision), its
+num_warps, its argument types. Each launch is compiled with
+`triton.compile(..., target=GPUTarget("cuda", arch, 32))` (Triton bundles ptxas), and the cubin is
+read with the bundled `cuobjdump -res-usage`: registers per thread, STACK (bytes of local memory
+per thread: register spills when > 0), static SHARED, and Triton's dynamic shared memory, checked
+against the architecture's limit. Results are cached per (kernel sources, Triton version, config).
+
+Needs a process with TRITON_INTERPRET=0 set before Triton is imported (the interpreter is chosen at
+import): `TRITON_INTERPRET=0 python -m minispec_kernels.aot [--all] [--arch 80,90]` prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Shared memory a block may use (opt-in maximum): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+KERNEL_FILES = ("paged_attention.py", "flash_prefill.py", "kv_write.py", "_checks.py")
+CACHE = Path(os.environ.get("MINISPEC_AOT_CACHE", Path.home() / ".cache" / "minispec" / "aot.json"))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch the engine can make: which launcher, dtype, head_dim, query heads per kv head,
+    new tokens per sequence (1: decode, k+1: verification; prefill: a prompt), forced splits."""
+
+    launcher: str  # "paged_attention" | "flash_prefill" | "write_kv"
+    dtype: str  # "float16" | "bfloat16" | "float32"
+    head_dim: int
+    group: int = 1
+    query_len: int = 1
+    num_splits: int = 1
+
+    def label(self) -> str:
+        extra = {"paged_attention": f" group {self.group} q_len {self.query_len} splits {self.num_splits}",
+                 "flash_prefill": f" group {self.group}", "write_kv": ""}[self.launcher]
+        return f"{self.launcher} {self.dtype} D={self.head_dim}{extra}"
+
+
+@dataclass
+class Result:
+    kernel: str
+    config: str
+    arch: int
+    num_warps: int
+    constexprs: str
+    registers: int
+    stack: int  # bytes per thread of local memory: > 0 means register spills
+    local: int
+    shared: int  # static + dynamic shared memory in bytes
+    shared_ok: bool
+
+    @property
+    def spills(self) -> bool:
+        return self.stack > 0 or self.local > 0
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](**kwargs)` records the launch."""
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.launches.append((self.fn, kwargs))
+
+
+def launches(config: Config) -> list[tuple]:
+    """(kernel, launch kwargs) that the launcher makes for config, on CPU tensors."""
+    from . import flash_prefill as fp
+    from . import kv_write as kw
+    from . import paged_attention as pa
+
+    module = {"paged_attention": pa, "flash_prefill": fp, "write_kv": kw}[config.launcher]
+    names = [n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")]
+    recorded: list = []
+    saved = {n: getattr(module, n) for n in names}
+    try:
+        for n in names:
+            setattr(module, n, _Recorder(saved[n], recorded))
+        _call_launcher(module, config)
+    finally:
+        for n, fn in saved.items():
+            setattr(module, n, fn)
+    return recorded
+
+
+def _call_launcher(module, c: Config) -> None:
+    dtype, d, hkv = getattr(torch, c.dtype), c.head_dim, 2
+    hq = hkv * c.group
+    if c.launcher == "paged_attention":
+        page, pages, seq_len = 16, 64, 1000
+        q = torch.zeros(c.query_len, hq, d, dtype=dtype)
+        cache = torch.zeros(pages, page, hkv, d, dtype=dtype)
+        tables = torch.arange(pages, dtype=torch.int32)[None]  # [1, pages]
+        module.paged_attention(q, cache, cache.clone(), tables, torch.tensor([seq_len], dtype=torch.int32),
+                               torch.tensor([0, c.query_len], dtype=torch.int32), c.query_len, seq_len,
+                               sm_scale=d**-0.5, num_splits=c.num_splits, validate=False)
+    elif c.launcher == "flash_prefill":
+        t = c.query_len
+        q, k = torch.zeros(t, hq, d, dtype=dtype), torch.zeros(t, hkv, d, dtype=dtype)
+        module.flash_prefill(q, k, k.clone(), torch.tensor([0, t], dtype=torch.int32), t, sm_scale=d**-0.5, validate=False)
+    else:
+        k = torch.zeros(4, hkv, d, dtype=dtype)
+        cache = torch.zeros(8, 16, hkv, d, dtype=dtype)
+        module.write_kv(k, k.clone(), cache, cache.clone(), torch.arange(4, dtype=torch.int64), validate=False)
+
+
+def signature(fn, kwargs: dict) -> tuple[dict, dict, dict]:
+    """(Triton signature, constexprs, compile options) of one recorded launch."""
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    sig, constexprs = {}, {}
+    for p in fn.params:
+        value = kwargs[p.name]
+        if p.is_constexpr:
+            sig[p.name], constexprs[(fn.arg_names.index(p.name),)] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[p.name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[p.name] = "i1"
+        elif isinstance(value, int):
+            sig[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {p.name}={value!r}")
+    return sig, constexprs, options
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def compile_launch(fn, kwargs: dict, arch: int, config: Config) -> Result:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, constexprs, options = signature(fn, kwargs)
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                            target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.split(f"Function {fn.__name__}")[-1]))
+    shared = int(fields.get("SHARED", 0)) + int(kernel.metadata.shared)
+    consts = ", ".join(f"{fn.arg_names[k[0]]}={v}" for k, v in constexprs.items())
+    return Result(fn.__name__, config.label(), arch, options.get("num_warps", 4), consts, int(fields.get("REG", 0)),
+                  int(fields.get("STACK", 0)), int(fields.get("LOCAL", 0)), shared, shared <= SHARED_LIMIT.get(arch, 99 * 1024))
+
+
+def source_hash() -> str:
+    import triton
+
+    h = hashlib.sha256(triton.__version__.encode())
+    for name in KERNEL_FILES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def check_config(config: Config, archs: tuple[int, ...]) -> list[Result]:
+    """Results for every kernel the config launches, on every arch (from the cache when the
+    kernel sources and Triton are unchanged)."""
+    cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    key_prefix = source_hash() + "|" + json.dumps(dataclasses.asdict(config), sort_keys=True)
+    results, dirty = [], False
+    recorded = None
+    for arch in archs:
+        key = f"{key_prefix}|{arch}"
+        if key not in cache:
+            recorded = recorded if recorded is not None else launches(config)
+            cache[key] = [dataclasses.asdict(compile_launch(fn, kw, arch, config)) for fn, kw in recorded]
+            dirty = True
+        results += [Result(**r) for r in cache[key]]
+    if dirty:
+        CACHE.parent.mkdir(parents=True, exist_ok=True)
+        fresh = json.loads(CACHE.read_text()) if CACHE.exists() else {}  # another process may have added some
+        fresh.update(cache)
+        tmp = CACHE.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(fresh))
+        tmp.replace(CACHE)
+    return results
+
+
+MODELS = {  # (head_dim, query heads per kv head) of the model families the engine targets
+    "SmolLM2-135M": (64, 3), "Qwen2.5-0.5B": (64, 7), "Llama-3-8B / Mistral-7B": (128, 4),
+    "Qwen2.5-7B": (128, 7), "Llama-2-7B (MHA)": (128, 1),
+}
+
+
+def default_configs(all_: bool = False) -> list[Config]:
+    """What the engine launches for the supported models (bf16 / fp16 on GPU; decode, a k = 4
+    verification, prefill; one split and a split decode). all_ adds fp32, head dims 16..256,
+    every group 1..8 and more query lengths and split counts."""
+    dtypes = ["bfloat16", "float16"] + (["float32"] if all_ else [])
+    shapes = sorted(set(MODELS.values())) if not all_ else [(d, g) for d in (16, 32, 64, 128, 256) for g in range(1, 9)]
+    configs = []
+    for dtype in dtypes:
+        for d, g in shapes:
+            for q_len in ((1, 5) if not all_ else (1, 2, 5, 9, 17)):
+                for splits in ((1, 4) if not all_ else (1, 2, 4, 16)):
+                    configs.append(Config("paged_attention", dtype, d, g, q_len, splits))
+            configs.append(Config("flash_prefill", dtype, d, g, 128))
+        for d in sorted({d for d, _ in shapes}):
+            configs.append(Config("write_kv", dtype, d))
+    return configs
+
+
+def check_all(configs: list[Config], archs: tuple[int, ...], jobs: int = 1) -> list[Result]:
+    """check_config over configs, in `jobs` processes (compiling is single-threaded)."""
+    if jobs <= 1:
+        return [r for c in configs for r in check_config(c, archs)]
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [r for rs in pool.map(check_config, configs, [archs] * len(configs)) for r in rs]
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| kernel | config | arch | warps | registers | stack (spills) | shared | fits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        lines.append(f"| {r.kernel} | {r.config} | sm_{r.arch} | {r.num_warps} | {r.registers} | "
+                     f"{r.stack}{' SPILLS' if r.spills else ''} | {r.shared} | {'yes' if r.shared_ok else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") != "0":
+        print("run with TRITON_INTERPRET=0 (the interpreter cannot compile for a GPU)", file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--all", action="store_true", help="every dtype, head dim, group, query length and split count")
+    ap.add_argument("--arch", default="80,90", help="compute capabilities (default 80,90)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes (default: all cores)")
+    args = ap.parse_args(argv)
+    archs = tuple(int(a) for a in args.arch.split(","))
+    results = check_all(default_configs(args.all), archs, args.jobs)
+    print(table(results))
+    bad = [r for r in results if r.spills or not r.shared_ok]
+    print(f"\n{len(results)} compiled kernels, {len(bad)} with spills or too much shared memory")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    sys.exit(main())
