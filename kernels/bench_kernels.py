@@ -212,7 +212,7 @@ def bench_decode(device) -> None:
                                head_dim, torch.bfloat16, device)
             gbytes = 2 * num_seqs * context * num_kv_heads * head_dim * 2 / 1e9  # K and V, 2 bytes each
             ours = time_ms(lambda: paged_attention(*args, sm_scale=head_dim**-0.5))
-            _, block_n = default_paged_tiles(head_dim, 1, group)
+            _, block_n, _ = default_paged_tiles(head_dim, 1, group)
             splits = default_num_splits(num_seqs * num_kv_heads, context, block_n, device)
             # Contiguous cache for SDPA: [B, Hkv, L, D]; the group's query heads act as its queries.
             q = args[0].view(num_seqs, num_kv_heads, group, head_dim)

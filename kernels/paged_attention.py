@@ -191,15 +191,25 @@ def _combine_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def default_paged_tiles(head_dim: int, max_query_len: int, group: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 16 rows when one token's query heads fit (decode), else 64 rows.
+def default_paged_tiles(head_dim: int, max_query_len: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): 16 rows when one token's query heads fit (decode), else 64.
 
-    BLOCK_N is 64 keys up to D = 128 and 32 at D = 256; BLOCK_M never drops below the padded
-    group, so one program always holds all query heads of a kv head.
+    BLOCK_M never drops below the padded group, so one program always holds all query heads of a
+    kv head. BLOCK_N and num_warps are what compiles without register spills on sm_80 and sm_90
+    for the supported models' head dims and groups (kernels/aot.py; tests/test_aot.py checks every
+    default launch): 16 keys x 4 warps up to D = 64; at D = 128, 32 keys x 16 warps, or 16 keys x
+    16 warps for groups of 5-8 query heads. Every gathered K/V element carries its own 64-bit
+    address, so wider tiles spilled (64 keys x 4 warps: 56-1272 bytes a thread at D = 128), and
+    ptxas spilled a few bytes in some (group, query length, split) cases of every other choice
+    tried. Chosen for no spills, not yet timed on a GPU.
     """
     group_pad = triton.next_power_of_2(group)
     block_m = 16 if max_query_len * group_pad <= 16 else 64
-    return max(block_m, group_pad), 64 if head_dim <= 128 else 32
+    if head_dim <= 64:
+        block_n, num_warps = 16, 4
+    else:
+        block_n, num_warps = (32 if group_pad <= 4 else 16), 16
+    return max(block_m, group_pad), block_n, num_warps
 
 
 def default_num_splits(num_programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
@@ -252,7 +262,7 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    default_m, default_n = default_paged_tiles(head_dim, max_query_len, group)
+    default_m, default_n, num_warps = default_paged_tiles(head_dim, max_query_len, group)
     block_m, block_n = block_m or default_m, block_n or default_n
     check(block_m >= max(16, group_pad) and block_m & (block_m - 1) == 0,
           lambda: f"block_m must be a power of two >= max(16, query heads per kv head = {group}), got {block_m}")
@@ -295,7 +305,7 @@ def paged_attention(
         window=no_window() if sliding_window is None else sliding_window,
         QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        num_warps=4,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
