@@ -152,11 +152,14 @@ class KVCache:
             raise ValueError(f"KV cache needs at least one page, got {num_pages}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        # One page more than the allocator hands out: the scratch page, which no sequence owns, where
+        # the padding rows of a static-shape step write their K/V (see graphs.py).
+        shape = (cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: attention multiplies masked-out rows by 0, and 0 * NaN garbage is NaN.
-        self.pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, pages, page_size, Hkv, D]
+        self.pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, pages + 1, page_size, Hkv, D]
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
+        self.scratch_page = num_pages
         # Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]; built once.
         self._layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(cfg.num_layers)]
 
@@ -174,13 +177,15 @@ class KVCache:
         device: torch.device,
         max_pages: int | None = None,
     ) -> "KVCache":
-        """As many pages as fit in budget_bytes (at most max_pages: more could never be used)."""
+        """As many pages as fit in budget_bytes beside the scratch page (at most max_pages: more
+        could never be used)."""
         page_bytes = cls.bytes_per_page(cfg, page_size, dtype)
-        num_pages = budget_bytes // page_bytes
+        num_pages = budget_bytes // page_bytes - 1  # the scratch page counts against the budget too
         if num_pages < 1:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes is smaller than one page of {page_size} tokens "
-                f"({page_bytes} bytes); raise kv_cache_gib / gpu_memory_utilization or lower page_size"
+                f"({page_bytes} bytes) beside the scratch page; raise kv_cache_gib / gpu_memory_utilization "
+                "or lower page_size"
             )
         if max_pages is not None:
             num_pages = min(num_pages, max_pages)

@@ -103,6 +103,8 @@ class LLM:
         ngram_max: int = 3,
         ngram_min: int = 1,
         draft_confidence_threshold: float | None = None,
+        cuda_graphs: bool | None = None,
+        static_shapes: bool | None = None,
         verbose: bool = False,
     ):
         """model / draft_model: an HF checkpoint dir, a .gguf file, or an already built
@@ -115,7 +117,11 @@ class LLM:
         to num_speculative_tokens, stopping after a token the draft gave probability < threshold.
         vLLM spellings are accepted too: speculative_model= (older vLLM) for draft_model, and
         speculative_config={"model": ..., "num_speculative_tokens": ..., "method": "draft_model" |
-        "ngram" | "eagle3"} (current vLLM); tensor_parallel_size must be 1 (one device)."""
+        "ngram" | "eagle3"} (current vLLM); tensor_parallel_size must be 1 (one device).
+        cuda_graphs (default: on CUDA): decode, verification and draft steps run with static
+        shapes, captured as CUDA graphs at start-up (graphs.py; a failed capture warns once and
+        runs them eagerly). static_shapes (default: cuda_graphs) runs that static layout without
+        graphs, e.g. on CPU, where it is what the tests compare with the dynamic path."""
         draft_model, num_speculative_tokens = vllm_spec_args(
             draft_model, num_speculative_tokens, speculative_model, speculative_config, tensor_parallel_size)
         if draft_model is not None:
@@ -166,6 +172,16 @@ class LLM:
             drafter = NgramDrafter(ngram_max, ngram_min)
         else:
             drafter = None
+        on_cuda = device_.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device (static_shapes=True runs the same layout eagerly)")
+        graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
+        if static_shapes if static_shapes is not None else graphs:
+            k = num_speculative_tokens if drafter is not None else 0
+            target_args = {"hidden_layers": drafter.target_layers} if isinstance(drafter, EagleDrafter) else {}
+            runners[0].use_static_shapes(k + 1, max_num_seqs, graphs, **target_args)
+            if isinstance(drafter, ModelDrafter):  # its steps feed 1 token (2 after a fully accepted step)
+                runners[1].use_static_shapes(2, max_num_seqs, graphs)
         self.engine = LLMEngine(
             runners[0],
             self.tokenizer,

@@ -36,6 +36,17 @@ class ModelRunner:
         self.cache = cache
         self.device = model.lm_head.weight.device
         self.max_positions = model.cfg.max_position_embeddings
+        self.static = None  # graphs.StaticShapes once `use_static_shapes` is called
+
+    def use_static_shapes(self, query_len: int, max_batch: int, cuda_graphs: bool = False, **model_args) -> None:
+        """Run feeds of up to query_len tokens for up to max_batch sequences with static shapes
+        (graphs.py); with cuda_graphs, capture each shape now (falling back to eager on failure).
+        model_args: what every forward of this runner passes (they are baked into a graph)."""
+        from .graphs import StaticShapes
+
+        self.static = StaticShapes(self, query_len, max_batch)
+        if cuda_graphs:
+            self.static.capture(model_args)
 
     def reserve(self, table: BlockTable, num_tokens: int) -> None:
         """Make sure `table` has pages for positions < num_tokens (raises KVPoolExhausted)."""
@@ -49,7 +60,7 @@ class ModelRunner:
         free; the scheduler reserves them beforehand so that a step never fails half-way)."""
         if not feeds:
             raise ValueError("forward needs at least one feed")
-        allocator, ps = self.cache.allocator, self.cache.page_size
+        allocator = self.cache.allocator
         cached = [f.table.num_cached for f in feeds]
         q_lens = [len(f.tokens) for f in feeds]
         for f, start, n in zip(feeds, cached, q_lens):
@@ -57,6 +68,17 @@ class ModelRunner:
                 raise ValueError(f"bad feed: {n} tokens, {f.num_logits} logits")
             f.table.reserve(start + n, allocator)
             self.cache.copy_pages(f.table.copy_on_write(start, start + n, allocator))
+        if self.static is not None and self.static.fits(feeds):  # decode / verification / draft steps
+            out = self.static.forward(feeds, **model_args)
+        else:
+            out = self._forward(feeds, cached, q_lens, model_args)
+        for f, n in zip(feeds, q_lens):
+            f.table.num_cached += n
+        return out
+
+    def _forward(self, feeds: list[Feed], cached: list[int], q_lens: list[int], model_args: dict):
+        """The dynamic-shape forward: metadata sized to exactly these feeds."""
+        ps = self.cache.page_size
         # Host-side assembly in numpy (small arrays: far cheaper per op than torch tensors).
         # Per-sequence values come from Python lists (B of them); per-token values are vectorised,
         # so a long prompt costs no Python loop over its tokens.
@@ -90,7 +112,4 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),  # [N]
             is_prefill=not any(cached),
         )
-        out = self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
-        for f, n in zip(feeds, q_lens):
-            f.table.num_cached += n
-        return out
+        return self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...

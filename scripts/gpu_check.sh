@@ -7,7 +7,7 @@
 # Steps: record the environment; install what is missing from wheels carried in .gpu-wheels/
 # (made beforehand, with internet, by `scripts/gpu_check.sh --fetch-wheels`; never from an index);
 # the kernel tests on the GPU against their torch references (bf16 included); `bench.py --kernels`;
-# the whole engine's tests; then bench.py on a random-init pair of realistic size built on the
+# the engine's tests (CUDA graphs vs eager included); then bench.py on a random-init pair of realistic size built on the
 # spot (the real target does not fit the carry limit: acceptance comes from the CPU runs, step
 # times and verification cost from here). Each step's output goes to $OUT/<step>.log; a failing
 # step is reported and the others still run; the exit status is non-zero if any failed.
@@ -69,13 +69,13 @@ if [ "$DRY" = 1 ]; then
     # CPU: the kernels under the interpreter (a few small cases) and the tiny random pair.
     export TRITON_INTERPRET=1
     step kernel-tests python -m pytest -q -x tests/test_kernels.py -k "paged or prefill or write" -p no:cacheprovider
-    step engine-tests python -m pytest -q -x tests/test_speculative_greedy.py -p no:cacheprovider
+    step engine-tests python -m pytest -q -x tests/test_speculative_greedy.py tests/test_graphs.py -p no:cacheprovider
     SIZE=tiny; BENCH=(--quick --no-peers --no-plots)
 else
     step kernel-tests python -m pytest -q tests/test_kernels.py -m "slow or not slow" -p no:cacheprovider
     step kernel-bench python bench.py --kernels
     step engine-tests python -m pytest -q tests/test_speculative_greedy.py tests/test_engine.py tests/test_api.py \
-        tests/test_reliability.py -p no:cacheprovider
+        tests/test_reliability.py tests/test_graphs.py -p no:cacheprovider
     SIZE=1b; BENCH=(--batch-sizes 1,16 --ks 2,4 --drafters draft,ngram --rounds 6 --max-tokens 128 --no-peers)
 fi
 step random-pair python scripts/random_pair.py "$OUT/pair" --size "$SIZE"

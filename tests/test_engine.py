@@ -46,7 +46,7 @@ def make_llm(tiny_llama, tiny_llama_draft, tiny_llama_eagle):
 
     def build(drafter: str = "none", pages: int | None = None, backend: str = "torch", **kwargs) -> LLM:
         draft = {"none": None, "ngram": "ngram", "model": str(tiny_llama_draft), "eagle": str(tiny_llama_eagle)}[drafter]
-        gib = 0.01 if pages is None else (pages + 0.5) * PAGE_SIZE * bytes_per_token(drafter) / 2**30
+        gib = 0.01 if pages is None else (pages + 1.5) * PAGE_SIZE * bytes_per_token(drafter) / 2**30  # + scratch page
         llm = LLM(model=str(tiny_llama), draft_model=draft, num_speculative_tokens=K, dtype=torch.float32,
                   backend=backend, page_size=PAGE_SIZE, kv_cache_gib=gib, **kwargs)
         if pages is not None:

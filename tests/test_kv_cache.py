@@ -192,19 +192,21 @@ def _cfg() -> ModelConfig:
 
 
 def test_pool_shape_and_size_follow_the_budget():
-    """[layers, K/V, pages, page_size, kv_heads, head_dim]; pages = budget // bytes per page, capped."""
+    """[layers, K/V, pages + 1, page_size, kv_heads, head_dim]; pages = budget // bytes per page - 1
+    (the scratch page, never handed out, counts against the budget), capped."""
     cfg = _cfg()
     page_bytes = KVCache.bytes_per_page(cfg, 4, torch.float32)
     assert page_bytes == 3 * 2 * 4 * 1 * 8 * 4
-    cache = KVCache.from_budget(cfg, 7 * page_bytes + page_bytes // 2, 4, torch.float32, torch.device("cpu"))
-    assert cache.num_pages == 7 and cache.nbytes == 7 * page_bytes
-    assert tuple(cache.pool.shape) == (3, 2, 7, 4, 1, 8)
+    cache = KVCache.from_budget(cfg, 8 * page_bytes + page_bytes // 2, 4, torch.float32, torch.device("cpu"))
+    assert cache.num_pages == 7 and cache.nbytes == 8 * page_bytes and cache.scratch_page == 7
+    assert tuple(cache.pool.shape) == (3, 2, 8, 4, 1, 8)
+    assert sorted(cache.allocator.allocate() for _ in range(7)) == list(range(7))  # never the scratch page
     k_pool, v_pool = cache.layers()[1]
-    assert k_pool.shape == (7, 4, 1, 8) and k_pool.data_ptr() == cache.pool[1, 0].data_ptr()
+    assert k_pool.shape == (8, 4, 1, 8) and k_pool.data_ptr() == cache.pool[1, 0].data_ptr()
     capped = KVCache.from_budget(cfg, 100 * page_bytes, 4, torch.float32, torch.device("cpu"), max_pages=5)
     assert capped.num_pages == 5
     with pytest.raises(ValueError, match="smaller than one page"):
-        KVCache.from_budget(cfg, page_bytes - 1, 4, torch.float32, torch.device("cpu"))
+        KVCache.from_budget(cfg, 2 * page_bytes - 1, 4, torch.float32, torch.device("cpu"))
 
 
 def test_copy_pages_copies_keys_and_values_in_every_layer():

@@ -1,0 +1,147 @@
+"""Graph-ready steps: the same forward with static shapes, so that CUDA graphs can capture it.
+
+At batch 1 a small target is bound by kernel launches on a GPU (~30 layers x a dozen launches per
+forward); a CUDA graph replays them all with one launch. A graph fixes every shape and address, so
+decode, verification and draft steps (each sequence feeds 1..Q tokens) are laid out per bucket:
+
+    rows [0, B*Q):  sequence b's n_b tokens packed from row query_start_loc[b] (as the dynamic path
+                    packs them), then all padding rows, which belong to one extra padding sequence
+    metadata:       B + 1 sequences (real ones, empty ones with 0 tokens, the padding sequence),
+                    in persistent per-bucket buffers filled in place before each forward
+    launch sizes:   max_query_len = Q and max_seq_len = the runner's context limit, fixed per bucket
+
+Real sequences get exactly the metadata of the dynamic path (their rows, context lengths and block
+tables), so their logits are the dynamic path's. The padding sequence starts at position 0, owns
+only the scratch page (KVCache.scratch_page: its K/V writes land there) and its outputs are
+dropped. Steps that feed a sequence more than Q tokens (prompts) take the dynamic path.
+
+On CUDA each bucket's forward is captured once (`capture`) and replayed; on CPU, and wherever a
+capture fails (one warning, then eager for good), the static forward runs eagerly: the same
+layout, so tests on CPU check what the graph replays (tests/test_graphs.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import BatchMetadata
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class Bucket:
+    """Persistent inputs of one static shape: B sequence slots of up to Q new tokens each."""
+
+    batch: int
+    query_len: int
+    input_ids: torch.Tensor  # [B*Q] int64
+    meta: BatchMetadata  # positions [B*Q], query_start_loc [B+2], seq_lens [B+1], slot_mapping [B*Q], block_tables [B+1, P]
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    output: object | None = None  # what the captured forward returned (its buffers are rewritten by replay)
+
+
+class StaticShapes:
+    """The static-shape forward of one ModelRunner (see the module docstring)."""
+
+    def __init__(self, runner, query_len: int, max_batch: int):
+        self.runner = runner
+        self.query_len = query_len
+        self.batches = [b for b in BATCH_BUCKETS if b < max_batch] + [min(b for b in BATCH_BUCKETS if b >= max_batch)]
+        # Block-table width: a real sequence's pages, or the padding sequence's rows (all on the scratch page).
+        ps = runner.cache.page_size
+        self.pages_per_seq = max(-(-runner.max_positions // ps), -(-self.batches[-1] * query_len // ps))
+        self.buckets: dict[int, Bucket] = {}
+        self.graph_args: dict | None = None  # the model_args the graphs were captured with
+        self.graphs_failed = False
+
+    def fits(self, feeds) -> bool:
+        return len(feeds) <= self.batches[-1] and max(len(f.tokens) for f in feeds) <= self.query_len
+
+    def bucket(self, batch: int) -> Bucket:
+        size = next(b for b in self.batches if b >= batch)
+        if size not in self.buckets:
+            dev, T = self.runner.device, size * self.query_len
+            meta = BatchMetadata(
+                positions=torch.zeros(T, dtype=torch.int64, device=dev),
+                query_start_loc=torch.zeros(size + 2, dtype=torch.int32, device=dev),
+                seq_lens=torch.zeros(size + 1, dtype=torch.int32, device=dev),
+                max_query_len=self.query_len,
+                max_seq_len=self.runner.max_positions,
+                slot_mapping=torch.zeros(T, dtype=torch.int64, device=dev),
+                block_tables=torch.zeros(size + 1, self.pages_per_seq, dtype=torch.int32, device=dev),
+                logits_indices=None,  # every row: the real ones are picked afterwards
+            )
+            self.buckets[size] = Bucket(size, self.query_len, torch.zeros(T, dtype=torch.int64, device=dev), meta)
+        return self.buckets[size]
+
+    def fill(self, bucket: Bucket, feeds) -> tuple[list[int], list[int]]:
+        """Write the feeds into the bucket's buffers. Returns (logit rows, rows of every fed token)."""
+        cache, ps = self.runner.cache, self.runner.cache.page_size
+        B, T = bucket.batch, bucket.batch * bucket.query_len
+        q_lens = np.zeros(B + 1, dtype=np.int64)
+        cached = np.zeros(B + 1, dtype=np.int64)
+        q_lens[: len(feeds)] = [len(f.tokens) for f in feeds]
+        cached[: len(feeds)] = [f.table.num_cached for f in feeds]
+        q_lens[B] = T - q_lens[:B].sum()  # the padding sequence takes every row left
+        starts = np.concatenate([[0], np.cumsum(q_lens)])  # [B+2]
+        tables = np.full((B + 1, self.pages_per_seq), cache.scratch_page, dtype=np.int32)
+        for b, f in enumerate(feeds):
+            tables[b, : len(f.table.pages)] = f.table.pages
+        seq_of_token = np.repeat(np.arange(B + 1), q_lens)  # [T]
+        positions = np.arange(T) - starts[seq_of_token] + cached[seq_of_token]  # [T]
+        slots = tables[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps
+        ids = np.zeros(T, dtype=np.int64)
+        ids[: starts[len(feeds)]] = [t for f in feeds for t in f.tokens]
+        m = bucket.meta
+        for buf, array in ((bucket.input_ids, ids), (m.positions, positions), (m.query_start_loc, starts),
+                           (m.seq_lens, cached + q_lens), (m.slot_mapping, slots), (m.block_tables, tables)):
+            buf.copy_(torch.from_numpy(array.astype(np.int64 if buf.dtype == torch.int64 else np.int32)))
+        m.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
+        logit_rows = [row for f, end in zip(feeds, starts[1 : len(feeds) + 1].tolist())
+                      for row in range(end - f.num_logits, end)]
+        return logit_rows, list(range(int(starts[len(feeds)])))
+
+    def forward(self, feeds, **model_args):
+        """The runner's forward for feeds that fit a bucket; returns what the dynamic path returns."""
+        bucket = self.bucket(len(feeds))
+        logit_rows, fed_rows = self.fill(bucket, feeds)
+        if bucket.graph is not None and model_args == self.graph_args:
+            bucket.graph.replay()
+            out = bucket.output
+        else:
+            out = self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **model_args)
+        rows = torch.tensor(logit_rows, device=self.runner.device)
+        if isinstance(out, tuple):  # (logits over every row, hidden states of every row)
+            return out[0][rows], out[1][torch.tensor(fed_rows, device=self.runner.device)]
+        return out[rows]
+
+    def capture(self, model_args: dict | None = None) -> None:
+        """Capture one CUDA graph per bucket (the padding sequence fills every row while capturing,
+        writing only the scratch page). Any failure: one warning, and every bucket stays eager."""
+        model_args = model_args or {}
+        self.graph_args = model_args
+        try:
+            for batch in self.batches:
+                bucket = self.bucket(batch)
+                self.fill(bucket, [])
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
+                    for _ in range(2):
+                        self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **model_args)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    output = self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **model_args)
+                bucket.graph, bucket.output = graph, output
+        except Exception as e:  # noqa: BLE001 - any capture problem means: run eagerly
+            for bucket in self.buckets.values():
+                bucket.graph = bucket.output = None
+            self.graphs_failed = True
+            warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); running the static-shape "
+                          "steps eagerly", RuntimeWarning, stacklevel=2)

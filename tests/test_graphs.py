@@ -1,0 +1,123 @@
+"""Graph-ready steps (graphs.py): the static-shape layout gives the dynamic path's answers.
+
+On CPU the static layout runs eagerly; it is exactly what a CUDA graph replays on a GPU. Invariants:
+  * with static_shapes=True, greedy and seeded sampled outputs equal the dynamic path's token for
+    token, and the target's log-probabilities (its logits) agree to fp32 rounding, for plain
+    decoding and every drafter, with batches that do not fill their bucket (padding sequences)
+    and with preemption;
+  * steps that feed more tokens than a bucket holds (prompts) take the dynamic path;
+  * the same holds with the Triton kernels (interpreter);
+  * a failed graph capture warns once and runs eagerly, with the same answers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minispec import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["the quick brown fox", "hello world", "to be or not to be, that is"]
+
+
+def drafter_args(name, tiny_llama_draft, tiny_llama_eagle) -> dict:
+    return {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3),
+            "draft": dict(draft_model=str(tiny_llama_draft), num_speculative_tokens=3),
+            "eagle": dict(draft_model=str(tiny_llama_eagle), num_speculative_tokens=3)}[name]
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft", "eagle"])
+def test_static_shapes_give_the_dynamic_paths_tokens_and_logits(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter):
+    args = dict(model=str(tiny_llama), kv_cache_gib=0.01, **drafter_args(drafter, tiny_llama_draft, tiny_llama_eagle))
+    dynamic, static = LLM(**args), LLM(**args, static_shapes=True)
+    assert static.engine.target.static is not None and dynamic.engine.target.static is None
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=3)] + [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=14, ignore_eos=True, seed=i, logprobs=3) for i in range(2)]
+    a, b = dynamic.generate(PROMPTS, params), static.generate(PROMPTS, params)  # 3 sequences: bucket 4
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, b):
+        for da, db in zip(x.logprobs, y.logprobs):
+            assert da.keys() == db.keys() and all(math.isclose(da[t], db[t], abs_tol=1e-4) for t in da)
+    used = static.engine.target.static.buckets
+    assert 4 in used and used[4].query_len == static.engine.target.static.query_len
+    assert static.last_metrics.num_steps == dynamic.last_metrics.num_steps
+
+
+def test_static_shapes_with_preemption_and_one_sequence(tiny_llama, tiny_llama_draft):
+    """Small pools force preemption (recomputed prompts go through the dynamic path, their later
+    steps through the static one); a single request uses bucket 1."""
+    args = dict(model=str(tiny_llama), draft_model=str(tiny_llama_draft), num_speculative_tokens=3, page_size=4)
+    roomy = LLM(**args, kv_cache_gib=0.01)
+    tight = LLM(**args, kv_cache_gib=12 * 4 * 64 * 4 * 3 / 2**30, static_shapes=True)
+    params = [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True, seed=i) for i in range(3)]
+    assert [o.token_ids for o in tight.generate(PROMPTS, params)] == [o.token_ids for o in roomy.generate(PROMPTS, params)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    one = tight.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert one.token_ids == roomy.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    assert 1 in tight.engine.target.static.buckets
+
+
+def test_prompts_take_the_dynamic_path(tiny_llama):
+    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, static_shapes=True)
+    static = llm.engine.target.static
+    calls = []
+    forward = static.forward
+    static.forward = lambda feeds, **kw: calls.append([len(f.tokens) for f in feeds]) or forward(feeds, **kw)
+    llm.generate(["a much longer prompt than one token"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert calls == [[1]] * 3  # the prompt's step was dynamic; the 3 decode steps static
+
+
+def test_static_shapes_with_the_triton_kernels(tiny_llama, tiny_llama_draft):
+    """The Triton kernels (interpreter, fp32) on the static layout: padding sequence, empty slots,
+    launch sizes fixed per bucket."""
+    args = dict(model=str(tiny_llama), draft_model=str(tiny_llama_draft), num_speculative_tokens=2, kv_cache_gib=0.01,
+                backend="triton")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(**args).generate(PROMPTS, params)]
+    assert [o.token_ids for o in LLM(**args, static_shapes=True).generate(PROMPTS, params)] == expected
+
+
+def test_a_failed_capture_warns_and_runs_eagerly(tiny_llama):
+    """On CPU every capture fails (no CUDA): one warning, the same answers."""
+    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate(PROMPTS, params)
+    with pytest.warns(RuntimeWarning, match="CUDA graph capture failed"):
+        llm.engine.target.use_static_shapes(1, 4, cuda_graphs=True)
+    assert llm.engine.target.static.graphs_failed
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in expected]
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        LLM(model=str(tiny_llama), kv_cache_gib=0.01, cuda_graphs=True)
+
+
+def test_the_padding_never_touches_a_sequences_pages(tiny_llama):
+    """The padding rows write only the scratch page: every other slot of the pool holds what the
+    dynamic path leaves there (the same slots written, values equal up to fp32 rounding: the
+    projections ran over more rows)."""
+    args = dict(model=str(tiny_llama), kv_cache_gib=0.01, page_size=4)
+    dynamic, static = LLM(**args), LLM(**args, static_shapes=True)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    dynamic.generate(PROMPTS, params)
+    static.generate(PROMPTS, params)
+    pages = dynamic.engine.target.cache.num_pages
+    a, b = dynamic.engine.target.cache.pool[:, :, :pages], static.engine.target.cache.pool[:, :, :pages]
+    assert torch.equal(a != 0, b != 0)  # the same slots written
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert static.engine.target.cache.pool[:, :, pages].abs().sum() > 0  # the scratch page was written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/gpu_check.sh runs this)")
+@pytest.mark.parametrize("drafter", ["none", "draft", "eagle"])
+def test_cuda_graphs_replay_what_eager_computes(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter):
+    args = dict(model=str(tiny_llama), kv_cache_gib=0.01, max_num_seqs=8,
+                **drafter_args(drafter, tiny_llama_draft, tiny_llama_eagle))
+    graphs, eager = LLM(**args, cuda_graphs=True), LLM(**args, cuda_graphs=False)
+    assert not graphs.engine.target.static.graphs_failed
+    assert all(b.graph is not None for b in graphs.engine.target.static.buckets.values())
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] + [
+        SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=i) for i in range(2)]
+    assert [o.token_ids for o in graphs.generate(PROMPTS, params)] == [o.token_ids for o in eager.generate(PROMPTS, params)]
