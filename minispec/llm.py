@@ -287,20 +287,38 @@ class LLM:
             self._close(call)
 
     def _step(self) -> None:
-        """One engine step (lock held); outputs go to the calls that own them."""
+        """One engine step (lock held); outputs go to the calls that own them. Streams collected
+        meanwhile are closed after it. Should the step raise, every request in the engine ends
+        with finish_reason "error" (their pages freed, their owners told), then it re-raises."""
         self._stepping = True
         try:
-            outputs = self.engine.step()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                self._fail_all(f"{type(e).__name__}: {e}")
+                raise
+            for out in outputs:
+                call = self._owners.get(out.seq.request_id)
+                if call is not None and (out.new_token_ids or out.finished):
+                    call.add_event(out, self.tokenizer)
+                if out.finished:
+                    self._owners.pop(out.seq.request_id, None)
         finally:
             self._stepping = False
-        for out in outputs:
-            if out.new_token_ids or out.finished:
-                self._owners[out.seq.request_id].add_event(out, self.tokenizer)
-            if out.finished:
-                del self._owners[out.seq.request_id]
-        closed, self._closed_while_stepping = self._closed_while_stepping, []
-        for call in closed:
-            self._close(call)
+            closed, self._closed_while_stepping = self._closed_while_stepping, []
+            for call in closed:
+                self._close(call)
+
+    def _fail_all(self, message: str) -> None:
+        """End every queued or running request with finish_reason "error" (the engine's state
+        after a failed step is not trusted)."""
+        scheduler = self.engine.scheduler
+        for seq in list(scheduler.running) + list(scheduler.waiting):
+            scheduler.abort(seq)
+            seq.finish_reason, seq.error = "error", f"the engine step failed: {message}"
+            call = self._owners.pop(seq.request_id, None)
+            if call is not None:
+                call.events.append(StreamEvent(call.index[seq.request_id], [], True, None, "", "error", seq.error))
 
     def _close(self, call: _Call) -> None:
         """Abort the call's unfinished requests (their pages are freed) and record its metrics."""
@@ -308,11 +326,13 @@ class LLM:
             if self._stepping:  # a stream collected by the garbage collector inside a step: after it
                 self._closed_while_stepping.append(call)
                 return
+            completed = all(s.finished for s in call.seqs)
             for s in call.seqs:
                 if not s.finished:
                     self.engine.scheduler.abort(s)
                 self._owners.pop(s.request_id, None)
-            self.last_metrics = self.engine.run_metrics(call.seqs, time.perf_counter() - call.t0, call.times_at_start)
+            if completed:  # (a stream dropped midway leaves the last completed call's metrics)
+                self.last_metrics = self.engine.run_metrics(call.seqs, time.perf_counter() - call.t0, call.times_at_start)
 
     def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Yield StreamEvents (new tokens, their text, finished) as tokens are produced.

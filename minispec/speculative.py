@@ -185,6 +185,29 @@ def failed_sequences(logits: torch.Tensor, num_draft: list[int]) -> dict[int, in
     return broken
 
 
+def cut_at_nonfinite(
+    logits: torch.Tensor, draft_lists: list[list[int]], draft_probs: torch.Tensor | None, broken: dict[int, int]
+) -> tuple[torch.Tensor, list[list[int]], torch.Tensor | None]:
+    """For each sequence b with first non-finite row r = broken[b]: keep its first r drafts and
+    rows 0..r of the flat logits [sum(n_b + 1), V], row r zeroed (finite, so the verification
+    runs; what it samples there is discarded), and zero its draft_probs [B, K+1, V] from r on."""
+    keep, zero, lists, row = [], [], [], 0
+    for b, drafts in enumerate(draft_lists):
+        r = broken.get(b, len(drafts))
+        if b in broken:
+            zero.append(len(keep) + r)
+        keep.extend(range(row, row + r + 1))
+        lists.append(drafts[:r])
+        row += len(drafts) + 1
+    logits = logits[torch.tensor(keep, device=logits.device)]
+    logits[zero] = 0.0
+    if draft_probs is not None:
+        draft_probs = draft_probs.clone()
+        for b, r in broken.items():
+            draft_probs[b, r:] = 0.0
+    return logits, lists, draft_probs
+
+
 @dataclass
 class StepTimes:
     draft_s: float = 0.0
@@ -244,16 +267,16 @@ def speculative_step(
     else:
         logits, hidden = target.forward(feeds, hidden_layers=layers)  # [sum(n_b + 1), V], [sum(fed), 3H]
 
-    # A request whose target logits are not finite (a broken checkpoint, an overflow) cannot be
-    # sampled: it finishes with finish_reason "error" and emits nothing; the others go on.
+    # Non-finite target logits (a broken checkpoint, an overflow). Row r of a sequence is used only
+    # if its first r drafts are all accepted, so its first non-finite row ends its verification:
+    # later rows and drafts are dropped. Should the verification reach that row, the request
+    # emits its accepted drafts and finishes with finish_reason "error" where plain decoding would
+    # have met the same logits; otherwise nothing changes (the rejection happened at a finite row).
     broken = failed_sequences(logits, num_draft)
+    failing_at = {b: seqs[b].target.num_cached - num_draft[b] + r for b, r in broken.items()}  # token positions
     if broken:
-        logits = logits.clone()
-        for b, row in broken.items():
-            s = seqs[b]
-            s.finish_reason = "error"
-            s.error = f"the target's logits are not finite (NaN or inf) for the token at position {s.target.num_cached - num_draft[b] + row}"
-            logits[sum(n + 1 for n in num_draft[:b]) : sum(n + 1 for n in num_draft[: b + 1])] = 0.0  # sampled, then dropped
+        logits, draft_lists, draft_probs = cut_at_nonfinite(logits, draft_lists, draft_probs, broken)
+        num_draft = [len(d) for d in draft_lists]
 
     # 3. Accept / reject.
     if all(s.params.greedy for s in seqs):
@@ -268,15 +291,17 @@ def speculative_step(
     # Emit the accepted run plus one token, stopping early at EOS / stop strings / max_tokens.
     # Requested logprobs: emitted token j of sequence b was sampled at flat logits row row_b + j.
     top = top_logprobs(logits, seqs, num_draft)
-    for s, toks, n_acc, n_draft, rows in zip(seqs, tokens, num_accepted, num_draft, top):
-        if s.finish_reason == "error":
-            continue
+    for b, (s, toks, n_acc, n_draft, rows) in enumerate(zip(seqs, tokens, num_accepted, num_draft, top)):
+        fails = b in broken and n_acc == n_draft  # the final token would come from a non-finite row
         s.metrics.record(n_draft, n_acc)
-        for j, t in enumerate(toks[: n_acc + 1]):
+        for j, t in enumerate(toks[: n_acc + (0 if fails else 1)]):
             if rows is not None:
                 s.logprobs.append({**rows[j][0], t: rows[j][1][t].item()})
             if emit(s, t):
                 break
+        if fails and s.finish_reason is None:
+            s.finish_reason = "error"
+            s.error = f"the target's logits are not finite (NaN or inf) for the token at position {failing_at[b]}"
 
     # 4. Roll back: keep the K/V of accepted tokens; the newest token is fed next step. A feature
     # drafter keeps the target's features of those same positions.

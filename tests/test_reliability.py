@@ -190,6 +190,27 @@ def test_threads_sharing_one_llm_get_their_own_exact_outputs(spec, solo):
     assert idle_and_whole(spec)
 
 
+def test_a_failing_engine_step_ends_every_request_and_leaves_the_llm_usable(spec, solo):
+    """An exception inside a step (a bug, a device error) re-raises in the caller; every request
+    in the engine, the caller's and a paused stream's, ends with finish_reason "error" (the
+    engine's state is not trusted after it); pages are free and the next call is exact."""
+    paused = spec.stream(PROMPTS[:1], GREEDY)
+    next(paused)
+    step = spec.engine.step
+
+    def broken_step():
+        spec.engine.step = step
+        raise RuntimeError("device lost")
+
+    spec.engine.step = broken_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        spec.generate(PROMPTS[1:], GREEDY)
+    assert idle_and_whole(spec)
+    rest = list(paused)
+    assert rest[-1].finished and rest[-1].finish_reason == "error" and "device lost" in rest[-1].error
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == solo[0]
+
+
 # --- numbers that break -------------------------------------------------------------------------
 
 
@@ -228,6 +249,67 @@ def test_a_request_with_non_finite_target_logits_fails_alone(tiny_llama, tiny_ll
     assert [outs[0].token_ids, outs[2].token_ids] == [expected[0], expected[2]]
     assert idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(ids, params)] == expected  # pages that held NaN, reused
+
+
+class ProposeAlways:
+    """A drafter that always proposes the same tokens (one-hot q, like the n-gram drafter)."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def propose(self, seqs, num_draft):
+        return [self.tokens[:n] for n in num_draft], None
+
+    def rollback(self, seqs):
+        pass
+
+
+class ScriptedTarget:
+    """A stand-in target runner: row 0 of every verification prefers token `best`; every later
+    row (a context containing the first draft) is NaN when `nan_after_draft`."""
+
+    def __init__(self, vocab: int, best: int, nan_after_draft: bool):
+        from minispec.kv_cache import PageAllocator
+
+        self.vocab, self.best, self.nan_after_draft = vocab, best, nan_after_draft
+        self.device = torch.device("cpu")
+        self.cache = type("Cache", (), {"allocator": PageAllocator(64)})()
+
+    def forward(self, feeds, **kwargs):
+        rows = []
+        for f in feeds:
+            f.table.num_cached += len(f.tokens)
+            for j in range(f.num_logits):
+                row = torch.full((self.vocab,), -5.0)
+                row[self.best] = 5.0
+                rows.append(row if j == 0 or not self.nan_after_draft else torch.full((self.vocab,), float("nan")))
+        return torch.stack(rows)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_rows_past_the_first_rejection_change_nothing(temperature):
+    """Row r of a verification is used only if the first r drafts are accepted. Here row 0 gives
+    the draft (token 9) probability ~e^-10 and every later row is NaN: the draft is rejected at
+    row 0 and the NaN rows are never used, so the request goes on exactly like plain decoding (it
+    used to end with "error": any non-finite verified row failed it). When the draft IS accepted
+    (the target prefers 9 too), the next token would come from a NaN row: the request emits the
+    accepted draft and ends there with "error", as plain decoding would after sampling 9."""
+    from minispec.sequence import Sequence
+    from minispec.speculative import StepTimes, speculative_step
+
+    def run(best: int):
+        seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16, "cpu")
+        target = ScriptedTarget(vocab=32, best=best, nan_after_draft=True)
+        verdicts = speculative_step([seq], target, ProposeAlways([9, 9, 9]), 3,
+                                    lambda s, t: s.append(t, [], lambda ids: ""), StepTimes())
+        return seq, verdicts
+
+    seq, verdicts = run(best=4)
+    assert seq.finish_reason is None and seq.output_ids == [4]  # (at 0.8, p(4) = 0.9986 and the seed is fixed)
+    assert verdicts == [([9], 0)]  # the drafts past the first non-finite row were dropped
+    seq, verdicts = run(best=9)
+    assert seq.output_ids == [9] and seq.finish_reason == "error" and "position 4" in seq.error
+    assert verdicts == [([9], 1)]
 
 
 def nan_draft(path):
