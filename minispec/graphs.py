@@ -51,7 +51,7 @@ class StaticShapes:
     def __init__(self, runner, query_len: int, max_batch: int):
         self.runner = runner
         self.query_len = query_len
-        self.batches = [b for b in BATCH_BUCKETS if b < max_batch] + [min(b for b in BATCH_BUCKETS if b >= max_batch)]
+        self.batches = [b for b in BATCH_BUCKETS if b < max_batch] + [b for b in BATCH_BUCKETS if b >= max_batch][:1]
         # Block-table width: a real sequence's pages, or the padding sequence's rows (all on the scratch page).
         ps = runner.cache.page_size
         self.pages_per_seq = max(-(-runner.max_positions // ps), -(-self.batches[-1] * query_len // ps))
@@ -90,8 +90,9 @@ class StaticShapes:
         q_lens[B] = T - q_lens[:B].sum()  # the padding sequence takes every row left
         starts = np.concatenate([[0], np.cumsum(q_lens)])  # [B+2]
         tables = np.full((B + 1, self.pages_per_seq), cache.scratch_page, dtype=np.int32)
-        for b, f in enumerate(feeds):
-            tables[b, : len(f.table.pages)] = f.table.pages
+        for b, f in enumerate(feeds):  # pages past this runner's context (a draft's reservation for the target's) are never read
+            pages = f.table.pages[: self.pages_per_seq]
+            tables[b, : len(pages)] = pages
         seq_of_token = np.repeat(np.arange(B + 1), q_lens)  # [T]
         positions = np.arange(T) - starts[seq_of_token] + cached[seq_of_token]  # [T]
         slots = tables[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps

@@ -61,6 +61,20 @@ def test_static_shapes_with_preemption_and_one_sequence(tiny_llama, tiny_llama_d
     assert 1 in tight.engine.target.static.buckets
 
 
+def test_a_draft_with_a_shorter_context_and_many_slots(tiny_llama, checkpoint_factory):
+    """The draft pool reserves pages for the target's length, past the draft's own context (here
+    24 positions): its static block tables keep only the pages it can read (it used to raise a
+    numpy broadcast error). max_num_seqs past the largest bucket is fine: larger batches go dynamic."""
+    short = checkpoint_factory("llama", seed=1, num_hidden_layers=1, max_position_embeddings=24)
+    args = dict(model=str(tiny_llama), draft_model=str(short), num_speculative_tokens=3, kv_cache_gib=0.01,
+                max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = LLM(**args).generate(PROMPTS, params)
+    assert [o.token_ids for o in LLM(**args, static_shapes=True).generate(PROMPTS, params)] == [o.token_ids for o in expected]
+    many = LLM(model=str(tiny_llama), kv_cache_gib=0.01, max_num_seqs=512, static_shapes=True)
+    assert many.engine.target.static.batches[-1] == 256
+
+
 def test_prompts_take_the_dynamic_path(tiny_llama):
     llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, static_shapes=True)
     static = llm.engine.target.static
