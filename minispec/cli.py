@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+import jinja2
+
 from .kv_cache import KVPoolExhausted
 from .llm import LLM, StreamEvent
 from .sampling import SamplingParams
@@ -100,23 +102,18 @@ class Painter:
         self.ids += e.new_token_ids
         end = len(decode(self.ids))
         self.accepted_chars[start:] = [True] * (middle - start) + [False] * (end - middle)
-        pieces, last_accepted = [], None
-        for i, ch in enumerate(e.new_text, start=self.printed):
-            accepted = i < len(self.accepted_chars) and self.accepted_chars[i]
-            pieces.append((accepted, ch))
-            last_accepted = len(pieces) if accepted else last_accepted
+        pieces = [(i < len(self.accepted_chars) and self.accepted_chars[i], ch)
+                  for i, ch in enumerate(e.new_text, start=self.printed)]
+        rejected, at = "", min(max(middle - self.printed, 0), len(pieces))  # where this step's accepted text ends
         self.printed += len(e.new_text)
-        rejected = ""
         if self.show_rejected and e.num_accepted < len(e.drafted):
             rejected = decode(e.drafted[e.num_accepted:]).replace("\n", "\u21b5")  # newlines shown as a return arrow
+            rejected = self.paint(rejected, DIM_STRUCK) if self.color else f"[-{rejected}-]"
         text = ""
         for j, (accepted, ch) in enumerate(pieces):
-            if j == (last_accepted or 0) and rejected:
-                text += self.paint(rejected, DIM_STRUCK) if self.color else f"[-{rejected}-]"
-                rejected = ""
+            text += rejected if j == at else ""
             text += self.paint(ch, GREEN) if accepted else ch
-        if rejected:
-            text += self.paint(rejected, DIM_STRUCK) if self.color else f"[-{rejected}-]"
+        text += rejected if at == len(pieces) else ""
         self.out.write(text)
         self.out.flush()
 
@@ -214,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             write_jsonl(args.trace, traces)
         if args.trace is not None:
             print(f"[minispec] trace written to {args.trace}", file=sys.stderr)
-    except (CliError, ValueError, TypeError, FileNotFoundError, KVPoolExhausted) as e:
+    except (CliError, ValueError, TypeError, OSError, KVPoolExhausted, jinja2.TemplateError) as e:
         print(f"minispec: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
