@@ -3,7 +3,8 @@
 How: each launcher (`paged_attention`, `flash_prefill`, `write_kv`) is called on small CPU tensors
 of a configuration's shapes, with its Triton kernels swapped for recorders, so what gets compiled
 is exactly what the launcher would launch: its constexprs (tile sizes, split count, precision), its
-num_warps, its argument types. Each launch is compiled with
+num_warps, its argument types and the JIT's own specialization of their values (ints equal to 1
+as constants, divisibility-by-16 hints). Each launch is compiled with
 `triton.compile(..., target=GPUTarget("cuda", arch, 32))` (Triton bundles ptxas), and the cubin is
 read with the bundled `cuobjdump -res-usage`: registers per thread, STACK (bytes of local memory
 per thread: register spills when > 0), static SHARED, and Triton's dynamic shared memory, checked
@@ -123,26 +124,30 @@ def _call_launcher(module, c: Config) -> None:
         module.write_kv(k, k.clone(), cache, cache.clone(), torch.arange(4, dtype=torch.int64), validate=False)
 
 
-def signature(fn, kwargs: dict) -> tuple[dict, dict, dict]:
-    """(Triton signature, constexprs, compile options) of one recorded launch."""
+def signature(fn, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """(Triton signature, constexprs, attributes, compile options) of one recorded launch, derived
+    as the JIT derives them at launch (Triton's own specialization: ints equal to 1 become
+    constants, 16-divisible ints and 16-byte-aligned pointers get divisibility hints)."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import native_specialize_impl
+
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    sig, constexprs = {}, {}
-    for p in fn.params:
+    sig, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
         value = kwargs[p.name]
         if p.is_constexpr:
-            sig[p.name], constexprs[(fn.arg_names.index(p.name),)] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            sig[p.name] = "*" + TYPES[value.dtype]
-        elif isinstance(value, bool):
-            sig[p.name] = "i1"
-        elif isinstance(value, int):
-            sig[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            sig[p.name] = "fp32"
+            sig[p.name], constexprs[(i,)] = "constexpr", value
+            continue
+        kind, key = native_specialize_impl(CUDABackend, value, p.is_const, not p.do_not_specialize,
+                                           not p.do_not_specialize_on_alignment)
+        if kind == "constexpr":
+            sig[p.name], constexprs[(i,)] = "constexpr", key
         else:
-            raise TypeError(f"{fn.__name__}: cannot type argument {p.name}={value!r}")
-    return sig, constexprs, options
+            sig[p.name] = kind
+            if key:
+                attrs[(i,)] = CUDABackend.parse_attr(key)
+    return sig, constexprs, attrs, options
 
 
 def _tool(name: str) -> str:
@@ -156,8 +161,8 @@ def compile_launch(fn, kwargs: dict, arch: int, config: Config) -> Result:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, constexprs, options = signature(fn, kwargs)
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+    sig, constexprs, attrs, options = signature(fn, kwargs)
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -165,7 +170,8 @@ def compile_launch(fn, kwargs: dict, arch: int, config: Config) -> Result:
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.split(f"Function {fn.__name__}")[-1]))
     shared = int(fields.get("SHARED", 0)) + int(kernel.metadata.shared)
-    consts = ", ".join(f"{fn.arg_names[k[0]]}={v}" for k, v in constexprs.items())
+    consts = ", ".join(f"{fn.arg_names[k[0]]}={v}" for k, v in constexprs.items() if sig[fn.arg_names[k[0]]] == "constexpr"
+                       and fn.params[k[0]].is_constexpr)
     return Result(fn.__name__, config.label(), arch, options.get("num_warps", 4), consts, int(fields.get("REG", 0)),
                   int(fields.get("STACK", 0)), int(fields.get("LOCAL", 0)), shared, shared <= SHARED_LIMIT.get(arch, 99 * 1024))
 
@@ -174,7 +180,7 @@ def source_hash() -> str:
     import triton
 
     h = hashlib.sha256(triton.__version__.encode())
-    for name in KERNEL_FILES:
+    for name in KERNEL_FILES + ("aot.py",):  # (how this file compiles changes the results too)
         h.update((Path(__file__).parent / name).read_bytes())
     return h.hexdigest()[:16]
 

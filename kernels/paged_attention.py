@@ -195,21 +195,15 @@ def default_paged_tiles(head_dim: int, max_query_len: int, group: int) -> tuple[
     """(BLOCK_M, BLOCK_N, num_warps): 16 rows when one token's query heads fit (decode), else 64.
 
     BLOCK_M never drops below the padded group, so one program always holds all query heads of a
-    kv head. BLOCK_N and num_warps are what compiles without register spills on sm_80 and sm_90
-    for the supported models' head dims and groups (kernels/aot.py; tests/test_aot.py checks every
-    default launch): 16 keys x 4 warps up to D = 64; at D = 128, 32 keys x 16 warps, or 16 keys x
-    16 warps for groups of 5-8 query heads. Every gathered K/V element carries its own 64-bit
-    address, so wider tiles spilled (64 keys x 4 warps: 56-1272 bytes a thread at D = 128), and
-    ptxas spilled a few bytes in some (group, query length, split) cases of every other choice
-    tried. Chosen for no spills, not yet timed on a GPU.
+    kv head. BLOCK_N is 64 keys, except 32 for the 64-row tiles at D = 128 and at D = 256: the
+    choice that compiles without register spills on sm_80 and sm_90 for the supported models
+    (kernels/aot.py; tests/test_aot.py checks every default launch). 64 keys there spilled on
+    sm_80 (D = 128, 4 query heads per kv head, a k = 4 verification: 255 registers + 8 bytes).
     """
     group_pad = triton.next_power_of_2(group)
-    block_m = 16 if max_query_len * group_pad <= 16 else 64
-    if head_dim <= 64:
-        block_n, num_warps = 16, 4
-    else:
-        block_n, num_warps = (32 if group_pad <= 4 else 16), 16
-    return max(block_m, group_pad), block_n, num_warps
+    block_m = max(16 if max_query_len * group_pad <= 16 else 64, group_pad)
+    block_n = 64 if head_dim <= 64 or (head_dim <= 128 and block_m == 16) else 32
+    return block_m, block_n, 4
 
 
 def default_num_splits(num_programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:

@@ -69,13 +69,13 @@ def test_shared_memory_fits_each_architecture(results):
 
 
 def test_the_check_sees_a_spill():
-    """Power: the paged-attention tiles used before this check existed (64 keys, 4 warps at
-    D = 128, bf16, 4 query heads per kv head, a k = 4 verification) spill on sm_90."""
+    """Power: the paged-attention tile used before this check existed for a k = 4 verification at
+    D = 128 with 4 query heads per kv head (64 keys) spills on sm_80."""
     [stack] = run_compiler(
         "import json\n"
         "from minispec_kernels.aot import Config, compile_launch, launches\n"
         "config = Config('paged_attention', 'bfloat16', 128, 4, 5, 1)\n"
         "fn, kwargs = launches(config)[0]\n"
-        "r = compile_launch(fn, dict(kwargs, num_warps=4, BLOCK_N=64), 90, config)\n"
+        "r = compile_launch(fn, dict(kwargs, BLOCK_N=64), 80, config)\n"
         "print(json.dumps([r.stack]))\n")
     assert stack > 0
