@@ -33,7 +33,7 @@ class ModelDrafter:
         self.confidence_threshold = confidence_threshold
         self.vocab_size = vocab_size or runner.model.cfg.vocab_size
 
-    def logits(self, feeds: list[Feed]) -> tuple[torch.Tensor, list[bool]]:
+    def logits(self, feeds: list[Feed]) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits on the target's vocabulary [n, V] (non-finite rows zeroed) and which rows are usable."""
         logits = self.runner.forward(feeds)  # [n, V_draft]
         V, Vd = self.vocab_size, logits.shape[-1]
@@ -65,18 +65,18 @@ class ModelDrafter:
         active = [b for b in range(B) if num_draft[b] > 0]
         feeds = {b: seqs[b].tokens[seqs[b].draft.num_cached :] for b in active}
         for i in range(K):
-            logits, usable = self.logits([Feed(seqs[b].draft, feeds[b]) for b in active])  # [len(active), V]
+            logits, ok = self.logits([Feed(seqs[b].draft, feeds[b]) for b in active])  # [len(active), V], [len(active)]
             if greedy:
                 sampled = logits.argmax(-1)  # [len(active)]
-            else:
+            else:  # unusable rows draw no random number, so the host needs `ok` before sampling
                 q = warp_probs(logits, [seqs[b].params for b in active])  # [len(active), V]
-                sampled = sample(q, [seqs[b].generator if u else None for b, u in zip(active, usable)])  # [len(active)]
-            if self.confidence_threshold is None:
-                confident = [True] * len(active)
-            else:
+                sampled = sample(q, [seqs[b].generator if u else None for b, u in zip(active, ok.tolist())])
+            confident = None
+            if self.confidence_threshold is not None:
                 own = logits.float().softmax(-1).gather(-1, sampled[:, None]).squeeze(-1)  # [len(active)]
-                confident = (own >= self.confidence_threshold).tolist()
-            for row, (b, t) in enumerate(zip(active, sampled.tolist())):
+                confident = own >= self.confidence_threshold
+            sampled, usable, confident = to_host(sampled, ok, confident)
+            for row, (b, t) in enumerate(zip(active, sampled)):
                 if usable[row]:
                     draft_lists[b].append(t)
                     if not greedy:
@@ -93,14 +93,20 @@ class ModelDrafter:
             s.draft.truncate(len(s) - 1, self.runner.cache.allocator)
 
 
-def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft whose logits are not finite proposes nothing from that row on (it can only lower
     acceptance; the target's verification keeps the output exact). Returns the logits with such
     rows zeroed (so warping and sampling them stays in range; the caller drops what they give)
-    and which rows are usable. logits: [n, V] -> ([n, V], n bools)."""
+    and which rows are usable. logits: [n, V] -> ([n, V], [n] bool), no host copy."""
     ok = finite_rows(logits)  # [n]
-    usable = ok.tolist()
-    return (logits if all(usable) else torch.where(ok[:, None], logits, 0.0)), usable
+    return torch.where(ok[:, None], logits, 0.0), ok
+
+
+def to_host(sampled: torch.Tensor, ok: torch.Tensor, confident: torch.Tensor | None) -> tuple[list[int], list[bool], list[bool]]:
+    """One host copy per draft step: the drafted ids [n], which rows are usable [n] and which are
+    confident enough to go on drafting [n] (all, without a threshold)."""
+    host = torch.stack([sampled, ok.long()] + ([confident.long()] if confident is not None else [])).tolist()
+    return host[0], [bool(x) for x in host[1]], [bool(x) for x in host[2]] if confident is not None else [True] * len(host[0])
 
 
 class NgramDrafter:

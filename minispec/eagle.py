@@ -45,7 +45,7 @@ from torch import nn
 
 from .attention import AttentionBackend, BatchMetadata
 from .config import ModelConfig, rope_inv_freq
-from .drafters import drop_nonfinite
+from .drafters import drop_nonfinite, to_host
 from .loader import check_tensors, read_safetensors, resolve_dtype, use_cpu_fast_paths
 from .model import MLP, Attention, Linear, RMSNorm, Transformer, rope_tables
 from .runner import Feed, ModelRunner
@@ -341,19 +341,19 @@ class EagleDrafter:
         project = True
         for i in range(K):
             logits, g = self.runner.forward(feeds, hidden=hidden, project=project)  # [n, V_d], [n, H]
-            logits, usable = drop_nonfinite(logits)
+            logits, ok = drop_nonfinite(logits)  # [n, V_d], [n]
             if greedy:
                 best = logits.argmax(-1)  # [n] draft ids
                 sampled = self.draft_ids[best]  # [n] target ids
                 own = logits.softmax(-1).gather(-1, best[:, None]).squeeze(-1) if self.confidence_threshold else None
-            else:
+            else:  # unusable rows draw no random number, so the host needs `ok` before sampling
                 full = logits.new_full((logits.shape[0], V), float("-inf"))  # [n, V]
                 full[:, self.draft_ids] = logits
                 q = warp_probs(full, [seqs[b].params for b in active])  # [n, V], 0 outside the draft vocab
-                sampled = sample(q, [seqs[b].generator if u else None for b, u in zip(active, usable)])  # [n]
+                sampled = sample(q, [seqs[b].generator if u else None for b, u in zip(active, ok.tolist())])  # [n]
                 own = full.softmax(-1).gather(-1, sampled[:, None]).squeeze(-1) if self.confidence_threshold else None
-            confident = [True] * len(active) if own is None else (own >= self.confidence_threshold).tolist()
-            for row, (b, t) in enumerate(zip(active, sampled.tolist())):
+            sampled, usable, confident = to_host(sampled, ok, None if own is None else own >= self.confidence_threshold)
+            for row, (b, t) in enumerate(zip(active, sampled)):
                 if usable[row]:
                     draft_lists[b].append(t)
                     if not greedy:

@@ -118,13 +118,16 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
     return out
 
 
-def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]], best: list[int] | None = None
+                  ) -> tuple[list[list[int]], list[int]]:
     """The accept/reject rule at temperature 0, where p and q are one-hot: accept d_i while it is
     the target's argmax at position i, then emit the argmax at the first mismatch (or the bonus
     argmax after n accepted drafts). One argmax over the flat logits [sum(n_b + 1), V]; no
     softmax, one-hot or sampling (it equals `rejection_sample` on the warped one-hot rows, and
-    draws no random numbers). Returns (tokens per sequence, num_accepted per sequence)."""
-    best = logits.argmax(-1).tolist()  # [sum(n_b + 1)]: the lowest id among tied maxima, as warp_probs
+    draws no random numbers). `best`: that argmax, when the caller already has it on the host.
+    Returns (tokens per sequence, num_accepted per sequence)."""
+    if best is None:
+        best = logits.argmax(-1).tolist()  # [sum(n_b + 1)]: the lowest id among tied maxima, as warp_probs
     tokens, num_accepted, row = [], [], 0
     for drafts in draft_lists:
         n_acc = 0
@@ -172,10 +175,9 @@ def sample_verify(
     return tokens.tolist(), num_accepted.tolist()
 
 
-def failed_sequences(logits: torch.Tensor, num_draft: list[int]) -> dict[int, int]:
-    """{sequence b: its first verified row whose logits are not finite} for the flat logits
-    [sum(n_b + 1), V] (one reduction and one host copy; empty when all are finite)."""
-    finite = finite_rows(logits).tolist()
+def failed_sequences(finite: list[bool], num_draft: list[int]) -> dict[int, int]:
+    """{sequence b: its first verified row whose logits are not finite}, from `finite_rows` of the
+    flat logits [sum(n_b + 1), V] on the host (empty when all are finite)."""
     broken, row = {}, 0
     for b, n in enumerate(num_draft):
         bad = [j for j in range(n + 1) if not finite[row + j]]
@@ -272,15 +274,20 @@ def speculative_step(
     # later rows and drafts are dropped. Should the verification reach that row, the request
     # emits its accepted drafts and finishes with finish_reason "error" where plain decoding would
     # have met the same logits; otherwise nothing changes (the rejection happened at a finite row).
-    broken = failed_sequences(logits, num_draft)
+    # One host copy: which rows are finite and, when every request is greedy, their argmax.
+    greedy = all(s.params.greedy for s in seqs)
+    finite = finite_rows(logits)  # [sum(n_b + 1)]
+    finite, best = torch.stack([finite.long(), logits.argmax(-1)]).tolist() if greedy else (finite.tolist(), None)
+    broken = failed_sequences(finite, num_draft)
     failing_at = {b: seqs[b].target.num_cached - num_draft[b] + r for b, r in broken.items()}  # token positions
     if broken:
         logits, draft_lists, draft_probs = cut_at_nonfinite(logits, draft_lists, draft_probs, broken)
         num_draft = [len(d) for d in draft_lists]
+        best = None  # rows were dropped: greedy_verify takes the argmax again
 
     # 3. Accept / reject.
-    if all(s.params.greedy for s in seqs):
-        tokens, num_accepted = greedy_verify(logits, draft_lists)
+    if greedy:
+        tokens, num_accepted = greedy_verify(logits, draft_lists, best)
     else:
         tokens, num_accepted = sample_verify(logits, seqs, draft_lists, draft_probs)
     sync()
