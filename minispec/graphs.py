@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .attention import BatchMetadata
+from .runner import logit_rows, token_layout
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -88,14 +89,11 @@ class StaticShapes:
         q_lens[: len(feeds)] = [len(f.tokens) for f in feeds]
         cached[: len(feeds)] = [f.table.num_cached for f in feeds]
         q_lens[B] = T - q_lens[:B].sum()  # the padding sequence takes every row left
-        starts = np.concatenate([[0], np.cumsum(q_lens)])  # [B+2]
         tables = np.full((B + 1, self.pages_per_seq), cache.scratch_page, dtype=np.int32)
         for b, f in enumerate(feeds):  # pages past this runner's context (a draft's reservation for the target's) are never read
             pages = f.table.pages[: self.pages_per_seq]
             tables[b, : len(pages)] = pages
-        seq_of_token = np.repeat(np.arange(B + 1), q_lens)  # [T]
-        positions = np.arange(T) - starts[seq_of_token] + cached[seq_of_token]  # [T]
-        slots = tables[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps
+        starts, positions, slots = token_layout(q_lens, cached, tables, ps)  # [B+2], [T], [T]
         ids = np.zeros(T, dtype=np.int64)
         ids[: starts[len(feeds)]] = [t for f in feeds for t in f.tokens]
         m = bucket.meta
@@ -103,9 +101,7 @@ class StaticShapes:
                            (m.seq_lens, cached + q_lens), (m.slot_mapping, slots), (m.block_tables, tables)):
             buf.copy_(torch.from_numpy(array.astype(np.int64 if buf.dtype == torch.int64 else np.int32)))
         m.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
-        logit_rows = [row for f, end in zip(feeds, starts[1 : len(feeds) + 1].tolist())
-                      for row in range(end - f.num_logits, end)]
-        return logit_rows, list(range(int(starts[len(feeds)])))
+        return logit_rows(feeds, starts), list(range(int(starts[len(feeds)])))
 
     def forward(self, feeds, **model_args):
         """The runner's forward for feeds that fit a bucket; returns what the dynamic path returns."""

@@ -176,12 +176,6 @@ class LLM:
         if cuda_graphs and not on_cuda:
             raise ValueError("cuda_graphs=True needs a CUDA device (static_shapes=True runs the same layout eagerly)")
         graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
-        if static_shapes if static_shapes is not None else graphs:
-            k = num_speculative_tokens if drafter is not None else 0
-            target_args = {"hidden_layers": drafter.target_layers} if isinstance(drafter, EagleDrafter) else {}
-            runners[0].use_static_shapes(k + 1, max_num_seqs, graphs, **target_args)
-            if isinstance(drafter, ModelDrafter):  # its steps feed 1 token (2 after a fully accepted step)
-                runners[1].use_static_shapes(2, max_num_seqs, graphs)
         self.engine = LLMEngine(
             runners[0],
             self.tokenizer,
@@ -191,6 +185,11 @@ class LLM:
             max_num_seqs,
             max_num_batched_tokens,
         )
+        if static_shapes if static_shapes is not None else graphs:
+            target_args = {"hidden_layers": drafter.target_layers} if isinstance(drafter, EagleDrafter) else {}
+            runners[0].use_static_shapes(self.engine.k + 1, max_num_seqs, graphs, **target_args)
+            if isinstance(drafter, ModelDrafter):  # its steps feed 1 token (2 after a fully accepted step)
+                runners[1].use_static_shapes(2, max_num_seqs, graphs)
         self.last_metrics: RunMetrics | None = None
         self._lock = threading.RLock()  # one engine step, submission or abort at a time
         self._owners: dict[int, _Call] = {}  # request_id -> the call that queued it (until it finishes)

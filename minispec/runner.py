@@ -89,11 +89,7 @@ class ModelRunner:
             block_tables[b, : len(f.table.pages)] = f.table.pages
         q_lens_np, cached_np = np.array(q_lens), np.array(cached)  # [B], [B]
         seq_lens = cached_np + q_lens_np  # [B] context length including the new tokens
-        starts = np.concatenate([[0], np.cumsum(q_lens_np)])  # [B+1] first row of each sequence
-        seq_of_token = np.repeat(np.arange(B), q_lens_np)  # [T]
-        positions = np.arange(starts[-1]) - starts[seq_of_token] + cached_np[seq_of_token]  # [T]
-        slots = block_tables[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps  # [T]
-        logit_rows = [row for f, end in zip(feeds, starts[1:].tolist()) for row in range(end - f.num_logits, end)]
+        starts, positions, slots = token_layout(q_lens_np, cached_np, block_tables, ps)  # [B+1], [T], [T]
         input_ids = np.fromiter(itertools.chain.from_iterable(f.tokens for f in feeds), np.int64, starts[-1])  # [T]
 
         dev = self.device
@@ -109,7 +105,25 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             slot_mapping=to_dev(slots, torch.int64),  # [T] pool slot = page * page_size + offset
             block_tables=to_dev(block_tables, torch.int32),  # [B, max_pages]
-            logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),  # [N]
+            logits_indices=torch.tensor(logit_rows(feeds, starts), dtype=torch.int64, device=dev),  # [N]
             is_prefill=not any(cached),
         )
         return self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
+
+
+def token_layout(q_lens: np.ndarray, cached: np.ndarray, tables: np.ndarray, page_size: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the packed new tokens of B sequences go: starts [B+1] (sequence b's rows are
+    starts[b]:starts[b+1]), and per token its position [T] and its pool slot [T] (page from the
+    sequence's block table row in tables [B, P], times page_size, plus the offset in the page).
+    q_lens, cached: [B] new and already cached tokens per sequence."""
+    starts = np.concatenate([[0], np.cumsum(q_lens)])  # [B+1]
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)  # [T]
+    positions = np.arange(starts[-1]) - starts[seq_of_token] + cached[seq_of_token]  # [T]
+    slots = tables[seq_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size  # [T]
+    return starts, positions, slots
+
+
+def logit_rows(feeds: list[Feed], starts: np.ndarray) -> list[int]:
+    """The rows whose logits each feed wants: its last num_logits rows, in feed order."""
+    return [row for f, end in zip(feeds, starts[1:].tolist()) for row in range(end - f.num_logits, end)]
