@@ -6,6 +6,7 @@ from .kv_cache import KVPoolExhausted
 from .llm import LLM, RequestOutput, StreamEvent
 from .loader import load_checkpoint
 from .model import Transformer
+from .quant import quantize_model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -21,4 +22,5 @@ __all__ = [
     "BatchMetadata",
     "KVPoolExhausted",
     "load_checkpoint",
+    "quantize_model",
 ]

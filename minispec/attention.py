@@ -8,6 +8,8 @@ into the pool and attends. Nothing is global: the metadata is passed into every 
 
 Backend choice: `triton` on CUDA, `torch` elsewhere; `MINISPEC_BACKEND=triton|torch` or the
 `backend=` argument overrides it (tests run the Triton kernels on CPU under TRITON_INTERPRET=1).
+`invariant` (invariant_attention.py) computes each query row alone, bitwise the same in any
+batch: what a model with quantized activations needs (quant.py switches a torch backend to it).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ class AttentionBackend:
 
     def __init__(self, name: str | None = None):
         name = name or os.environ.get("MINISPEC_BACKEND") or ("triton" if torch.cuda.is_available() else "torch")
-        if name not in ("triton", "torch"):
-            raise ValueError(f"unknown attention backend {name!r} (use 'triton' or 'torch')")
+        if name not in ("triton", "torch", "invariant"):
+            raise ValueError(f"unknown attention backend {name!r} (use 'triton', 'torch' or 'invariant')")
         from minispec_kernels import flash_prefill, kv_write, paged_attention
 
         self.name = name
@@ -81,6 +83,21 @@ class AttentionBackend:
             self._prefill, self._paged = flash_prefill.flash_prefill_ref, paged_attention.paged_attention_ref
             self._write = kv_write.write_kv_ref
             self._ref_plan = paged_attention.ref_plan
+
+    def _invariant(self, q, k, v, kv_cache, meta: BatchMetadata, sm_scale, sliding_window) -> torch.Tensor:
+        """The batch-invariant backend (invariant_attention.py): over this forward's own K/V for a
+        prefill, else over the page pool; the key slots are built once per forward."""
+        from .invariant_attention import invariant_attention, key_slots
+
+        if meta.is_prefill:
+            pools, page_size = (k, v), None
+        elif kv_cache is None:
+            raise ValueError("a forward with cached context needs a KV cache")
+        else:
+            pools, page_size = (kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)), kv_cache[0].shape[1]
+        if meta.ref_plan is None:
+            meta.ref_plan = key_slots(meta, page_size)
+        return invariant_attention(q, *pools, meta.ref_plan, meta.positions, sm_scale, sliding_window)
 
     def __call__(
         self,
@@ -98,6 +115,8 @@ class AttentionBackend:
         # tensors) are skipped here; shape and dtype checks still run on every call.
         if kv_cache is not None:
             self._write(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, validate=False)
+        if self.name == "invariant":
+            return self._invariant(q, k, v, kv_cache, meta, sm_scale, sliding_window)
         if meta.is_prefill:  # no earlier context: attend over the contiguous new K/V
             return self._prefill(
                 q, k, v, meta.query_start_loc, meta.max_query_len,

@@ -142,6 +142,15 @@ class EagleModel(nn.Module):
         self.register_buffer("embed_weight", embedding, persistent=False)  # [V, H], the target's
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer), persistent=False)  # [D/2]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (that of the shared embedding; linear weights may be int8, see quant.py)."""
+        return self.embed_weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (i + d2t[i])."""
         return ids + self.d2t[ids]
@@ -179,8 +188,8 @@ def build_eagle(cfg: EagleConfig, state: dict[str, torch.Tensor], target: Transf
                 dtype: torch.dtype | None = None, where: str = "the EAGLE checkpoint") -> EagleModel:
     """An EagleModel on the target's device from a state dict in the official layout."""
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    device = target.lm_head.weight.device
-    dtype = dtype or target.lm_head.weight.dtype
+    device = target.device
+    dtype = dtype or target.dtype
     embedding = state.pop("embed_tokens.weight", None)
     if embedding is None:
         embedding = target.embed_tokens.weight.detach()
@@ -222,7 +231,7 @@ def load_eagle(path: str | Path, target: Transformer, dtype: str | torch.dtype |
         raise FileNotFoundError(f"EAGLE checkpoint {path} has no config.json")
     where = f"EAGLE checkpoint {path}"
     cfg = EagleConfig.from_hf(json.loads(config.read_text()), target.cfg, where)
-    dtype = target.lm_head.weight.dtype if dtype in (None, "auto") else resolve_dtype(dtype, cfg.layer, target.lm_head.weight.device)
+    dtype = target.dtype if dtype in (None, "auto") else resolve_dtype(dtype, cfg.layer, target.device)
     return build_eagle(cfg, read_safetensors(path), target, dtype, where)
 
 
@@ -242,7 +251,7 @@ def init_eagle(target: Transformer, draft_ids: torch.Tensor, aux_layers: tuple[i
     model.d2t.copy_(ids - torch.arange(len(ids)))
     model.t2d.zero_()
     model.t2d[ids] = True
-    return model.to(target.lm_head.weight.device).eval()
+    return model.to(target.device).eval()
 
 
 def hf_config(cfg: EagleConfig, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -35,6 +35,7 @@ from .kv_cache import KVCache
 from .loader import load_checkpoint
 from .metrics import RequestMetrics, RunMetrics
 from .model import Transformer
+from .quant import check_quantization, quantize_model
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -92,6 +93,7 @@ class LLM:
         speculative_config: dict | None = None,
         tensor_parallel_size: int = 1,
         dtype: str | torch.dtype | None = "auto",
+        quantization: str | None = None,
         device: str | None = None,
         backend: str | None = None,
         page_size: int = 16,
@@ -121,7 +123,12 @@ class LLM:
         cuda_graphs (default: on CUDA): decode, verification and draft steps run with static
         shapes, captured as CUDA graphs at start-up (graphs.py; a failed capture warns once and
         runs them eagerly). static_shapes (default: cuda_graphs) runs that static layout without
-        graphs, e.g. on CPU, where it is what the tests compare with the dynamic path."""
+        graphs, e.g. on CPU, where it is what the tests compare with the dynamic path.
+        quantization="int8": target and draft (model or EAGLE head) with int8 weights and dynamic
+        per-row activation scales (quant.py); speculative output is exact for that int8 target.
+        Models passed already built must have been loaded with it (load_checkpoint(...,
+        quantization="int8"), quant.quantize_model): they are never quantized in place."""
+        check_quantization(quantization)
         draft_model, num_speculative_tokens = vllm_spec_args(
             draft_model, num_speculative_tokens, speculative_model, speculative_config, tensor_parallel_size)
         if draft_model is not None:
@@ -138,26 +145,26 @@ class LLM:
                                           and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         backend = AttentionBackend(backend)
-        target, self.tokenizer = self._load(model, dtype, device, backend)
+        target, self.tokenizer = self._load(model, dtype, device, backend, quantization)
         device_ = target.embed_tokens.weight.device
         draft = None
         if isinstance(draft_model, EagleModel):  # built for this target (see eagle.build_eagle)
-            draft = draft_model
+            draft = check_built(draft_model, quantization, "draft_model")
         elif isinstance(draft_model, (str, Path)) and draft_model != "ngram" and is_eagle_checkpoint(draft_model):
-            draft = load_eagle(draft_model, target)
+            draft = quantize_model(load_eagle(draft_model, target), quantization)
         elif draft_model is not None and draft_model != "ngram":
-            draft, draft_tok = self._load(draft_model, dtype, device_, backend)
+            draft, draft_tok = self._load(draft_model, dtype, device_, backend, quantization)
             check_same_vocab(self.tokenizer, draft_tok, target, draft)
 
         models = [target] + ([draft] if draft is not None else [])
         budget = self._kv_budget(kv_cache_gib, gpu_memory_utilization, device_)
-        per_token = [KVCache.bytes_per_page(m.cfg, 1, m.lm_head.weight.dtype) for m in models]
+        per_token = [KVCache.bytes_per_page(m.cfg, 1, m.dtype) for m in models]
         # No more pages than max_num_seqs full-length sequences could ever use.
         max_len = min(target.cfg.max_position_embeddings, max_model_len or target.cfg.max_position_embeddings)
         max_pages = max_num_seqs * -(-max_len // page_size)
         caches = [
             KVCache.from_budget(
-                m.cfg, int(budget * b / sum(per_token)), page_size, m.lm_head.weight.dtype, device_, max_pages
+                m.cfg, int(budget * b / sum(per_token)), page_size, m.dtype, device_, max_pages
             )
             for m, b in zip(models, per_token)
         ]
@@ -205,10 +212,10 @@ class LLM:
                 )
 
     @staticmethod
-    def _load(model, dtype, device, backend) -> tuple[Transformer, Tokenizer]:
+    def _load(model, dtype, device, backend, quantization) -> tuple[Transformer, Tokenizer]:
         if isinstance(model, tuple):
-            return model
-        return load_checkpoint(model, dtype=dtype, device=device, backend=backend)
+            return check_built(model[0], quantization, "a model"), model[1]
+        return load_checkpoint(model, dtype=dtype, device=device, backend=backend, quantization=quantization)
 
     @staticmethod
     def _kv_budget(kv_cache_gib: float | None, utilization: float, device: torch.device) -> int:
@@ -398,6 +405,16 @@ class _Call:
             text, self.text_sent[i] = full[self.text_sent[i] : end], max(self.text_sent[i], end)
         self.events.append(StreamEvent(i, new_ids, finished, logprobs, text, s.finish_reason if finished else None,
                                        s.error if finished else None, out.drafted, out.num_accepted))
+
+
+def check_built(model, quantization: str | None, what: str):
+    """A model passed already built: it must carry the quantization asked for (never applied in place)."""
+    have = getattr(model, "quantization", None)
+    if quantization is not None and have != quantization:
+        raise ValueError(f"quantization={quantization!r} but {what} was passed already built with "
+                         f"{have or 'full-precision'} weights: load it with quantization={quantization!r} "
+                         "(load_checkpoint, quant.quantize_model) or pass its path")
+    return model
 
 
 def output_text(s: Sequence, tokenizer: Tokenizer) -> str:

@@ -117,8 +117,14 @@ def load_checkpoint(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     backend: AttentionBackend | str | None = None,
+    quantization: str | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """Load (model, tokenizer) from an HF directory or a .gguf file."""
+    """Load (model, tokenizer) from an HF directory or a .gguf file. quantization="int8": every
+    linear layer's weight in int8 with dynamic per-row activation scales (quant.py); a GGUF's
+    tensors (Q8_0, Q4_1, ...) go from the file to int8 in memory, nothing is written to disk."""
+    from .quant import check_quantization, quantize_model
+
+    check_quantization(quantization)
     path = Path(path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not isinstance(backend, AttentionBackend):
@@ -139,4 +145,5 @@ def load_checkpoint(
     cfg = ModelConfig.from_hf(hf_config)
     cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))  # every declared end
     model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend)
-    return model, tokenizer
+    del state  # the full-precision tensors: freed before the int8 copies are made
+    return quantize_model(model, quantization), tokenizer

@@ -182,6 +182,15 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the embedding's; linear weights may be int8, see quant.py)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     @torch.inference_mode()
     def forward(
         self,

@@ -34,7 +34,7 @@ class ModelRunner:
         """model: a `Transformer`, or a feature drafter's `EagleModel` (same call signature)."""
         self.model = model
         self.cache = cache
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.max_positions = model.cfg.max_position_embeddings
         self.static = None  # graphs.StaticShapes once `use_static_shapes` is called
 

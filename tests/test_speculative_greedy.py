@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minispec import LLM, SamplingParams, load_checkpoint
+from minispec import LLM, SamplingParams, load_checkpoint, quantize_model
 from minispec.eagle import load_eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
@@ -29,12 +29,15 @@ ADAPTIVE_THRESHOLD = 0.005  # tiny_llama_draft's confidences straddle it: draft 
 EAGLE_THRESHOLD = 0.01  # the same for conftest's tiny_llama_eagle (its draft vocabulary: 160 tokens)
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle):
-    """(target, tokenizer), (draft, tokenizer), the EAGLE head, loaded once; LLMs are built from them."""
-    target, tok = load_checkpoint(tiny_llama, dtype="float32")
-    draft, draft_tok = load_checkpoint(tiny_llama_draft, dtype="float32")
-    return (target, tok), (draft, draft_tok), load_eagle(tiny_llama_eagle, target)
+@pytest.fixture(scope="module", params=[None, "int8"])
+def pair(request, tiny_llama, tiny_llama_draft, tiny_llama_eagle):
+    """(target, tokenizer), (draft, tokenizer), the EAGLE head, loaded once; LLMs are built from them.
+    Twice: fp32 weights, and int8 weights with per-row activation scales (quant.py) for all three,
+    where exactness is with respect to the int8 target."""
+    quantization = request.param
+    target, tok = load_checkpoint(tiny_llama, dtype="float32", quantization=quantization)
+    draft, draft_tok = load_checkpoint(tiny_llama_draft, dtype="float32", quantization=quantization)
+    return (target, tok), (draft, draft_tok), quantize_model(load_eagle(tiny_llama_eagle, target), quantization)
 
 
 @pytest.fixture(scope="module")

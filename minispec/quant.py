@@ -1,0 +1,165 @@
+"""Int8 weights with dynamic per-row activation scales (W8A8), for target and draft alike.
+
+`quantize_model(model)` replaces every `Linear` of a built model (the target, a draft model or an
+EAGLE head) with an `Int8Linear`; embeddings and norms stay in the compute dtype. The quantized
+model is a different model from the fp32 one: speculative decoding stays exact with respect to
+the model actually run (the verified output is the quantized target's).
+
+The math of one layer, y = x W^T + b with x [M, in], W [out, in]:
+  weights, per output channel j (symmetric int8):
+      w_scale_j = max_k |W_jk| / 127,    Wq_jk = round(W_jk / w_scale_j) in [-127, 127]
+  activations, per row r (dynamic, computed every call from that row alone):
+      s_r = max_k |x_rk|,  u_rk = x_rk / s_r in [-1, 1]
+      xq_rk = round(u_rk / STEP) in [-64, 64],  STEP = 2/127  (rounded half to even)
+  y_rj = s_r * STEP * w_scale_j * sum_k xq_rk * Wq_jk  + b_j
+So each row's result depends on that row only: a k+1-row verification scores every token exactly
+as a one-row decode would, and batch composition cannot change an output. A per-TENSOR activation
+scale (what PyTorch's dynamic quantized linear computes) would break both; see `_fbgemm_linear`
+for how that kernel is made to run the per-row scheme.
+
+Activations take 129 levels (about 7 bits, not 8): on x86 CPUs without VNNI the int8 kernels add
+pairs of u8 x s8 products in saturating 16-bit lanes, and |xq| <= 64 (stored as xq + 64 <= 128)
+keeps that sum exact: 2 * 128 * 127 < 2^15 (PyTorch's `reduce_range`). Accuracy against the fp32 model is measured by `scripts/quant_accuracy.py`
+(figures in the README).
+
+Two implementations of that one definition:
+* CPU: PyTorch's quantized linear (`torch.ops.quantized.linear_dynamic`, the fbgemm / x86 engine):
+  int8 GEMM, flat in M for the few rows of a decode or verification. Measured on a 2-core Zen 3
+  (AVX2) against fp32 for the 49152 x 576 head: 1.5 vs 10.1 ms at M = 1, 4.1 vs 30 at M = 5.
+  (torchao 0.18's int8 configs and `aten._weight_int8pack_mm` were slower than fp32 there.)
+* Elsewhere (CUDA, or a CPU build without that engine): `int8_linear_reference`, dequantize in the
+  matmul; the integer sums are exact in fp32, so it computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend
+from .model import Linear
+
+QUANTIZATIONS = ("int8",)
+STEP = 2 / 127  # activation grid step, in units of the row's max |x|
+TINY = 1e-30  # an all-zero row quantizes to zeros whatever its scale
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {', '.join(map(repr, QUANTIZATIONS))}, got {quantization!r}")
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] (any float dtype) -> (int8 [out, in], fp32 scale [out]), symmetric per
+    output channel: weight ~= qweight * scale[:, None]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127  # [out]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zeros
+    qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
+    return qweight, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, in] -> (xq: fp32 integers in [-64, 64] [M, in], row scale s [M, 1])."""
+    s = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(TINY)  # [M, 1]
+    xq = torch.round(x.float() / s / STEP)  # [M, in]
+    return xq, s
+
+
+def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch twin: x [M, in] -> fp32 [M, out] by the math in the module docstring. Integer
+    sums up to 64 * 127 * in stay below 2^24 for in <= 2064, so the fp32 matmul is exact there."""
+    xq, s = quantize_rows(x)  # [M, in], [M, 1]
+    acc = xq @ qweight.t().float()  # [M, out]: integer-valued
+    y = acc * (s * STEP) * scale  # [M, out]
+    return y if bias is None else y + bias.float()
+
+
+def fbgemm_available(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.quantized.engine in ("x86", "fbgemm")
+
+
+class Int8Linear(nn.Module):
+    """A `Linear` with int8 weights (see the module docstring); forward(x [..., in]) -> [..., out]
+    in x's dtype. Buffers: qweight int8 [out, in], scale fp32 [out], bias (compute dtype) or None."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+        self._packed = None  # the CPU kernel's packed weight, built on first use on CPU
+        self._bounds: dict[int, torch.Tensor] = {}  # rows -> [rows, 2] constant columns (see _fbgemm_linear)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        qweight, scale = quantize_weight(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(qweight, scale, None if bias is None else bias.float())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 W8A8 per-row"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, in]
+        if fbgemm_available(x.device):
+            y = self._fbgemm_linear(x2)
+        else:
+            y = int8_linear_reference(x2, self.qweight, self.scale, self.bias)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _fbgemm_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """PyTorch's dynamic quantized linear picks ONE activation scale for the whole [M, in]
+        input, from its min and max. Made per-row: each row is divided by its own max |x| (so it
+        lies in [-1, 1]) and two constant columns, +1 and -1, are appended (their weights are
+        zero), so every call's min and max are exactly -1 and +1 whatever the other rows hold:
+        the kernel's scale is always STEP (its zero point 64). The row's scale is multiplied
+        back afterwards. x [M, in] -> fp32 [M, out]."""
+        if self._packed is None:
+            self._packed = self._pack()
+        rows = x.shape[0]
+        bounds = self._bounds.get(rows)
+        if bounds is None:  # [rows, 2] of (+1, -1), kept per row count (a handful: decode, verify, prefill chunks)
+            bounds = self._bounds[rows] = torch.tensor([1.0, -1.0]).expand(rows, 2)
+        s = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True).clamp_min_(TINY)  # [M, 1] max |x|
+        u = torch.cat((x.float() / s, bounds), dim=-1)  # [M, in + 2]
+        y = torch.ops.quantized.linear_dynamic(u, self._packed, True).mul_(s)  # [M, out]; reduce_range: |xq| <= 64
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _pack(self):
+        """The fbgemm weight: qweight with two zero columns appended, per-channel scales."""
+        padded = F.pad(self.qweight, (0, 2)).float()  # [out, in + 2]
+        with warnings.catch_warnings():  # quantized-tensor constructors warn that they are deprecated
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch.quantize_per_channel(padded * self.scale[:, None], self.scale.double(),
+                                            torch.zeros(self.out_features, dtype=torch.long), 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(qw, None)
+
+    def _apply(self, fn, recurse=True):
+        self._packed, self._bounds = None, {}  # moved or cast: pack again from the buffers
+        return super()._apply(fn, recurse)
+
+
+def quantize_model(model: nn.Module, quantization: str | None = "int8") -> nn.Module:
+    """Replace every `Linear` in `model` (in place) with its `Int8Linear`; returns model. A tied
+    lm_head gets its own int8 copy; the embedding it was tied to stays as it is."""
+    check_quantization(quantization)
+    if quantization is None:
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                setattr(parent, name, Int8Linear.from_linear(child).to(child.weight.device))
+    if getattr(model, "backend", None) is not None and model.backend.name == "torch":
+        # Quantized activations turn 1-ulp differences between batch shapes into whole int8
+        # steps; this backend has none (see invariant_attention.py).
+        model.backend = AttentionBackend("invariant")
+    model.quantization = quantization
+    return model
