@@ -4,6 +4,7 @@
     python bench.py --quick         # a small check, well under a minute on CPU
     python bench.py --full          # the whole sweep (every k, every drafter, more rounds)
     python bench.py --kernels       # Triton kernel throughput vs PyTorch SDPA (GPU)
+    python bench.py --quantization int8   # every row also with int8 weights, in the same rounds
 
 How a speedup is measured (paired rounds). Shared machines drift by tens of percent within
 minutes, so rows timed one after another cannot be compared. Instead, for each (mode, batch size)
@@ -23,6 +24,10 @@ step (bonus included), the measured cost of a target step of the row over a base
 decode step (`draft`), and the speedup Leviathan et al. (2023, eq. 1 and Thm 3.8) predict from the
 measured acceptance rate a and cost ratio c:
     E[tokens per step] = (1 - a^(k+1)) / (1 - a),  predicted speedup = E / (k c + 1).
+With --quantization int8, each row is also run with int8 target and draft weights (quant.py), in
+the same rounds and against the same baseline (the bench's dtype, plain decoding); those rows'
+`verify` and `draft` costs are in units of a plain decode step with int8 weights, and their greedy
+outputs are checked against plain decoding with int8 weights, bit for bit.
 Peers (`transformers` generate, assistant_model, prompt lookup; vLLM on GPU) run in the same
 paired rounds of the greedy batch-1 group, against the same baseline, where installed.
 
@@ -125,6 +130,7 @@ class Row:
     predicted_speedup: float | None = None
     peak_mem_mib: float | None = None  # not measured for peers
     note: str = ""
+    weights: str = ""  # the target's (and draft's) weights: float32 | bfloat16 | float16 | int8 (see --quantization)
 
     @property
     def distinguishable(self) -> bool:
@@ -139,6 +145,7 @@ class Arm:
     drafter: str
     k: int
     run: Callable[[list[list[int]]], Run]
+    weights: str | None = None  # a quantization (None: the bench's dtype)
     runs: list[Run] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
 
@@ -183,8 +190,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, device, warmup: list[int]) -> Arm:
-    """An LLM around the preloaded models, warmed up once; its `run` generates one round's prompts."""
+def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, device, warmup: list[int],
+                 quantization: str | None = None) -> Arm:
+    """An LLM around the preloaded models, warmed up once; its `run` generates one round's prompts.
+    quantization: the preloaded models were loaded with it (and an EAGLE head is loaded with it)."""
     from minispec import LLM
 
     llm = LLM(
@@ -195,6 +204,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
         kv_cache_gib=args.kv_cache_gib,
         page_size=16,
         draft_confidence_threshold=args.confidence if drafter == "adaptive" else None,
+        quantization=quantization,
     )
 
     def run(prompts: list[list[int]]) -> Run:
@@ -206,8 +216,10 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
 
     name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}", "eagle": f"eagle k={k}",
             "adaptive": f"draft k<={k} conf{args.confidence:g}"}[drafter]
+    if quantization:
+        name = f"{quantization} {name}"
     llm.generate(warmup, dataclasses.replace(params, max_tokens=min(4, params.max_tokens)))
-    return Arm(name, drafter, k, run)
+    return Arm(name, drafter, k, run, weights=quantization)
 
 
 def sync(device: torch.device) -> None:
@@ -291,6 +303,11 @@ def run_vllm(target_dir, draft_dir, prompts, params, device) -> list[Row]:
 # ---------------------------------------------------------------------------------------------
 
 
+def step_time(arm: Arm) -> float:
+    """One request's share of a plain decode step of `arm` (the unit of the verify and draft costs)."""
+    return sum(r.metrics.target_s for r in arm.runs) / max(sum(r.metrics.num_steps for r in arm.runs), 1)
+
+
 def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[int]]], label: str,
                   progress: bool) -> None:
     """Round r: baseline, the arms (order rotated by r), baseline; each arm's ratio is its tok/s
@@ -319,9 +336,10 @@ def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[
                 arm.ratios.append(run.tokens / run.wall_s / base_tok_s)
 
 
-def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device) -> Row:
-    """A row from an arm's runs: totals over all rounds, the median ratio and its interval."""
-    row = Row(arm.name, arm.drafter, mode, batch, arm.k, rounds=len(arm.ratios))
+def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device, dtype: torch.dtype) -> Row:
+    """A row from an arm's runs: totals over all rounds, the median ratio and its interval.
+    base_step_s: a plain decode step's time with the row's own weights (the unit of verify / draft)."""
+    row = Row(arm.name, arm.drafter, mode, batch, arm.k, rounds=len(arm.ratios), weights=arm.weights or dtype_name(dtype))
     row.tokens = sum(r.tokens for r in arm.runs)
     wall = sum(r.wall_s for r in arm.runs)
     row.tok_s = row.tokens / wall if wall else 0.0
@@ -381,7 +399,7 @@ def greedy_divergences(baseline: Arm, arms: list[Arm], prompt_slices) -> set[tup
         if arm.drafter == "peer":
             continue
         for r, (prompts, run) in enumerate(zip(prompt_slices, arm.runs)):
-            base = baseline.runs[2 * r]
+            base = baseline.runs[r * len(baseline.runs) // len(prompt_slices)]  # the paired baseline: 2 runs a round
             for prompt, a, b in zip(prompts, base.outputs, run.outputs):
                 j = first_divergence(a, b)
                 if j is not None:
@@ -453,8 +471,9 @@ def print_table(rows: list[Row]) -> None:
     print("-" * len(head))
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        ci = f"[{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]" if r.speedup_ci and r.drafter != "none" else "-"
-        mark = "" if r.drafter == "none" or r.speedup_ci is None else ("" if r.distinguishable else "~1")
+        baseline = r.drafter == "none" and all(x == 1.0 for x in r.ratios)
+        ci = f"[{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]" if r.speedup_ci and not baseline else "-"
+        mark = "" if baseline or r.speedup_ci is None else ("" if r.distinguishable else "~1")
         print(f"{r.name:<22} {r.mode:<7} {r.batch:>3} {fmt(r.speedup, '.2f') + ('x' if r.speedup else ''):>8} "
               f"{ci:>13} {mark:>2} {r.tok_s:>7.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
               f"{fmt(r.verify_cost, '.2f'):>6} {fmt(r.draft_cost, '.3f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
@@ -575,6 +594,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="weights and activations (auto: bfloat16 on GPU; on CPU whichever of float32 and bfloat16 "
                          "decodes and verifies faster, timed at start)")
+    ap.add_argument("--quantization", choices=["int8"],
+                    help="also run every row with int8 weights (target and draft; quant.py) in the same paired rounds, "
+                         "against the same baseline")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV budget of each LLM built (target and draft together)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
     ap.add_argument("--no-plots", action="store_true")
@@ -656,6 +678,10 @@ def main(argv=None) -> dict:
         log(dtype_note)
     log(f"device={device} dtype={dtype_name(dtype)} target={target_path} draft={draft_path}")
     draft = load_checkpoint(draft_path, dtype=dtype) if {"draft", "adaptive"} & set(p["drafters"]) else None
+    quantized = None  # (target, draft) with quantized weights, fp32 everywhere else
+    if args.quantization:
+        quantized = (load_checkpoint(target_path, dtype=torch.float32, quantization=args.quantization),
+                     draft and load_checkpoint(draft_path, dtype=torch.float32, quantization=args.quantization))
     if "eagle" in p["drafters"]:
         from minispec.eagle import is_eagle_checkpoint
 
@@ -673,6 +699,7 @@ def main(argv=None) -> dict:
     }
     rows: list[Row] = []
     divergences: set[tuple] = set()
+    quantized_divergences: set[tuple] = set()
     peer_rows: list[Row] = []
     for mode, bs in p["groups"]:
         params = modes[mode]
@@ -682,6 +709,9 @@ def main(argv=None) -> dict:
         specs = [(d, k) for d in p["drafters"] for k in
                  {"draft": p["ks"], "eagle": p["eagle_ks"], "adaptive": [args.adaptive_k], "ngram": [args.ngram_k]}[d]]
         arms = [minispec_arm(target, draft, d, k, params, bs, args, device, prompts[0]) for d, k in specs]
+        q_arms = [minispec_arm(*quantized, d, k, params, bs, args, device, prompts[0], args.quantization)
+                  for d, k in [("none", 0)] + specs] if quantized else []
+        arms += q_arms
         if mode == "greedy" and bs == 1 and not args.no_peers:
             hf, peer_rows = hf_arms(target_path, draft_path if draft is not None else None, params, dtype, device,
                                     prompts[0], p["all_peers"])
@@ -690,11 +720,15 @@ def main(argv=None) -> dict:
         paired_rounds(baseline, arms, slices, f"{mode} bs={bs}", progress)
         log(f"{mode}, batch {bs}: {len(arms)} arms x {p['rounds']} rounds in {time.perf_counter() - t0:.1f}s")
         # One request's share of a baseline decode step: the unit of the verify and draft costs.
-        base_step_s = sum(r.metrics.target_s for r in baseline.runs) / max(sum(r.metrics.num_steps for r in baseline.runs), 1)
-        rows.append(summarize(baseline, mode, bs, base_step_s, device))
-        rows += [summarize(arm, mode, bs, base_step_s, device) for arm in arms]
-        if mode == "greedy":
-            divergences |= greedy_divergences(baseline, arms, slices)
+        base_step_s = step_time(baseline)
+        # Quantized rows' verify / draft costs are in units of a quantized plain decode step.
+        q_step_s = step_time(q_arms[0]) if q_arms else None
+        rows.append(summarize(baseline, mode, bs, base_step_s, device, dtype))
+        rows += [summarize(arm, mode, bs, q_step_s if arm.weights else base_step_s, device, dtype) for arm in arms]
+        if mode == "greedy":  # each speculative arm against plain decoding with the same weights
+            divergences |= greedy_divergences(baseline, [a for a in arms if not a.weights], slices)
+            if q_arms:
+                quantized_divergences |= greedy_divergences(q_arms[0], q_arms[1:], slices)
     if not args.no_peers:  # (says "skipped" on CPU)
         peer_rows += run_vllm(target_path, draft_path, prompts, modes["greedy"], device)
     rows += peer_rows
@@ -702,6 +736,15 @@ def main(argv=None) -> dict:
     index = {tuple(x): i for i, x in enumerate(prompts)}
     indexed = {(index[pr], j, a, b, prefix) for pr, j, a, b, prefix in divergences}
     ties, mismatches = check_divergences(target[0], prompts, indexed, TIE_TOLERANCE[dtype])
+    correctness = correctness_line(ties, mismatches, dtype) if "greedy" in p["modes"] else "correctness: (greedy mode not run)"
+    if quantized and "greedy" in p["modes"]:
+        # A quantized model is batch-invariant bit for bit (quant.py, invariant_attention.py): no ties allowed.
+        indexed = {(index[pr], j, a, b, prefix) for pr, j, a, b, prefix in quantized_divergences}
+        q_ties, q_mismatches = check_divergences(quantized[0][0], prompts, indexed, 0.0)
+        mismatches += q_mismatches + q_ties
+        correctness += f"; with {args.quantization} weights: " + (
+            "identical" if not indexed else "DIFFERED for prompts " + ", ".join(
+                f"{i} (token {j}, logit gap {g:.3g})" for i, j, g in q_mismatches + q_ties))
     title = f"{target_path.name} + {draft_path.name}, {device.type}, {dtype_name(dtype)}"
     bench_time = f"{time.perf_counter() - START:.0f} s in all"
     print()
@@ -713,7 +756,6 @@ def main(argv=None) -> dict:
     print("speedup: median over rounds of (row tok/s / the round's baseline tok/s), exact 95% interval for the "
           "median; ~1: the interval contains 1 (not distinguishable from plain decoding)")
     print_table(rows)
-    correctness = correctness_line(ties, mismatches, dtype) if "greedy" in p["modes"] else "correctness: (greedy mode not run)"
     print(correctness)
     result = {
         "device": str(device),

@@ -1,0 +1,185 @@
+"""Int8 weights with dynamic per-row activation scales (minispec/quant.py) and the batch-invariant
+attention a quantized model runs with (minispec/invariant_attention.py).
+
+Invariants taught here:
+* the CPU kernel path computes the module's stated math (its torch twin) and each output row
+  depends on that row alone, bit for bit, whatever else is in the call;
+* so does attention with the invariant backend (a row alone == the row in any batch);
+* a quantized model's logits for a token do not depend on how the engine batches it;
+* loading: int8 from a GGUF (in memory) equals int8 from the same weights in fp32; built models
+  are never quantized behind the caller's back; bad input is refused by name.
+Greedy identity and the seeded-sampling batch invariance with int8 models run in
+test_speculative_greedy.py (its fixture runs every test with fp32 and with int8 weights), and the
+statistical exactness test with int8 models in test_speculative_statistical.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint, quantize_model
+from minispec.invariant_attention import invariant_attention
+from minispec.model import Linear
+from minispec.quant import STEP, Int8Linear, fbgemm_available, int8_linear_reference, quantize_weight
+from minispec_kernels.reference import masked_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FIXED = settings(derandomize=True, deadline=None, max_examples=30, suppress_health_check=list(HealthCheck))
+needs_fbgemm = pytest.mark.skipif(not fbgemm_available(torch.device("cpu")), reason="no fbgemm/x86 quantized engine")
+
+
+def layer(out_features: int, in_features: int, bias: bool, seed: int = 0) -> tuple[Linear, Int8Linear]:
+    torch.manual_seed(seed)
+    lin = Linear(in_features, out_features, bias=bias)
+    return lin, Int8Linear.from_linear(lin)
+
+
+def test_weights_are_symmetric_int8_per_output_channel():
+    w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -3.0]])
+    qweight, scale = quantize_weight(w)
+    assert qweight.dtype == torch.int8 and qweight.abs().max() == 127
+    torch.testing.assert_close(scale, torch.tensor([1.0 / 127, 1.0, 3.0 / 127]))  # an all-zero row: scale 1
+    assert qweight[1].eq(0).all()
+    assert (qweight.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-7  # rounding error <= half a step
+
+
+@needs_fbgemm
+@FIXED
+@given(rows=st.integers(1, 40), out_in=st.sampled_from([(48, 32), (32, 96), (200, 64)]), bias=st.booleans(),
+       spread=st.floats(0.01, 100.0), seed=st.integers(0, 10**6))
+def test_kernel_path_computes_the_twins_math(rows, out_in, bias, spread, seed):
+    """fbgemm (the CPU path) vs int8_linear_reference: equal up to float rounding of the scales
+    (and, rarely, a rounding tie of one activation: at most one grid step of one input)."""
+    lin, q = layer(*out_in, bias, seed % 7)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, out_in[1], generator=g) * spread * torch.rand(rows, 1, generator=g)
+    got, want = q(x), int8_linear_reference(x, q.qweight, q.scale, q.bias)
+    one_step = x.abs().amax(-1, keepdim=True) * STEP * (q.qweight.abs().float() * q.scale[:, None]).amax(-1)  # [rows, out]
+    assert ((got - want).abs() <= one_step + 1e-5 * want.abs() + 1e-6).all()
+    assert (got - lin(x)).abs().max() < 0.05 * lin(x).abs().max() + 1e-6  # and close to the fp32 layer
+
+
+@needs_fbgemm
+@FIXED
+@given(rows=st.integers(2, 40), seed=st.integers(0, 10**6))
+def test_each_output_row_depends_on_its_own_input_row_only(rows, seed):
+    """Bit for bit: a row computed alone == the same row among others (a per-tensor activation
+    scale, which the kernel uses natively, fails this: see the mutant test below)."""
+    _, q = layer(96, 64, True)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 64, generator=g) * torch.rand(rows, 1, generator=g) * 50
+    together = q(x)
+    for i in range(rows):
+        assert torch.equal(q(x[i : i + 1])[0], together[i])
+
+
+@needs_fbgemm
+def test_a_per_tensor_activation_scale_would_mix_rows():
+    """Power of the test above: the kernel called as PyTorch ships it (one scale per call)
+    changes a small row's result when a large row joins it."""
+    _, q = layer(96, 64, False)
+    q(torch.zeros(1, 64))  # packs
+    x = torch.randn(2, 64)
+    x[1] *= 1000
+    per_tensor = lambda rows: torch.ops.quantized.linear_dynamic(  # noqa: E731
+        torch.cat((rows, torch.zeros(len(rows), 2)), -1), q._packed, True)
+    assert not torch.equal(per_tensor(x[:1])[0], per_tensor(x)[0])
+    assert torch.equal(q(x[:1])[0], q(x)[0])
+
+
+@FIXED
+@given(num_rows=st.integers(1, 12), group=st.sampled_from([1, 3]), window=st.sampled_from([None, 5]),
+       seed=st.integers(0, 10**6))
+def test_invariant_attention_is_attention_and_is_batch_invariant(num_rows, group, window, seed):
+    """Each row equals masked softmax attention over its own keys (to fp32 rounding) and is bit
+    for bit the same computed alone, with other rows, or from differently aligned memory."""
+    g = torch.Generator().manual_seed(seed)
+    num_kv, D, S = 2, 16, 80
+    k_pool, v_pool = torch.randn(S, num_kv, D, generator=g), torch.randn(S, num_kv, D, generator=g)
+    q = torch.randn(num_rows, num_kv * group, D, generator=g)
+    positions = torch.randint(0, 70, (num_rows,), generator=g)
+    starts = torch.randint(0, S - 70, (num_rows,), generator=g)
+    slots = starts[:, None] + torch.arange(96)  # [rows, Lmax]: row r's key j at slot start_r + j
+    slots = slots.clamp(max=S - 1)
+    out = invariant_attention(q, k_pool, v_pool, slots, positions, 0.3, window)
+    for r in range(num_rows):
+        p, s = positions[r].item(), starts[r].item()
+        want = masked_attention(q[r : r + 1], k_pool[s : s + p + 1], v_pool[s : s + p + 1], torch.tensor([p]),
+                                group=group, sm_scale=0.3, sliding_window=window)
+        torch.testing.assert_close(out[r], want[0], rtol=1e-5, atol=1e-5)
+        shifted = torch.empty(1, q.shape[1], D + 1)[:, :, 1:]  # another alignment
+        shifted.copy_(q[r : r + 1])
+        alone = invariant_attention(shifted.contiguous(), k_pool, v_pool, slots[r : r + 1].clone(), positions[r : r + 1].clone(), 0.3, window)
+        assert torch.equal(alone[0], out[r])
+
+
+@pytest.fixture(scope="module")
+def int8_target(tiny_llama):
+    return load_checkpoint(tiny_llama, dtype="float32", quantization="int8")
+
+
+def test_quantized_model_switches_to_the_invariant_backend_and_keeps_its_embedding(tiny_llama, int8_target):
+    fp32, _ = load_checkpoint(tiny_llama, dtype="float32")
+    model, _ = int8_target
+    assert model.backend.name == "invariant" and model.quantization == "int8"
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    assert all(isinstance(m, Int8Linear) for m in (model.lm_head, model.layers[0].mlp.down_proj))
+    assert torch.equal(model.embed_tokens.weight, fp32.embed_tokens.weight) and model.dtype == torch.float32
+    ids = torch.arange(5, 30)
+    meta = lambda: BatchMetadata.for_prompts([len(ids)])  # noqa: E731
+    close = torch.nn.functional.cosine_similarity(model(ids, meta()), fp32(ids, meta()), dim=-1)
+    assert close.min() > 0.95  # int8 is a different model, but near the fp32 one
+
+
+def test_a_tokens_logits_do_not_depend_on_how_it_is_batched(int8_target):
+    """Prefill of a whole prompt, of a prompt batched with another, and plain decoding through
+    the engine (1-row steps): the logits at each position are bitwise equal."""
+    model, tok = int8_target
+    prompt, other = list(range(3, 40)), list(range(50, 61))
+    alone = model(torch.tensor(prompt), BatchMetadata.for_prompts([len(prompt)]))  # [L, V]
+    both = model(torch.tensor(other + prompt), BatchMetadata.for_prompts([len(other), len(prompt)]))
+    assert torch.equal(both[len(other):], alone)
+    llm = LLM((model, tok), kv_cache_gib=0.01, page_size=8, quantization="int8")
+    out = llm.generate([prompt[:20]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))[0]
+    seq = prompt[:20] + out.token_ids
+    full = model(torch.tensor(seq), BatchMetadata.for_prompts([len(seq)])).log_softmax(-1)
+    for j, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp[token] == full[19 + j, token].item()
+
+
+def test_gguf_tensors_go_to_int8_in_memory_like_the_fp32_weights(tmp_path):
+    from gguf import GGMLQuantizationType
+    from tiny_gguf import random_hf_state, train_tokenizer, write_gguf
+
+    tokenizer = train_tokenizer()
+    state = random_hf_state("llama", tokenizer.get_vocab_size(), tied=True)
+    path = write_gguf(tmp_path / "q8.gguf", "llama", state, tokenizer, GGMLQuantizationType.Q8_0)
+    int8, _ = load_checkpoint(path, dtype="float32", quantization="int8")
+    fp32, _ = load_checkpoint(path, dtype="float32")
+    assert list(tmp_path.iterdir()) == [path]  # nothing written beside it
+    reference = quantize_model(fp32)
+    for name, buf in int8.named_buffers():
+        assert torch.equal(buf, dict(reference.named_buffers())[name]), name
+
+
+def test_built_models_are_never_quantized_in_place(tiny_llama, int8_target):
+    fp32 = load_checkpoint(tiny_llama, dtype="float32")
+    with pytest.raises(ValueError, match="already built with full-precision weights"):
+        LLM(fp32, quantization="int8", kv_cache_gib=0.01)
+    assert isinstance(fp32[0].lm_head, Linear)
+    with pytest.raises(ValueError, match="quantization must be None or one of 'int8', got 'int4'"):
+        LLM(str(tiny_llama), quantization="int4", kv_cache_gib=0.01)
+    LLM(int8_target, quantization="int8", kv_cache_gib=0.01)  # already int8: fine
+
+
+def test_quantized_target_and_draft_from_paths(tiny_llama, tiny_llama_draft):
+    llm = LLM(str(tiny_llama), draft_model=str(tiny_llama_draft), num_speculative_tokens=3, quantization="int8",
+              kv_cache_gib=0.01)
+    draft = llm.engine.drafter.runner.model
+    assert isinstance(draft.lm_head, Int8Linear) and isinstance(llm.engine.target.model.lm_head, Int8Linear)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(tiny_llama), quantization="int8", kv_cache_gib=0.01)
+    assert llm.generate(["w1 w2"], greedy)[0].token_ids == plain.generate(["w1 w2"], greedy)[0].token_ids
