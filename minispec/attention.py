@@ -87,7 +87,7 @@ class AttentionBackend:
     def _invariant(self, q, k, v, kv_cache, meta: BatchMetadata, sm_scale, sliding_window) -> torch.Tensor:
         """The batch-invariant backend (invariant_attention.py): over this forward's own K/V for a
         prefill, else over the page pool; the key slots are built once per forward."""
-        from .invariant_attention import invariant_attention, key_slots
+        from .invariant_attention import invariant_attention, invariant_plan
 
         if meta.is_prefill:
             pools, page_size = (k, v), None
@@ -95,9 +95,9 @@ class AttentionBackend:
             raise ValueError("a forward with cached context needs a KV cache")
         else:
             pools, page_size = (kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)), kv_cache[0].shape[1]
-        if meta.ref_plan is None:
-            meta.ref_plan = key_slots(meta, page_size)
-        return invariant_attention(q, *pools, meta.ref_plan, meta.positions, sm_scale, sliding_window)
+        if meta.ref_plan is None or meta.ref_plan.sliding_window != sliding_window:
+            meta.ref_plan = invariant_plan(meta, page_size, sliding_window)
+        return invariant_attention(q, *pools, meta.ref_plan, sm_scale)
 
     def __call__(
         self,

@@ -47,7 +47,16 @@ from .attention import AttentionBackend, BatchMetadata
 from .config import ModelConfig, rope_inv_freq
 from .drafters import drop_nonfinite, to_host
 from .loader import check_tensors, read_safetensors, resolve_dtype, use_cpu_fast_paths
-from .model import MLP, Attention, Linear, RMSNorm, Transformer, rope_tables
+from .model import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    Transformer,
+    checkpoint_state_dict,
+    fuse_projections,
+    rope_tables,
+)
 from .runner import Feed, ModelRunner
 from .sampling import sample, warp_probs
 from .sequence import Sequence
@@ -219,6 +228,7 @@ def build_eagle(cfg: EagleConfig, state: dict[str, torch.Tensor], target: Transf
     model = model.to(dtype)  # floating tensors only; d2t / t2d keep their types
     model.embed_weight = embedding.to(device=device, dtype=dtype)
     model.inv_freq = rope_inv_freq(cfg.layer).to(device)
+    fuse_projections(model)
     use_cpu_fast_paths(model, dtype, device)
     return model.eval()
 
@@ -278,7 +288,7 @@ def save_eagle(model: EagleModel, path: str | Path, dtype: torch.dtype = torch.b
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in checkpoint_state_dict(model).items()}
     save_file(state, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(hf_config(model.config, dtype), indent=2) + "\n")
 

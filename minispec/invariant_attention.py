@@ -25,6 +25,8 @@ products of R x Hq x L x D floats, chunked.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .attention import BatchMetadata
@@ -32,63 +34,80 @@ from .attention import BatchMetadata
 BUCKET = 32  # keys per row are padded to a multiple of this
 
 
-def invariant_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    key_slots: torch.Tensor,
-    positions: torch.Tensor,
-    sm_scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """q [T, Hq, D]; k_pool / v_pool [S, Hkv, D] (keys by slot); key_slots [T, Lmax] int64: slot of
-    key j of row t's sequence (j <= positions[t] are read); positions [T] (host-visible ints).
+@dataclass
+class Bucket:
+    """The rows of one forward whose keys are padded to the same length L."""
+
+    rows: torch.Tensor | None  # [R] row ids (None: all rows of the forward, in order)
+    slots: torch.Tensor  # [R, L] int64 slot of each key (masked keys: any valid slot)
+    visible: torch.Tensor  # [R, L] bool
+
+
+@dataclass
+class InvariantPlan:
+    """Everything but q and the pools, built once per forward and shared by its layers."""
+
+    buckets: list[Bucket]
+    sliding_window: int | None
+
+
+def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: int | None) -> InvariantPlan:
+    """Group the forward's rows by padded key count L = ceil((position + 1) / BUCKET) * BUCKET and
+    find their keys: page_size None (a prefill over the forward's own K/V): slot = the sequence's
+    first new row + j; else the page pool's slot through the block table."""
+    starts = meta.query_start_loc.long()  # [B+1]
+    counts = starts[1:] - starts[:-1]  # [B]
+    seq_of_row = torch.repeat_interleave(torch.arange(len(counts), device=starts.device), counts)  # [T]
+    positions = meta.positions.tolist()
+    lengths = [-(-(p + 1) // BUCKET) * BUCKET for p in positions]  # padded key count per row
+    buckets = []
+    for L in sorted(set(lengths)):
+        rows = None if len(set(lengths)) == 1 else torch.tensor([t for t, n in enumerate(lengths) if n == L], device=starts.device)
+        seqs = seq_of_row if rows is None else seq_of_row[rows]  # [R]
+        row_pos = (meta.positions if rows is None else meta.positions[rows])[:, None]  # [R, 1]
+        j = torch.arange(L, device=starts.device)  # [L]
+        visible = j <= row_pos  # [R, L]
+        if sliding_window is not None:
+            visible &= j > row_pos - sliding_window
+        if page_size is None:
+            slots = starts[seqs][:, None] + j  # [R, L]
+        else:
+            pages = meta.block_tables.long()[seqs]  # [R, max_pages]
+            slots = pages[:, (j // page_size).clamp(max=pages.shape[1] - 1)] * page_size + j % page_size  # [R, L]
+        buckets.append(Bucket(rows, torch.where(visible, slots, slots[:, :1]), visible))
+    return InvariantPlan(buckets, sliding_window)
+
+
+def invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: InvariantPlan,
+                        sm_scale: float) -> torch.Tensor:
+    """q [T, Hq, D]; k_pool / v_pool [S, Hkv, D] (keys by slot, as `plan` addresses them).
     Returns [T, Hq, D] in q's dtype: softmax(sm_scale q k^T + mask) v per row, fp32 inside."""
     T, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q)  # [T, Hq, D]
-    pos = positions.tolist()
-    lengths = [-(-(p + 1) // BUCKET) * BUCKET for p in pos]  # padded key count per row
-    for L in sorted(set(lengths)):
-        rows = [t for t in range(T) if lengths[t] == L]
-        rows_t = torch.tensor(rows, device=q.device)  # [R]
-        R = len(rows)
-        key_pos = torch.arange(L, device=q.device)  # [L]
-        row_pos = positions[rows_t][:, None]  # [R, 1]
-        visible = key_pos <= row_pos  # [R, L]
-        if sliding_window is not None:
-            visible &= key_pos > row_pos - sliding_window
-        slots = torch.where(visible, key_slots[rows_t, :L], key_slots[rows_t, :1])  # [R, L] (masked: any valid slot)
-        keys = k_pool[slots].float().transpose(1, 2)  # [R, Hkv, L, D]
-        values_t = v_pool[slots].float().permute(0, 2, 3, 1)  # [R, Hkv, D, L]
-        q_r = q[rows_t].float().view(R, num_kv_heads, group, head_dim)  # [R, Hkv, g, D]
-        for c in range(0, R, chunk_rows(L, num_q_heads, head_dim)):  # bounds the products' memory
-            rc = slice(c, min(c + chunk_rows(L, num_q_heads, head_dim), R))
+    out = torch.empty_like(q) if len(plan.buckets) > 1 else None  # [T, Hq, D]
+    for b in plan.buckets:
+        R, L = b.slots.shape
+        keys = k_pool[b.slots].float().transpose(1, 2)  # [R, Hkv, L, D]
+        values_t = v_pool[b.slots].float().permute(0, 2, 3, 1)  # [R, Hkv, D, L]
+        q_b = (q if b.rows is None else q[b.rows]).float().view(R, num_kv_heads, group, head_dim)  # [R, Hkv, g, D]
+        step = chunk_rows(L, num_q_heads, head_dim)
+        parts = []
+        for c in range(0, R, step):  # bounds the products' memory
+            rc = slice(c, c + step)
             # Dot products as multiply + sum over the last axis (D, then L): a fixed reduction per
             # output element, unlike a GEMM, whose rounding depends on the shapes and alignment.
-            scores = (q_r[rc, :, :, None, :] * keys[rc, :, None]).sum(-1).mul_(sm_scale)  # [r, Hkv, g, L]
-            scores.masked_fill_(~visible[rc, None, None, :], float("-inf"))
+            scores = (q_b[rc, :, :, None, :] * keys[rc, :, None]).sum(-1).mul_(sm_scale)  # [r, Hkv, g, L]
+            scores.masked_fill_(~b.visible[rc, None, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)  # [r, Hkv, g, L]
-            o = (probs[:, :, :, None, :] * values_t[rc, :, None]).sum(-1)  # [r, Hkv, g, D]
-            out[rows_t[rc]] = o.reshape(-1, num_q_heads, head_dim).to(q.dtype)  # [r, Hq, D]
+            parts.append((probs[:, :, :, None, :] * values_t[rc, :, None]).sum(-1))  # [r, Hkv, g, D]
+        o = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(R, num_q_heads, head_dim).to(q.dtype)  # [R, Hq, D]
+        if out is None:
+            return o
+        out[b.rows] = o
     return out
 
 
 def chunk_rows(L: int, num_q_heads: int, head_dim: int, budget: int = 1 << 22) -> int:
     """Rows per chunk so that one [rows, Hq, L, D] product holds at most `budget` floats."""
     return max(1, budget // (L * num_q_heads * head_dim))
-
-
-def key_slots(meta: BatchMetadata, page_size: int | None) -> torch.Tensor:
-    """[T, Lmax] int64: slot of key j for each new token's sequence. page_size None (a prefill
-    over the forward's own K/V): slot = the sequence's first new row + j; else the paged pool's
-    slot through the block table."""
-    starts = meta.query_start_loc.long()  # [B+1]
-    seq_of_row = torch.repeat_interleave(torch.arange(len(starts) - 1, device=starts.device), starts[1:] - starts[:-1])  # [T]
-    j = torch.arange(-(-meta.max_seq_len // BUCKET) * BUCKET, device=starts.device)  # [Lmax]
-    if page_size is None:
-        return starts[seq_of_row][:, None] + j.clamp(max=meta.max_seq_len - 1)  # [T, Lmax] (past the end: masked)
-    pages = meta.block_tables.long()[seq_of_row]  # [T, max_pages]
-    page_of_key = (j // page_size).clamp(max=pages.shape[1] - 1)  # [Lmax]
-    return pages[:, page_of_key] * page_size + j % page_size  # [T, Lmax]

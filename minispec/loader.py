@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from .attention import AttentionBackend
 from .config import DTYPES, ModelConfig, rope_inv_freq
-from .model import Transformer, set_cpu_matmul
+from .model import Transformer, fuse_projections, set_cpu_matmul
 from .tokenizer import Tokenizer
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -97,6 +97,7 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
+    fuse_projections(model)
     use_cpu_fast_paths(model, dtype, device)
     return model.eval()
 

@@ -107,8 +107,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def fused_linear(parts: list[Linear]) -> Linear:
+    """One Linear computing the given ones side by side: y = [y_1, y_2, ...] on the last axis."""
+    first = parts[0]
+    fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                   device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))  # [sum(out), in]
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    fused.weight_major_rows, fused.upcast_rows = first.weight_major_rows, first.upcast_rows
+    return fused
+
+
 class Attention(nn.Module):
-    """GQA attention; q/k/v read `in_features` (hidden_size unless given: the EAGLE layer's are 2x)."""
+    """GQA attention; q/k/v read `in_features` (hidden_size unless given: the EAGLE layer's are 2x).
+    q_proj / k_proj / v_proj as in HF checkpoints, or, after `fuse()`, one qkv_proj."""
 
     def __init__(self, cfg: ModelConfig, in_features: int | None = None):
         super().__init__()
@@ -119,6 +133,21 @@ class Attention(nn.Module):
         self.k_proj = Linear(width, hkv * d, bias=cfg.qkv_bias)
         self.v_proj = Linear(width, hkv * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj: Linear | None = None
+        self.qkv_sizes = [hq * d, hkv * d, hkv * d]
+
+    def fuse(self) -> None:
+        """q/k/v in one matmul (one weight [(Hq + 2 Hkv) D, in]) instead of three: on a CPU at one
+        to a few rows each matmul call costs far more than its arithmetic."""
+        if self.qkv_proj is None:
+            self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., in] -> q [..., Hq D], k [..., Hkv D], v [..., Hkv D] (views of one output if fused)."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
 
     def forward(
         self,
@@ -132,9 +161,10 @@ class Attention(nn.Module):
         """x: [T, in_features], cos / sin (signed, see apply_rope): [T, 1, head_dim] -> [T, hidden]."""
         cfg = self.cfg
         T = x.shape[0]
-        q = self.q_proj(x).view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        q, k, v = self.project(x)
+        q = q.view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim).contiguous()  # [T, Hkv, D] (a strided view when fused)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         out = backend(q, k, v, kv_cache, meta, cfg.head_dim**-0.5, cfg.sliding_window)  # [T, Hq, D]
@@ -142,16 +172,56 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate_proj / up_proj, or one gate_up_proj after `fuse()`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: Linear | None = None
+
+    def fuse(self) -> None:
+        """gate and up in one matmul (weight [2 I, hidden]); see Attention.fuse."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() under checkpoint (HF) names: fused projections split back into
+    q_proj / k_proj / v_proj and gate_proj / up_proj."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        owner_name, _, leaf = name.rpartition(".")  # "layers.0.self_attn.qkv_proj", "weight"
+        parent_name, _, kind = owner_name.rpartition(".")
+        prefix = parent_name + "." if parent_name else ""
+        if kind == "qkv_proj":
+            parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split(model.get_submodule(parent_name).qkv_sizes))
+        elif kind == "gate_up_proj":
+            parts = zip(("gate_proj", "up_proj"), tensor.chunk(2))
+        else:
+            state[name] = tensor
+            continue
+        for part, value in parts:
+            state[f"{prefix}{part}.{leaf}"] = value
+    return state
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Fuse q/k/v and gate/up of every layer in `model` (in place; returns it). Loaders do this
+    after loading a checkpoint under HF names; a fused model's state dict has the fused names."""
+    for module in model.modules():
+        if isinstance(module, (Attention, MLP)):
+            module.fuse()
+    return model
 
 
 class DecoderLayer(nn.Module):

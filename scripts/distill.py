@@ -142,9 +142,10 @@ def hidden_states(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
     for layer in model.layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(B, L, cfg.num_heads, cfg.head_dim)  # [B, L, Hq, D]
-        k = attn.k_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
-        v = attn.v_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
+        q, k, v = attn.project(h)
+        q = q.reshape(B, L, cfg.num_heads, cfg.head_dim)  # [B, L, Hq, D]
+        k = k.reshape(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
+        v = v.reshape(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
         q = apply_rope(q, cos, sin)  # [L, 1, D] broadcasts over [B, L, H, D]
         k = apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(

@@ -154,9 +154,10 @@ def unrolled_logits(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, s
         normed = layer.hidden_norm(feature)
         x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)  # [B, T, 2H]
         cos, sin = rope_tables(torch.arange(T) + i, model.inv_freq, x.dtype)  # [T, 1, D]
-        q = apply_rope(attn.q_proj(x).view(B, T, Hq, D), cos, sin).transpose(1, 2)  # [B, Hq, T, D]
-        k = apply_rope(attn.k_proj(x).view(B, T, Hkv, D), cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
-        v = attn.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+        q, k, v = attn.project(x)
+        q = apply_rope(q.reshape(B, T, Hq, D), cos, sin).transpose(1, 2)  # [B, Hq, T, D]
+        k = apply_rope(k.reshape(B, T, Hkv, D), cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.reshape(B, T, Hkv, D).transpose(1, 2)
         k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, T, D]
         keys.append(k)
         values.append(v)

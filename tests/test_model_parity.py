@@ -247,9 +247,9 @@ def test_the_checked_features_change_the_output(pair):
                 ours.inv_freq = rope_inv_freq(cfg)
             else:
                 for layer in ours.layers:
-                    for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                        biases.append((proj, proj.bias.detach().clone()))
-                        proj.bias.data.zero_()
+                    proj = layer.self_attn.qkv_proj  # the loader fused q/k/v
+                    biases.append((proj, proj.bias.detach().clone()))
+                    proj.bias.data.zero_()
             diff = (forward(ours, ids) - before).abs().max().item()
         finally:
             ours.inv_freq = saved.pop("inv_freq")

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint, quantize_model
-from minispec.invariant_attention import invariant_attention
+from minispec.invariant_attention import invariant_attention, invariant_plan
 from minispec.model import Linear
 from minispec.quant import STEP, Int8Linear, fbgemm_available, int8_linear_reference, quantize_weight
 from minispec_kernels.reference import masked_attention
@@ -91,29 +91,28 @@ def test_a_per_tensor_activation_scale_would_mix_rows():
 
 
 @FIXED
-@given(num_rows=st.integers(1, 12), group=st.sampled_from([1, 3]), window=st.sampled_from([None, 5]),
-       seed=st.integers(0, 10**6))
-def test_invariant_attention_is_attention_and_is_batch_invariant(num_rows, group, window, seed):
-    """Each row equals masked softmax attention over its own keys (to fp32 rounding) and is bit
-    for bit the same computed alone, with other rows, or from differently aligned memory."""
+@given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=4), group=st.sampled_from([1, 3]),
+       window=st.sampled_from([None, 5]), seed=st.integers(0, 10**6))
+def test_invariant_attention_is_attention_and_is_batch_invariant(lengths, group, window, seed):
+    """Each row equals masked softmax attention over its own keys (to fp32 rounding), and each
+    sequence's rows are bit for bit the same computed alone or batched with others (from
+    differently aligned memory, too)."""
     g = torch.Generator().manual_seed(seed)
-    num_kv, D, S = 2, 16, 80
-    k_pool, v_pool = torch.randn(S, num_kv, D, generator=g), torch.randn(S, num_kv, D, generator=g)
-    q = torch.randn(num_rows, num_kv * group, D, generator=g)
-    positions = torch.randint(0, 70, (num_rows,), generator=g)
-    starts = torch.randint(0, S - 70, (num_rows,), generator=g)
-    slots = starts[:, None] + torch.arange(96)  # [rows, Lmax]: row r's key j at slot start_r + j
-    slots = slots.clamp(max=S - 1)
-    out = invariant_attention(q, k_pool, v_pool, slots, positions, 0.3, window)
-    for r in range(num_rows):
-        p, s = positions[r].item(), starts[r].item()
-        want = masked_attention(q[r : r + 1], k_pool[s : s + p + 1], v_pool[s : s + p + 1], torch.tensor([p]),
-                                group=group, sm_scale=0.3, sliding_window=window)
-        torch.testing.assert_close(out[r], want[0], rtol=1e-5, atol=1e-5)
-        shifted = torch.empty(1, q.shape[1], D + 1)[:, :, 1:]  # another alignment
-        shifted.copy_(q[r : r + 1])
-        alone = invariant_attention(shifted.contiguous(), k_pool, v_pool, slots[r : r + 1].clone(), positions[r : r + 1].clone(), 0.3, window)
-        assert torch.equal(alone[0], out[r])
+    num_kv, D, T = 2, 16, sum(lengths)
+    q = torch.randn(T, num_kv * group, D, generator=g)
+    k, v = torch.randn(T, num_kv, D, generator=g), torch.randn(T, num_kv, D, generator=g)
+    out = invariant_attention(q, k, v, invariant_plan(BatchMetadata.for_prompts(lengths), None, window), 0.3)
+    start = 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        want = masked_attention(q[rows], k[rows], v[rows], torch.arange(n), group=group, sm_scale=0.3, sliding_window=window)
+        torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=1e-5)
+        shifted = torch.empty(n, q.shape[1], D + 1)[:, :, 1:]  # another alignment
+        shifted.copy_(q[rows])
+        alone = invariant_attention(shifted.contiguous(), k[rows].clone(), v[rows].clone(),
+                                    invariant_plan(BatchMetadata.for_prompts([n]), None, window), 0.3)
+        assert torch.equal(alone, out[rows])
+        start += n
 
 
 @pytest.fixture(scope="module")
