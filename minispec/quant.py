@@ -94,7 +94,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
-        self._packed = None  # the CPU kernel's packed weight, built on first use on CPU
+        self._packed = None  # the CPU kernel's packed weight, or False: the twin (decided on first use)
         self._bounds: dict[int, torch.Tensor] = {}  # rows -> [rows, 2] constant columns (see _fbgemm_linear)
 
     @classmethod
@@ -108,7 +108,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, in]
-        if fbgemm_available(x.device):
+        if self._packed is None:
+            self._packed = self._pack() if fbgemm_available(self.qweight.device) else False
+        if self._packed is not False:
             y = self._fbgemm_linear(x2)
         else:
             y = int8_linear_reference(x2, self.qweight, self.scale, self.bias)
@@ -122,14 +124,12 @@ class Int8Linear(nn.Module):
         zero), so every call's min and max are exactly -1 and +1 whatever the other rows hold:
         the kernel's scale is always STEP (its zero point 64). The row's scale is multiplied
         back afterwards. x [M, in] -> fp32 [M, out]."""
-        if self._packed is None:
-            self._packed = self._pack()
         rows = x.shape[0]
         bounds = self._bounds.get(rows)
         if bounds is None:  # [rows, 2] of (+1, -1), kept per row count (a handful: decode, verify, prefill chunks)
             bounds = self._bounds[rows] = torch.tensor([1.0, -1.0]).expand(rows, 2)
-        s = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True).clamp_min_(TINY)  # [M, 1] max |x|
-        u = torch.cat((x.float() / s, bounds), dim=-1)  # [M, in + 2]
+        s = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True, dtype=torch.float32).clamp_min_(TINY)  # [M, 1] max |x|
+        u = torch.cat((x / s, bounds), dim=-1)  # [M, in + 2] (fp32: s is)
         y = torch.ops.quantized.linear_dynamic(u, self._packed, True).mul_(s)  # [M, out]; reduce_range: |xq| <= 64
         return y if self.bias is None else y.add_(self.bias)
 
