@@ -124,6 +124,7 @@ def load_checkpoint(
     linear layer's weight in int8 with dynamic per-row activation scales (quant.py); a GGUF's
     tensors (Q8_0, Q4_1, ...) go from the file to int8 in memory, nothing is written to disk."""
     from .quant import check_quantization, quantize_model
+    from .smoothquant import CALIBRATION_TEXT
 
     check_quantization(quantization)
     path = Path(path)
@@ -147,4 +148,5 @@ def load_checkpoint(
     cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))  # every declared end
     model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend)
     del state  # the full-precision tensors: freed before the int8 copies are made
-    return quantize_model(model, quantization), tokenizer
+    calibration = [tokenizer.encode(CALIBRATION_TEXT)] if quantization else None
+    return quantize_model(model, quantization, calibration), tokenizer

@@ -1,7 +1,9 @@
 """Int8 weights with dynamic per-row activation scales (W8A8), for target and draft alike.
 
 `quantize_model(model)` replaces every `Linear` of a built model (the target, a draft model or an
-EAGLE head) with an `Int8Linear`; embeddings and norms stay in the compute dtype. The quantized
+EAGLE head) with an `Int8Linear`; embeddings and norms stay in the compute dtype. Loaded models
+are first smoothed (smoothquant.py: activation outliers moved into the weights, calibrated on a
+short built-in text); an EAGLE head is not (its fc reads the target's raw residual stream). The quantized
 model is a different model from the fp32 one: speculative decoding stays exact with respect to
 the model actually run (the verified output is the quantized target's).
 
@@ -41,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionBackend
-from .model import Linear
+from .model import Linear, Transformer
+from .smoothquant import smooth
 
 QUANTIZATIONS = ("int8",)
 STEP = 2 / 127  # activation grid step, in units of the row's max |x|
@@ -147,12 +150,17 @@ class Int8Linear(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def quantize_model(model: nn.Module, quantization: str | None = "int8") -> nn.Module:
+def quantize_model(model: nn.Module, quantization: str | None = "int8",
+                   calibration: list[list[int]] | None = None) -> nn.Module:
     """Replace every `Linear` in `model` (in place) with its `Int8Linear`; returns model. A tied
-    lm_head gets its own int8 copy; the embedding it was tied to stays as it is."""
+    lm_head gets its own int8 copy; the embedding it was tied to stays as it is.
+    calibration (token id sequences; a Transformer only): first fold SmoothQuant factors into the
+    weights (smoothquant.py), as the loaders do with `smoothquant.CALIBRATION_TEXT`."""
     check_quantization(quantization)
     if quantization is None:
         return model
+    if calibration is not None and isinstance(model, Transformer):
+        smooth(model, calibration)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
