@@ -30,7 +30,8 @@ Two implementations of that one definition:
   (AVX2) against fp32 for the 49152 x 576 head: 1.5 vs 10.1 ms at M = 1, 4.1 vs 30 at M = 5.
   (torchao 0.18's int8 configs and `aten._weight_int8pack_mm` were slower than fp32 there.)
 * Elsewhere (CUDA, or a CPU build without that engine): `int8_linear_reference`, dequantize in the
-  matmul; the integer sums are exact in fp32, so it computes the same numbers.
+  matmul; the integer sums are exact in fp32 (and in TF32: both factors have <= 8 significant
+  bits), so it computes the same numbers in any summation order, hence in any batch.
 """
 
 from __future__ import annotations
@@ -165,9 +166,10 @@ def quantize_model(model: nn.Module, quantization: str | None = "int8",
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
                 setattr(parent, name, Int8Linear.from_linear(child).to(child.weight.device))
-    if getattr(model, "backend", None) is not None and model.backend.name == "torch":
+    if getattr(model, "backend", None) is not None and model.backend.name != "invariant":
         # Quantized activations turn 1-ulp differences between batch shapes into whole int8
-        # steps; this backend has none (see invariant_attention.py).
+        # steps; this backend has none (see invariant_attention.py). On CUDA too: the Triton
+        # kernels pick tiles and splits by batch shape (correct and slower; unmeasured on a GPU).
         model.backend = AttentionBackend("invariant")
     model.quantization = quantization
     return model
