@@ -9,7 +9,7 @@ into the pool and attends. Nothing is global: the metadata is passed into every 
 Backend choice: `triton` on CUDA, `torch` elsewhere; `MINISPEC_BACKEND=triton|torch` or the
 `backend=` argument overrides it (tests run the Triton kernels on CPU under TRITON_INTERPRET=1).
 `invariant` (invariant_attention.py) computes each query row alone, bitwise the same in any
-batch: what a model with quantized activations needs (quant.py switches a torch backend to it).
+batch: what a model with quantized activations needs (quant.py switches any backend to it).
 """
 
 from __future__ import annotations
@@ -87,15 +87,22 @@ class AttentionBackend:
     def _invariant(self, q, k, v, kv_cache, meta: BatchMetadata, sm_scale, sliding_window) -> torch.Tensor:
         """The batch-invariant backend (invariant_attention.py): over this forward's own K/V for a
         prefill, else over the page pool; the key slots are built once per forward."""
-        from .invariant_attention import invariant_attention, invariant_plan
+        from .invariant_attention import (
+            InvariantPlan,
+            invariant_attention,
+            invariant_plan,
+        )
 
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the invariant attention backend cannot be captured in a CUDA graph (it plans in Python)")
         if meta.is_prefill:
             pools, page_size = (k, v), None
         elif kv_cache is None:
             raise ValueError("a forward with cached context needs a KV cache")
         else:
             pools, page_size = (kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)), kv_cache[0].shape[1]
-        if meta.ref_plan is None or meta.ref_plan.sliding_window != sliding_window:
+        plan = meta.ref_plan
+        if not isinstance(plan, InvariantPlan) or plan.sliding_window != sliding_window:
             meta.ref_plan = invariant_plan(meta, page_size, sliding_window)
         return invariant_attention(q, *pools, meta.ref_plan, sm_scale)
 

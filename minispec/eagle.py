@@ -286,6 +286,8 @@ def save_eagle(model: EagleModel, path: str | Path, dtype: torch.dtype = torch.b
     """Write config.json and model.safetensors (floating tensors in `dtype`; no embedding)."""
     from safetensors.torch import save_file
 
+    if getattr(model, "quantization", None) is not None:
+        raise ValueError("save_eagle writes the full-precision layout; this head is quantized (int8 buffers)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in checkpoint_state_dict(model).items()}

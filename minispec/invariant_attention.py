@@ -9,7 +9,9 @@ product). In fp32 that is ~1e-7 and greedy decoding does not notice. A model who
 are quantized (quant.py) does: a 1-ulp change can move a value across a rounding boundary of its
 int8 grid, which changes it by a whole step, and through 30 layers the logits move by up to ~1
 (measured on SmolLM2-135M: greedy speculative decoding parted from plain decoding at gaps of
-0.18-0.82). So an int8 target gets this backend (quant.quantize_model switches to it on CPU).
+0.18-0.82). So an int8 target gets this backend (quant.quantize_model switches to it, on any
+device: the Triton kernels choose tiles and splits by batch shape; on CUDA this path is correct,
+not fast, and has not been run on a GPU).
 
 How. Row r (query position p, context c = p + 1 keys) is computed with reductions whose length
 depends on c only: its keys are padded to L = c rounded up to a multiple of BUCKET (masked); its
@@ -89,7 +91,7 @@ def invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     for b in plan.buckets:
         R, L = b.slots.shape
         keys = k_pool[b.slots].float().transpose(1, 2)  # [R, Hkv, L, D]
-        values_t = v_pool[b.slots].float().permute(0, 2, 3, 1)  # [R, Hkv, D, L]
+        values_t = v_pool[b.slots].float().permute(0, 2, 3, 1).contiguous()  # [R, Hkv, D, L]: L innermost
         q_b = (q if b.rows is None else q[b.rows]).float().view(R, num_kv_heads, group, head_dim)  # [R, Hkv, g, D]
         step = chunk_rows(L, num_q_heads, head_dim)
         parts = []

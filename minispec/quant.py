@@ -31,7 +31,7 @@ Two implementations of that one definition:
   (torchao 0.18's int8 configs and `aten._weight_int8pack_mm` were slower than fp32 there.)
 * Elsewhere (CUDA, or a CPU build without that engine): `int8_linear_reference`, dequantize in the
   matmul; the integer sums are exact in fp32 (and in TF32: both factors have <= 8 significant
-  bits), so it computes the same numbers in any summation order, hence in any batch.
+  bits) in chunks of 2048 inputs, so it computes the same numbers in any batch.
 """
 
 from __future__ import annotations
@@ -74,12 +74,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, s
 
 
+EXACT_CHUNK = 2048  # |sum of 2048 products| <= 64 * 127 * 2048 < 2^24: exact in fp32 (and TF32)
+
+
 def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    """The torch twin: x [M, in] -> fp32 [M, out] by the math in the module docstring. Integer
-    sums up to 64 * 127 * in stay below 2^24 for in <= 2064, so the fp32 matmul is exact there."""
+    """The torch twin: x [M, in] -> fp32 [M, out] by the math in the module docstring. The integer
+    dot products are summed in chunks of EXACT_CHUNK inputs, each exact in fp32 whatever order a
+    GEMM adds in, and the chunk sums are added in a fixed order: so a row's result does not
+    depend on the other rows (or the GEMM's choice of kernel). Dequantizes in the matmul: each
+    call makes an fp32 copy of the weight (a path that runs, not a fast one)."""
     xq, s = quantize_rows(x)  # [M, in], [M, 1]
-    acc = xq @ qweight.t().float()  # [M, out]: integer-valued
+    acc = None
+    for start in range(0, qweight.shape[1], EXACT_CHUNK):
+        cols = slice(start, start + EXACT_CHUNK)
+        part = xq[:, cols] @ qweight[:, cols].t().float()  # [M, out]: integer-valued, exact
+        acc = part if acc is None else acc.add_(part)
     y = acc * (s * STEP) * scale  # [M, out]
     return y if bias is None else y + bias.float()
 
@@ -90,7 +100,7 @@ def fbgemm_available(device: torch.device) -> bool:
 
 class Int8Linear(nn.Module):
     """A `Linear` with int8 weights (see the module docstring); forward(x [..., in]) -> [..., out]
-    in x's dtype. Buffers: qweight int8 [out, in], scale fp32 [out], bias (compute dtype) or None."""
+    in x's dtype. Buffers: qweight int8 [out, in], scale fp32 [out], bias fp32 [out] or None."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -133,7 +143,9 @@ class Int8Linear(nn.Module):
         if bounds is None:  # [rows, 2] of (+1, -1), kept per row count (a handful: decode, verify, prefill chunks)
             bounds = self._bounds[rows] = torch.tensor([1.0, -1.0]).expand(rows, 2)
         s = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True, dtype=torch.float32).clamp_min_(TINY)  # [M, 1] max |x|
-        u = torch.cat((x / s, bounds), dim=-1)  # [M, in + 2] (fp32: s is)
+        # A row with NaN / inf has s = NaN / inf: its u is zeroed here (the kernel's min and max stay
+        # -1 and +1 for the other rows) and its output becomes NaN again when multiplied by s.
+        u = torch.cat((x / s, bounds), dim=-1).nan_to_num_(0.0, 0.0, 0.0)  # [M, in + 2] (fp32: s is)
         y = torch.ops.quantized.linear_dynamic(u, self._packed, True).mul_(s)  # [M, out]; reduce_range: |xq| <= 64
         return y if self.bias is None else y.add_(self.bias)
 
@@ -148,7 +160,11 @@ class Int8Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._packed, self._bounds = None, {}  # moved or cast: pack again from the buffers
-        return super()._apply(fn, recurse)
+        super()._apply(fn, recurse)
+        self.scale = self.scale.float()  # scales and bias stay fp32 whatever the model is cast to
+        if self.bias is not None:
+            self.bias = self.bias.float()
+        return self
 
 
 def quantize_model(model: nn.Module, quantization: str | None = "int8",
@@ -160,6 +176,8 @@ def quantize_model(model: nn.Module, quantization: str | None = "int8",
     check_quantization(quantization)
     if quantization is None:
         return model
+    if getattr(model, "quantization", None) is not None:
+        raise ValueError(f"this model is already quantized ({model.quantization})")
     if calibration is not None and isinstance(model, Transformer):
         smooth(model, calibration)
     for parent in list(model.modules()):

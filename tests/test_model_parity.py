@@ -359,3 +359,19 @@ def test_checkpoint_saved_in_bf16_loads(perturbed, tmp_path):
     bf16, _ = minispec.load_checkpoint(tmp_path, dtype="bfloat16", backend="torch")
     assert bf16.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.equal(bf16.embed_tokens.weight, hf.model.embed_tokens.weight)  # loaded bit-exact
+
+
+def test_loaded_models_are_fused_and_save_under_checkpoint_names(tiny_llama):
+    """The loader fuses q/k/v and gate/up into one matmul each; checkpoint_state_dict splits them
+    back into the checkpoint's own tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    from minispec.model import checkpoint_state_dict
+
+    model, _ = minispec.load_checkpoint(tiny_llama, dtype="float32", backend="torch")
+    assert model.layers[0].self_attn.qkv_proj is not None and model.layers[0].mlp.gate_up_proj is not None
+    saved = {k.removeprefix("model."): v for k, v in load_file(tiny_llama / "model.safetensors").items()}
+    ours = checkpoint_state_dict(model)
+    assert set(ours) == set(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(ours[name], tensor.float()), name

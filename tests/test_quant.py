@@ -114,9 +114,9 @@ def test_invariant_attention_is_attention_and_is_batch_invariant(lengths, group,
         rows = slice(start, start + n)
         want = masked_attention(q[rows], k[rows], v[rows], torch.arange(n), group=group, sm_scale=0.3, sliding_window=window)
         torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=1e-5)
-        shifted = torch.empty(n, q.shape[1], D + 1)[:, :, 1:]  # another alignment
+        shifted = torch.empty(q[rows].numel() + 1)[1:].view_as(q[rows])  # contiguous, 4 bytes off alignment
         shifted.copy_(q[rows])
-        alone = invariant_attention(shifted.contiguous(), k[rows].clone(), v[rows].clone(),
+        alone = invariant_attention(shifted, k[rows].clone(), v[rows].clone(),
                                     invariant_plan(BatchMetadata.for_prompts([n]), None, window), 0.3)
         assert torch.equal(alone, out[rows])
         start += n
@@ -166,9 +166,10 @@ def test_gguf_tensors_go_to_int8_in_memory_like_the_fp32_weights(tmp_path):
     int8, _ = load_checkpoint(path, dtype="float32", quantization="int8")
     fp32, tok = load_checkpoint(path, dtype="float32")
     assert list(tmp_path.iterdir()) == [path]  # nothing written beside it
-    reference = quantize_model(fp32, "int8", [tok.encode(CALIBRATION_TEXT)])
-    for name, buf in int8.named_buffers():
-        assert torch.equal(buf, dict(reference.named_buffers())[name]), name
+    reference = quantize_model(fp32, "int8", [tok.encode(CALIBRATION_TEXT)]).state_dict()
+    assert set(int8.state_dict()) == set(reference)
+    for name, tensor in int8.state_dict().items():  # int8 weights, scales, smoothed norms, embedding
+        assert torch.equal(tensor, reference[name]), name
 
 
 def test_built_models_are_never_quantized_in_place(tiny_llama, int8_target):
@@ -211,3 +212,50 @@ def test_smoothing_keeps_the_function_and_tames_an_outlier_channel(tiny_llama):
     error = {name: (quantize_model(m)(ids, meta()) - reference).abs().mean().item()
              for name, m in (("plain", plain), ("smoothed", smoothed))}
     assert error["smoothed"] < 0.8 * error["plain"], error
+
+
+@pytest.fixture
+def four_threads():
+    """More threads than this machine's cores: torch splits large ops differently, which a
+    batch-invariant forward must not notice."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("four_threads")
+def test_batch_invariance_holds_with_several_threads(int8_target):
+    model, _ = int8_target
+    prompt, others = list(range(3, 40)), [list(range(50 + i, 61 + 3 * i)) for i in range(6)]
+    alone = model(torch.tensor(prompt), BatchMetadata.for_prompts([len(prompt)]))
+    batch = [t for o in others for t in o] + prompt
+    both = model(torch.tensor(batch), BatchMetadata.for_prompts([len(o) for o in others] + [len(prompt)]))
+    assert torch.equal(both[len(batch) - len(prompt):], alone)
+
+
+@needs_fbgemm
+def test_a_non_finite_row_stays_in_its_row():
+    """NaN / inf in one row (one sequence) makes that row's output NaN and leaves the others
+    exactly as they are alone (the kernel takes min / max over the whole call)."""
+    _, q = layer(32, 64, True)
+    x = torch.randn(3, 64)
+    for bad in (float("nan"), float("inf")):
+        x[1, 5] = bad
+        y = q(x)
+        assert torch.isnan(y[1]).all() and torch.equal(y[0], q(x[:1])[0]) and torch.equal(y[2], q(x[2:])[0])
+
+
+def test_quantizing_twice_or_smoothing_without_data_is_refused(tiny_llama, int8_target, tmp_path, tiny_llama_eagle):
+    from minispec.eagle import load_eagle, save_eagle
+
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(int8_target[0])
+    fp32, _ = load_checkpoint(tiny_llama, dtype="float32")
+    with pytest.raises(ValueError, match="non-empty calibration"):
+        smooth(fp32, [[]])
+    with pytest.raises(ValueError, match="before quantize_model"):
+        smooth(int8_target[0], [[1, 2, 3]])
+    head = quantize_model(load_eagle(tiny_llama_eagle, fp32))
+    with pytest.raises(ValueError, match="this head is quantized"):
+        save_eagle(head, tmp_path / "head")
