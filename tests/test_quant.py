@@ -259,3 +259,23 @@ def test_quantizing_twice_or_smoothing_without_data_is_refused(tiny_llama, int8_
     head = quantize_model(load_eagle(tiny_llama_eagle, fp32))
     with pytest.raises(ValueError, match="this head is quantized"):
         save_eagle(head, tmp_path / "head")
+
+
+@pytest.mark.parametrize("arch,dtype,overrides", [("qwen2", "float32", {"tie_word_embeddings": True}),
+                                                  ("llama", "bfloat16", {}), ("mistral", "float32", {"sliding_window": 8})])
+def test_other_layouts_and_dtypes_quantize_and_stay_exact(checkpoint_factory, arch, dtype, overrides):
+    """Qwen2 (q/k/v biases, smoothed with them), a bf16 compute dtype, Mistral's sliding window:
+    the int8 model stays near its full-precision self and greedy speculative == greedy plain."""
+    path = checkpoint_factory(arch, **overrides)
+    full, tok = load_checkpoint(path, dtype=dtype)
+    int8 = load_checkpoint(path, dtype=dtype, quantization="int8")
+    ids = torch.arange(3, 40)
+    meta = lambda: BatchMetadata.for_prompts([len(ids)])  # noqa: E731
+    a, b = full(ids, meta()), int8[0](ids, meta())
+    assert b.dtype == torch.float32 and int8[0].dtype == getattr(torch, dtype)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.9
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(int8, quantization="int8", kv_cache_gib=0.01, page_size=8).generate([list(range(3, 20))], greedy)
+    spec = LLM(int8, draft_model="ngram", num_speculative_tokens=3, quantization="int8", kv_cache_gib=0.01,
+               page_size=8).generate([list(range(3, 20))], greedy)
+    assert plain[0].token_ids == spec[0].token_ids
