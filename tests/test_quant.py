@@ -279,3 +279,25 @@ def test_other_layouts_and_dtypes_quantize_and_stay_exact(checkpoint_factory, ar
     spec = LLM(int8, draft_model="ngram", num_speculative_tokens=3, quantization="int8", kv_cache_gib=0.01,
                page_size=8).generate([list(range(3, 20))], greedy)
     assert plain[0].token_ids == spec[0].token_ids
+
+
+def test_the_twin_path_runs_the_same_model_and_stays_exact(tiny_llama, int8_target, monkeypatch):
+    """Where the fbgemm kernel is missing (CUDA, other CPUs) the torch twin runs: same logits up to
+    float rounding, and still batch-invariant (greedy speculative == greedy plain)."""
+    import minispec.quant
+
+    model, tok = int8_target
+    ids = torch.arange(3, 40)
+    kernel = model(ids, BatchMetadata.for_prompts([len(ids)]))
+    monkeypatch.setattr(minispec.quant, "fbgemm_available", lambda device: False)
+    twin_model, _ = load_checkpoint(tiny_llama, dtype="float32", quantization="int8")
+    assert twin_model.lm_head._packed is None
+    twin = twin_model(ids, BatchMetadata.for_prompts([len(ids)]))
+    assert twin_model.lm_head._packed is False  # the twin ran
+    torch.testing.assert_close(twin, kernel, rtol=1e-3, atol=1e-3)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [list(range(3, 20)), list(range(30, 37))]
+    plain = LLM((twin_model, tok), quantization="int8", kv_cache_gib=0.01, page_size=8).generate(prompts, greedy)
+    spec = LLM((twin_model, tok), draft_model="ngram", num_speculative_tokens=3, quantization="int8",
+               kv_cache_gib=0.01, page_size=8).generate(prompts, greedy)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
