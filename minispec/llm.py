@@ -183,7 +183,7 @@ class LLM:
         if cuda_graphs and not on_cuda:
             raise ValueError("cuda_graphs=True needs a CUDA device (static_shapes=True runs the same layout eagerly)")
         graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
-        invariant = [m for m in models if m.backend.name == "invariant"]
+        invariant = [m for m in models if getattr(m.backend, "name", None) == "invariant"]
         if invariant and graphs:  # its attention plans are built in Python per forward: a graph would freeze one
             if cuda_graphs:
                 raise ValueError("cuda_graphs=True cannot run a quantized model (its batch-invariant attention "
@@ -213,7 +213,7 @@ class LLM:
                 print(
                     f"[minispec] {name} KV cache: {c.num_pages} pages x {page_size} tokens "
                     f"({c.nbytes / 2**30:.3f} GiB of a {budget / 2**30:.3f} GiB budget, "
-                    f"{c.num_pages * page_size} tokens), backend={target.backend.name}",
+                    f"{c.num_pages * page_size} tokens), backend={getattr(target.backend, "name", target.backend)}",
                     file=sys.stderr,
                 )
 

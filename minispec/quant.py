@@ -184,7 +184,7 @@ def quantize_model(model: nn.Module, quantization: str | None = "int8",
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
                 setattr(parent, name, Int8Linear.from_linear(child).to(child.weight.device))
-    if getattr(model, "backend", None) is not None and model.backend.name != "invariant":
+    if getattr(model, "backend", None) is not None and getattr(model.backend, "name", None) != "invariant":
         # Quantized activations turn 1-ulp differences between batch shapes into whole int8
         # steps; this backend has none (see invariant_attention.py). On CUDA too: the Triton
         # kernels pick tiles and splits by batch shape (correct and slower; unmeasured on a GPU).
