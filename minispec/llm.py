@@ -213,7 +213,7 @@ class LLM:
                 print(
                     f"[minispec] {name} KV cache: {c.num_pages} pages x {page_size} tokens "
                     f"({c.nbytes / 2**30:.3f} GiB of a {budget / 2**30:.3f} GiB budget, "
-                    f"{c.num_pages * page_size} tokens), backend={getattr(target.backend, "name", target.backend)}",
+                    f"{c.num_pages * page_size} tokens), backend={getattr(target.backend, 'name', target.backend)}",
                     file=sys.stderr,
                 )
 
