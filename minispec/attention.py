@@ -97,8 +97,6 @@ class AttentionBackend:
             raise RuntimeError("the invariant attention backend cannot be captured in a CUDA graph (it plans in Python)")
         if meta.is_prefill:
             pools, page_size = (k, v), None
-        elif kv_cache is None:
-            raise ValueError("a forward with cached context needs a KV cache")
         else:
             pools, page_size = (kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)), kv_cache[0].shape[1]
         plan = meta.ref_plan
@@ -122,6 +120,8 @@ class AttentionBackend:
         # tensors) are skipped here; shape and dtype checks still run on every call.
         if kv_cache is not None:
             self._write(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, validate=False)
+        if kv_cache is None and not meta.is_prefill:
+            raise ValueError("a forward with cached context needs a KV cache")
         if self.name == "invariant":
             return self._invariant(q, k, v, kv_cache, meta, sm_scale, sliding_window)
         if meta.is_prefill:  # no earlier context: attend over the contiguous new K/V
@@ -129,8 +129,6 @@ class AttentionBackend:
                 q, k, v, meta.query_start_loc, meta.max_query_len,
                 sm_scale=sm_scale, sliding_window=sliding_window, validate=False,
             )
-        if kv_cache is None:
-            raise ValueError("a forward with cached context needs a KV cache")
         extra = {}
         if self.name == "torch":  # indices shared by every layer of this forward
             if meta.ref_plan is None:

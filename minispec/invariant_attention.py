@@ -62,9 +62,10 @@ def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: i
     seq_of_row = torch.repeat_interleave(torch.arange(len(counts), device=starts.device), counts)  # [T]
     positions = meta.positions.tolist()
     lengths = [-(-(p + 1) // BUCKET) * BUCKET for p in positions]  # padded key count per row
+    distinct = sorted(set(lengths))
     buckets = []
-    for L in sorted(set(lengths)):
-        rows = None if len(set(lengths)) == 1 else torch.tensor([t for t, n in enumerate(lengths) if n == L], device=starts.device)
+    for L in distinct:
+        rows = None if len(distinct) == 1 else torch.tensor([t for t, n in enumerate(lengths) if n == L], device=starts.device)
         seqs = seq_of_row if rows is None else seq_of_row[rows]  # [R]
         row_pos = (meta.positions if rows is None else meta.positions[rows])[:, None]  # [R, 1]
         j = torch.arange(L, device=starts.device)  # [L]

@@ -114,8 +114,7 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         qweight, scale = quantize_weight(linear.weight)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(qweight, scale, None if bias is None else bias.float())
+        return cls(qweight, scale, None if linear.bias is None else linear.bias.detach().float().clone())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 W8A8 per-row"
@@ -159,11 +158,13 @@ class Int8Linear(nn.Module):
         return torch.ops.quantized.linear_prepack(qw, None)
 
     def _apply(self, fn, recurse=True):
-        self._packed, self._bounds = None, {}  # moved or cast: pack again from the buffers
+        """Moved or cast: pack again from the buffers. Scales and bias stay fp32 (a cast to bf16 and
+        back would round them): they only follow qweight's device."""
+        self._packed, self._bounds = None, {}
+        scale, bias = self.scale, self.bias
         super()._apply(fn, recurse)
-        self.scale = self.scale.float()  # scales and bias stay fp32 whatever the model is cast to
-        if self.bias is not None:
-            self.bias = self.bias.float()
+        self.scale = scale.to(self.qweight.device)
+        self.bias = None if bias is None else bias.to(self.qweight.device)
         return self
 
 

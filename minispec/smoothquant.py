@@ -79,6 +79,13 @@ def factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Te
     return (x_max.clamp_min(1e-5) ** alpha / w_max ** (1 - alpha)).clamp_min(1e-5)
 
 
+def fold(norm_weight: torch.Tensor, linear: Linear, x_max: torch.Tensor, alpha: float) -> None:
+    """The norm's output (the linear's input) divided by s, the linear's columns multiplied by s."""
+    s = factors(x_max, linear.weight, alpha)  # [in]
+    norm_weight.div_(s.to(norm_weight.dtype))
+    linear.weight.mul_(s.to(linear.weight.dtype))
+
+
 @torch.no_grad()
 def smooth(model: Transformer, calibration: list[list[int]], alpha: float = ALPHA) -> Transformer:
     """Fold SmoothQuant factors into `model` (in place; fp weights; returns it)."""
@@ -89,12 +96,8 @@ def smooth(model: Transformer, calibration: list[list[int]], alpha: float = ALPH
     fuse_projections(model)
     maxima = input_maxima(model, calibration)
     for i, layer in enumerate(model.layers):
-        s = factors(maxima[f"{i}.qkv"], layer.self_attn.qkv_proj.weight, alpha)
-        layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
-        layer.self_attn.qkv_proj.weight.mul_(s.to(layer.self_attn.qkv_proj.weight.dtype))
-        s = factors(maxima[f"{i}.gate_up"], layer.mlp.gate_up_proj.weight, alpha)
-        layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight.dtype))
-        layer.mlp.gate_up_proj.weight.mul_(s.to(layer.mlp.gate_up_proj.weight.dtype))
+        fold(layer.input_layernorm.weight, layer.self_attn.qkv_proj, maxima[f"{i}.qkv"], alpha)
+        fold(layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj, maxima[f"{i}.gate_up"], alpha)
         gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
         s = factors(maxima[f"{i}.down"], down.weight, alpha)
         up_rows = slice(down.in_features, 2 * down.in_features)  # up's rows in the fused weight
@@ -107,7 +110,5 @@ def smooth(model: Transformer, calibration: list[list[int]], alpha: float = ALPH
         model.lm_head = head = Linear(head.in_features, head.out_features, bias=False,
                                       device=head.weight.device, dtype=head.weight.dtype)
         head.weight.copy_(model.embed_tokens.weight)
-    s = factors(maxima["lm_head"], head.weight, alpha)
-    model.norm.weight.div_(s.to(model.norm.weight.dtype))
-    head.weight.mul_(s.to(head.weight.dtype))
+    fold(model.norm.weight, head, maxima["lm_head"], alpha)
     return model
