@@ -30,6 +30,17 @@ def check_same_device(**tensors: torch.Tensor) -> None:
           lambda: f"tensors are on different devices: { {name: t.device for name, t in tensors.items()} }")
 
 
+def should_validate(validate: bool | None, t: torch.Tensor) -> bool:
+    """Whether a launcher checks the VALUES of its index tensors (a device sync on a GPU). None:
+    yes, on every device, except while a CUDA graph is being captured (a sync there is an
+    error). Bad values on a GPU are otherwise an illegal access or a device-side assert that
+    poisons the process's CUDA context (seen on an H200). The engine, which builds these tensors
+    itself, passes False on its hot path."""
+    if validate is not None:
+        return validate
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def no_window() -> int:
     """The sliding window used when there is none: longer than any sequence, still an int32."""
     return 2**31 - 1

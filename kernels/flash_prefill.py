@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window
+from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window, should_validate
 from minispec_kernels._triton import tl, triton
 from minispec_kernels.reference import masked_attention
 
@@ -138,8 +138,9 @@ def flash_prefill(
     """Causal attention of every packed sequence over itself; returns [T, Hq, D] in q's dtype.
 
     max_seqlen is a host int >= the longest sequence (it sizes the grid without a device sync).
-    validate checks the values in cu_seqlens, which syncs with the device; None means "only
-    for CPU tensors" (pass False on GPU hot paths; shape and dtype checks always run).
+    validate checks the values in cu_seqlens, which syncs with the device; None means "unless
+    capturing a CUDA graph" (the engine passes False on its hot path; shape and dtype checks
+    always run).
     block_m / block_n override the tile sizes (tests use small tiles so that short sequences
     span several tiles; None picks `default_prefill_tiles`).
     """
@@ -222,8 +223,7 @@ def _check_prefill_args(q, k, v, cu_seqlens, max_seqlen, sliding_window, validat
         check(t.stride(2) == 1, lambda: f"{name} must be contiguous in its last (head_dim) dimension")
     check(sliding_window is None or sliding_window >= 1, lambda: f"sliding_window must be >= 1, got {sliding_window}")
     check(max_seqlen >= 0, lambda: f"max_seqlen must be >= 0, got {max_seqlen}")
-    if validate is None:
-        validate = not cu_seqlens.is_cuda
+    validate = should_validate(validate, cu_seqlens)
     if validate and cu_seqlens.numel() > 1:
         seq_lens = cu_seqlens.diff()  # [B]
         check(int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == q.shape[0],

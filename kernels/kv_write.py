@@ -10,7 +10,7 @@ not be written. One program copies all heads of one token.
 
 import torch
 
-from minispec_kernels._checks import check, check_same_device
+from minispec_kernels._checks import check, check_same_device, should_validate
 from minispec_kernels._triton import tl, triton
 
 
@@ -61,7 +61,7 @@ def write_kv(
     """Write k[t], v[t] into cache slot slot_mapping[t] (skip slot < 0); returns nothing.
 
     validate checks that every slot is inside the pool, which syncs with the device; None means
-    "only for CPU tensors" (shape and dtype checks always run).
+    "unless capturing a CUDA graph" (shape and dtype checks always run).
     """
     _check_write_args(k, v, k_cache, v_cache, slot_mapping, validate)
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -119,8 +119,7 @@ def _check_write_args(k, v, k_cache, v_cache, slot_mapping, validate) -> None:
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check(t.stride(-1) == 1, lambda: f"{name} must be contiguous in its last (head_dim) dimension")
-    if validate is None:
-        validate = not k.is_cuda
+    validate = should_validate(validate, k)
     if validate and num_tokens > 0:
         check(int(slot_mapping.max()) < num_pages * page_size,
               lambda: f"slot {int(slot_mapping.max())} is outside the pool of {num_pages} pages x {page_size} slots")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window
+from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window, should_validate
 from minispec_kernels._triton import tl, triton
 from minispec_kernels.reference import masked_attention
 
@@ -246,8 +246,8 @@ def paged_attention(
     max_query_len and max_seq_len are host ints bounding q_len_b and seq_lens[b] (they size the
     grid without a device sync). num_splits forces the flash-decoding split (None: heuristic).
     validate checks the values of seq_lens, query_start_loc and block_tables, which syncs with
-    the device; None means "only for CPU tensors" (pass False on GPU hot paths; shape and
-    dtype checks always run). block_m / block_n override the tile sizes (tests, benchmarks).
+    the device; None means "unless capturing a CUDA graph" (the engine passes False on its hot
+    path; shape and dtype checks always run). block_m / block_n override the tile sizes.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       max_query_len, max_seq_len, sliding_window, validate)
@@ -488,8 +488,7 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
           lambda: f"block_tables has {block_tables.shape[1]} columns but max_seq_len={max_seq_len} "
           f"needs ceil({max_seq_len}/{page_size}) = {pages_needed} pages")
 
-    if validate is None:
-        validate = not q.is_cuda
+    validate = should_validate(validate, q)
     if not validate or num_seqs == 0:
         return
     q_lens = query_start_loc.diff()  # [B]

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 # Importing a kernel module selects Triton's interpreter when there is no CUDA (kernels/_triton.py).
 from minispec_kernels import paged_attention as pa
+from minispec_kernels._checks import should_validate
 from minispec_kernels.flash_prefill import flash_prefill, flash_prefill_ref
 from minispec_kernels.kv_write import write_kv, write_kv_ref
 from minispec_kernels.paged_attention import paged_attention, paged_attention_ref
@@ -382,6 +383,14 @@ def test_paged_attention_rejects_bad_launch_before_running(fn, message):
     args.update(PAGED_BAD_LAUNCHES[message](args))
     with pytest.raises(ValueError, match=message):
         fn(**args, sm_scale=0.25)
+
+
+def test_value_checks_run_by_default_on_every_device():
+    """validate=None checks index values on CPU and GPU alike (on an H200 a bad launch that skipped
+    them ended in a device-side assert that broke every later CUDA call); only a CUDA graph
+    capture, where a sync is an error, skips them, and an explicit True/False wins."""
+    t = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    assert should_validate(None, t) and should_validate(True, t) and not should_validate(False, t)
 
 
 @pytest.mark.parametrize("fn", [flash_prefill, flash_prefill_ref], ids=["kernel", "ref"])
