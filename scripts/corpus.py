@@ -9,6 +9,9 @@ scripts/train_eagle.py (the EAGLE-3 head): prompts, the target's answers, the fl
             the target's top-K log-probabilities at every response position (soft labels). Rows are
             cached in weights/cache/distill/ as requests finish, keyed by a hash of (target, prompt,
             sampling settings): a killed run resumes, and both scripts read the same rows.
+            --generator hf: `transformers`' batched `generate` writes the prompts and answers instead
+            (a GPU's fast path for a corpus of millions of tokens; no soft labels, so only the EAGLE
+            head's training, which scores the text with the target itself, reads those rows).
 Also: the held-out evaluation prompts and a greedy speculative evaluation of drafts.
 """
 
@@ -20,7 +23,9 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -62,6 +67,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="user messages the target writes itself (weights/prompts/self.jsonl, built when missing)")
     g.add_argument("--self-prompt-tokens", type=int, default=96)
     g.add_argument("--self-prompt-temperature", type=float, default=1.0)
+    g.add_argument("--self-prompts-file", type=Path, default=None,
+                   help="where the self-written prompts are read from / written to (default: PROMPTS_DIR/self.jsonl)")
+    g.add_argument("--answers-per-prompt", type=int, default=1,
+                   help="answers per prompt (the first may be greedy, the others are sampled)")
+    g.add_argument("--generator", choices=["minispec", "hf"], default="minispec",
+                   help="what writes prompts and answers: minispec's engine (with soft labels) or transformers' "
+                        "batched generate (fast on a GPU; no soft labels: for train_eagle.py only)")
+    g.add_argument("--device", default=None, help="device for generation and training (default: cuda if available)")
+    g.add_argument("--generate-budget-s", type=float, default=0.0,
+                   help="hf generator: start no batch after this many seconds (0: no limit); unanswered prompts are left out")
 
 
 def default_target(args) -> None:
@@ -87,7 +102,8 @@ def load_prompts(args, target) -> tuple[list[dict], list[dict], list[dict], dict
         train_prompts, bench = make_prompts.read_jsonl(train_path), make_prompts.read_jsonl(bench_path)
         log(f"prompts: read {len(train_prompts)} train, {len(bench)} bench from {args.prompts_dir}")
     prompts = train_prompts[: args.num_generate] if args.num_generate else train_prompts
-    self_path, self_meta = args.prompts_dir / "self.jsonl", args.prompts_dir / "self.json"
+    self_path = args.self_prompts_file or args.prompts_dir / "self.jsonl"
+    self_meta = self_path.with_suffix(".json")
     own, self_info = [], {"asked": 0, "kept": 0, "seconds": 0.0}
     if args.num_self_prompts and (args.rebuild_prompts or not self_path.exists()):
         own, self_info = self_prompts(target, bench, args)
@@ -100,8 +116,7 @@ def load_prompts(args, target) -> tuple[list[dict], list[dict], list[dict], dict
         else:  # a hand-made file: how many were asked for and how long it took are unknown
             self_info = {"asked": len(own), "kept": len(own), "seconds": 0.0}
         log(f"self-prompts: read {len(own)} from {self_path}")
-    prompts = prompts + own
-
+    prompts = [p for p in prompts + own for _ in range(args.answers_per_prompt)]
     return prompts, train_prompts, bench, self_info
 
 
@@ -157,18 +172,77 @@ def self_prompts(target, bench: list[dict], args) -> tuple[list[dict], dict]:
         return [], {"asked": 0, "kept": 0, "seconds": 0.0}
     header = user_turn_header(tokenizer)
     n = args.num_self_prompts
-    llm = LLM(model=target, max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
-    params = [SamplingParams(temperature=args.self_prompt_temperature, max_tokens=args.self_prompt_tokens,
-                             seed=args.seed + 1_000_000 + i) for i in range(n)]
     log(f"self-prompts: the target writes {n} user messages, {args.gen_batch_size} at a time")
     t0 = time.perf_counter()
-    outs = llm.generate([header] * n, params)
+    if args.generator == "hf":
+        ids = tokenizer.encode(header)
+        answers = hf_generate(args.target, [ids] * n, [args.self_prompt_temperature] * n, args.self_prompt_tokens,
+                              args.seed + 1_000_000, args.gen_batch_size, tokenizer.eos_token_ids, args.device)
+        outs = [SimpleNamespace(index=i, token_ids=a.ids, finish_reason=a.finish_reason,
+                                text=tokenizer.decode(a.ids[:-1] if a.finish_reason == "eos" else a.ids))
+                for i, a in enumerate(answers)]
+    else:
+        llm = LLM(model=target, max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
+        params = [SamplingParams(temperature=args.self_prompt_temperature, max_tokens=args.self_prompt_tokens,
+                                 seed=args.seed + 1_000_000 + i) for i in range(n)]
+        outs = llm.generate([header] * n, params)
     seconds = time.perf_counter() - t0
     rows = keep_self_prompts(outs, bench)
     tokens = sum(len(o.token_ids) for o in outs)
     log(f"self-prompts: the target wrote {n} user messages ({tokens} tokens, {seconds:.0f}s, "
         f"{tokens / seconds:.1f} tok/s); kept {len(rows)}")
     return rows, {"asked": n, "kept": len(rows), "seconds": seconds}
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' batched generate (--generator hf)
+
+
+@dataclass
+class Answer:
+    ids: list[int]  # generated tokens, the closing EOS included
+    finish_reason: str  # "eos" | "length"
+
+
+def hf_generate(model_dir: Path, prompts: list[list[int]], temperatures: list[float], max_tokens: int, seed: int,
+                batch_size: int, eos_ids: list[int], device: str | None = None, budget_s: float = 0.0) -> list[Answer | None]:
+    """Answer token-id prompts with `transformers`' generate (fp32, plain sampling: no top-k/top-p),
+    batch_size at a time: prompts grouped by temperature and sorted by length (left padding, so
+    little is padded), batch b seeded with seed + b. Per prompt an Answer cut after its first EOS,
+    or None where budget_s (> 0) had passed before its batch started."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    pad = eos_ids[0]
+    groups = []  # (temperature, prompt indices), each group one generate call
+    for temp in sorted(set(temperatures)):
+        members = sorted((i for i in range(len(prompts)) if temperatures[i] == temp), key=lambda i: len(prompts[i]))
+        groups += [(temp, members[j : j + batch_size]) for j in range(0, len(members), batch_size)]
+    out: list[Answer | None] = [None] * len(prompts)
+    t0 = time.perf_counter()
+    for b, (temp, group) in enumerate(groups):
+        if budget_s and time.perf_counter() - t0 > budget_s:
+            log(f"hf generate: time budget {budget_s:.0f}s spent; {sum(a is None for a in out)} prompts left unanswered")
+            break
+        width = max(len(prompts[i]) for i in group)
+        ids = torch.full((len(group), width), pad, dtype=torch.int64)
+        mask = torch.zeros(len(group), width, dtype=torch.int64)
+        for r, i in enumerate(group):
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]) :] = 1
+        torch.manual_seed(seed + b)
+        sampling = dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp > 0 else dict(do_sample=False)
+        with torch.inference_mode():
+            seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_tokens,
+                                  pad_token_id=pad, eos_token_id=list(eos_ids), **sampling)
+        for r, i in enumerate(group):
+            new = seqs[r, width:].tolist()
+            end = next((j for j, t in enumerate(new) if t in eos_ids), None)
+            out[i] = Answer(new[: end + 1], "eos") if end is not None else Answer(new, "length")
+        done = sum(a is not None for a in out)
+        log(f"hf generate: {done}/{len(prompts)} answered ({time.perf_counter() - t0:.0f}s)")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +259,7 @@ def sampling_plan(prompts: list[dict], args) -> list[SamplingParams]:
         greedy = rng.random() < args.greedy_fraction and p["prompt"] not in seen
         seen.add(p["prompt"])
         plan.append(SamplingParams(temperature=0.0 if greedy else args.temperature, max_tokens=args.max_tokens,
-                                   seed=args.seed + i, logprobs=args.soft_top_k))
+                                   seed=args.seed + i, logprobs=args.soft_top_k if args.generator == "minispec" else None))
     return plan
 
 
@@ -197,8 +271,9 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path, generate
     and log-probabilities at every response position) go to cache_dir/soft/<key>.safetensors."""
     model, tokenizer = target
     plan = sampling_plan(prompts, args)
+    how = [] if args.generator == "minispec" else [args.generator, args.gen_batch_size]  # hf: batch-seeded
     keys = [
-        hashlib.sha256(json.dumps([str(args.target), args.target_dtype, p["prompt"], s.temperature, s.max_tokens, s.seed, s.logprobs]).encode()).hexdigest()[:16]
+        hashlib.sha256(json.dumps([str(args.target), args.target_dtype, p["prompt"], s.temperature, s.max_tokens, s.seed, s.logprobs, *how]).encode()).hexdigest()[:16]
         for p, s in zip(prompts, plan)
     ]
     path, soft_dir = cache_dir / "corpus.jsonl", cache_dir / "soft"
@@ -212,7 +287,20 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path, generate
     log(f"corpus: {len(prompts) - len(prompt_ids)} responses cached in {path}, {len(todo)} to generate"
         + (f", {too_long} prompts skipped (prompt + max_tokens > the target's context {context})" if too_long else "")
         + ("" if generate else f" ({len(prompt_ids)} not cached are left out: cached rows only)"))
-    if todo:
+    if todo and args.generator == "hf":
+        t0 = time.perf_counter()
+        answers = hf_generate(args.target, [prompt_ids[i] for i in todo], [plan[i].temperature for i in todo], args.max_tokens,
+                              args.seed, args.gen_batch_size, tokenizer.eos_token_ids, args.device, args.generate_budget_s)
+        gen_s = (time.perf_counter() - t0) / max(1, sum(a is not None for a in answers))
+        with path.open("a") as f:
+            for i, a in zip(todo, answers):
+                if a is not None:
+                    cached[keys[i]] = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
+                                       "prompt_ids": prompt_ids[i], "output_ids": a.ids, "gen_s": gen_s}
+                    f.write(json.dumps(cached[keys[i]]) + "\n")
+        new_tokens = sum(len(a.ids) for a in answers if a is not None)
+        log(f"corpus: {len(cached)} responses, {new_tokens} new tokens in {time.perf_counter() - t0:.0f}s")
+    elif todo:
         llm = LLM(model=(model, tokenizer), max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
         tokens = [[] for _ in todo]
         soft = [[] for _ in todo]

@@ -1,15 +1,21 @@
 """Train minispec's EAGLE-3 head for its default target (SmolLM2-135M-Instruct).
 
-Pipeline (progress lines throughout; every size is a flag, defaults = the shipped run):
+Pipeline (progress lines throughout; every size is a flag; defaults = a CPU run, the GPU
+command below = the run in the model card):
 
 1. corpus    the target's answers to the training prompts (scripts/corpus.py; the rows
-             scripts/distill.py uses, read from the same cache, generated where missing).
+             scripts/distill.py uses, read from the same cache, generated where missing;
+             --generator hf: transformers' batched generate writes prompts and answers, a GPU's
+             fast path).
 2. features  one teacher-forced forward of the target (fp32) per sequence, keeping at every
              position the draft's input features (the residual stream entering target layers
              2, L//2, L-3), the last layer's output (the target's logits over the draft
              vocabulary are computed from it while training) and the target's argmax.
 3. vocab     the draft vocabulary: the V_d most frequent tokens of the training responses (EOS
-             included), sorted by id (d2t / t2d). Several sizes can be compared (--draft-vocab).
+             included), sorted by id (d2t / t2d). Several sizes are compared (--draft-vocab), each
+             trained on a share of the data and judged by `chain_estimate` on the validation
+             answers: greedy decoding's rounds replayed teacher-forced (it matched minispec's engine
+             to 4 digits), so the choice never looks at the bench prompts.
 4. train     the EAGLE-3 training-time test: S unrolled steps (S = 7). Step 0 at index t reads
              (fc(target features at t), token t+1); step i reads (its own step i-1 output at t,
              token t+i+1), RoPE position t+i, and attends to step 0's keys at indices <= t plus
@@ -19,18 +25,27 @@ Pipeline (progress lines throughout; every size is a flag, defaults = the shippe
              is in the draft vocabulary, weighted 0.8^i. AdamW (0.9, 0.95), warmup + cosine, clip.
              The lm_head starts from the target's head rows, the final norm from the target's.
 5. eval      greedy speculative decoding (k = 4) with minispec on held-out bench prompts: tokens per
-             target step and per-position acceptance, next to the distilled draft and n-gram.
-6. save      bf16 safetensors in the official EAGLE-3 layout + a model card.
+             target step and per-position acceptance, next to the distilled draft and n-gram
+             (--skip-eval on a GPU box, then --card-only on the CPU that benches it).
+6. save      bf16 safetensors in the official EAGLE-3 layout, training.json and a model card.
 
-Run: python scripts/train_eagle.py --threads 2     (sizes 4096 and 8192 compared on 25% of the data,
-                                                    25/50% growth points, the chosen size on all of it)
+Run: python scripts/train_eagle.py --threads 2     (CPU: sizes 4096 and 8192 compared on 25% of the
+                                                    data, 25/50% growth points, the chosen size on all)
      ... --cached-only                              (train on the corpus rows already cached)
+     python scripts/train_eagle.py --device cuda --threads 8 --generator hf \
+         --cache-dir weights/cache/eagle-gpu/corpus --self-prompts-file weights/cache/eagle-gpu/self.jsonl \
+         --num-self-prompts 12288 --gen-batch-size 1024 --max-tokens 256 --generate-budget-s 120 \
+         --batch-tokens 16384 --feature-chunk-tokens 8192 --epochs 10 --train-budget-s 100 --max-len 512 \
+         --draft-vocab 4096,8192 --vocab-share 0.25 --fractions 0.25,0.5 --skip-eval
+                                                   (one H200, about 7 minutes: the run in README's status)
+     python scripts/train_eagle.py --card-only --cache-dir weights/cache/eagle-gpu/corpus   (then, on CPU)
      python scripts/train_eagle.py --num-generate 8 --max-tokens 16 --epochs 1 --out /tmp/e   (smoke)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -46,6 +61,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
 from corpus import REPO_ROOT, default_target, eval_prompts, evaluate_drafts, generate_corpus, load_prompts, log  # noqa: E402
+from make_prompts import read_jsonl  # noqa: E402
 
 from minispec import BatchMetadata, load_checkpoint  # noqa: E402
 from minispec.eagle import EagleModel, default_aux_layers, init_eagle, load_eagle, save_eagle  # noqa: E402
@@ -57,9 +73,10 @@ from minispec.model import Transformer, apply_rope, rope_tables  # noqa: E402
 @torch.inference_mode()
 def extract_features(target: Transformer, rows: list[dict], aux_layers: tuple[int, ...], max_len: int,
                      chunk_tokens: int = 2048) -> list[dict]:
-    """Per corpus row with a response (cut to max_len tokens): its row index, ids [T], prompt length, features [T, 3H] bf16,
-    last-layer output [T, H] bf16 and the target's argmax [T]; sequences packed into cache-free
-    forwards of about chunk_tokens tokens."""
+    """Per corpus row with a response (cut to max_len tokens): its row index, whether it was answered
+    greedily, ids [T], prompt length, features [T, 3H] bf16, last-layer output [T, H] bf16 and the
+    target's argmax [T] (on the target's device); sequences packed into cache-free forwards of
+    about chunk_tokens tokens."""
     L = target.cfg.num_layers
     out, batch = [], []
     t0, done = time.perf_counter(), 0
@@ -67,13 +84,14 @@ def extract_features(target: Transformer, rows: list[dict], aux_layers: tuple[in
     def flush():
         nonlocal done
         lengths = [len(ids) for ids, _, _ in batch]
-        ids = torch.tensor([t for seq, _, _ in batch for t in seq])
-        logits, hidden = target(ids, BatchMetadata.for_prompts(lengths), None, hidden_layers=(*aux_layers, L))
+        ids = torch.tensor([t for seq, _, _ in batch for t in seq], device=target.device)
+        logits, hidden = target(ids, BatchMetadata.for_prompts(lengths, target.device), None, hidden_layers=(*aux_layers, L))
         H = target.cfg.hidden_size
         start = 0
         for (seq, prompt_len, row), n in zip(batch, lengths):
             h = hidden[start : start + n]
-            out.append({"row": row, "ids": torch.tensor(seq), "prompt_len": prompt_len, "features": h[:, : 3 * H].bfloat16(),
+            out.append({"row": row, "greedy": rows[row]["temperature"] == 0, "ids": torch.tensor(seq),
+                        "prompt_len": prompt_len, "features": h[:, : 3 * H].bfloat16(),
                         "last": h[:, 3 * H :].bfloat16(), "argmax": logits[start : start + n].argmax(-1)})
             start += n
         done += sum(lengths)
@@ -144,7 +162,7 @@ def unrolled_logits(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, s
     B, T = ids.shape
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     scale = D**-0.5
-    causal = torch.ones(T, T, dtype=torch.bool).tril()  # [T, T] query t sees step-0 key j <= t
+    causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()  # [T, T] query t sees step-0 key j <= t
     layer = model.midlayer
     attn = layer.self_attn
     keys, values = [], []
@@ -153,7 +171,7 @@ def unrolled_logits(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, s
         emb = F.embedding(shifted(ids, i + 1), model.embed_weight)  # token t+i+1
         normed = layer.hidden_norm(feature)
         x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)  # [B, T, 2H]
-        cos, sin = rope_tables(torch.arange(T) + i, model.inv_freq, x.dtype)  # [T, 1, D]
+        cos, sin = rope_tables(torch.arange(T, device=ids.device) + i, model.inv_freq, x.dtype)  # [T, 1, D]
         q, k, v = attn.project(x)
         q = apply_rope(q.reshape(B, T, Hq, D), cos, sin).transpose(1, 2)  # [B, Hq, T, D]
         k = apply_rope(k.reshape(B, T, Hkv, D), cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
@@ -175,28 +193,37 @@ def unrolled_logits(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, s
         feature = g
 
 
-def ttt_loss(model: EagleModel, target: Transformer, batch: list[dict], steps: int, decay: float = 0.8):
-    """The unrolled training-time test on a batch of examples. Returns (loss, per-step top-1
-    agreement and weights [steps], per-step loss [steps])."""
+def padded(model: EagleModel, batch: list[dict]):
+    """A batch of examples right-padded on the model's device: ids [B, T], features [B, T, 3H],
+    last-layer outputs [B, T, H], target argmax [B, T] (-1 in padding), valid [B, T] and response
+    [B, T] (position t's next token is a response token)."""
     B, T, H = len(batch), max(e["ids"].numel() for e in batch), model.config.layer.hidden_size
-    ids = torch.zeros(B, T, dtype=torch.int64)
-    feats = torch.zeros(B, T, model.fc.in_features)
-    last = torch.zeros(B, T, H)
-    argmax = torch.full((B, T), -1, dtype=torch.int64)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    response = torch.zeros(B, T, dtype=torch.bool)  # position t's next token is a response token
+    dev = model.device
+    ids = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    feats = torch.zeros(B, T, model.fc.in_features, device=dev)
+    last = torch.zeros(B, T, H, device=dev)
+    argmax = torch.full((B, T), -1, dtype=torch.int64, device=dev)
+    valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    response = torch.zeros(B, T, dtype=torch.bool, device=dev)
     for b, e in enumerate(batch):
         n = e["ids"].numel()
         ids[b, :n], feats[b, :n], last[b, :n], argmax[b, :n] = e["ids"], e["features"].float(), e["last"].float(), e["argmax"]
         valid[b, :n] = True
         response[b, max(e["prompt_len"] - 1, 0) : n] = True
-    draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size))
+    return ids, feats, last, argmax, valid, response
+
+
+def ttt_loss(model: EagleModel, target: Transformer, batch: list[dict], steps: int, decay: float = 0.8):
+    """The unrolled training-time test on a batch of examples. Returns (loss, per-step top-1
+    agreement and weights [steps], per-step loss [steps])."""
+    ids, feats, last, argmax, valid, response = padded(model, batch)
+    draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.device))
     with torch.no_grad():
         target_logits = F.linear(target.norm(last), target.lm_head.weight[draft_ids])  # [B, T, V_d]
         target_probs = target_logits.softmax(-1)
         in_vocab = model.t2d[argmax.clamp(min=0)] & (argmax >= 0)  # [B, T]
         target_best = target_logits.argmax(-1)
-    total = torch.zeros(())
+    total = torch.zeros((), device=model.device)
     stats, losses = [], []
     for i, logits in enumerate(unrolled_logits(model, ids, feats, steps)):
         p, best = shifted(target_probs, i + 1), shifted(target_best, i + 1)  # at position t+i+1
@@ -228,11 +255,11 @@ def batches(examples: list[dict], batch_tokens: int, rng: random.Random) -> list
     return groups
 
 
-def evaluate_ttt(model: EagleModel, target: Transformer, examples: list[dict], steps: int) -> list[float]:
+def evaluate_ttt(model: EagleModel, target: Transformer, examples: list[dict], steps: int, batch_tokens: int = 4096) -> list[float]:
     """Per-step top-1 agreement with the target over examples (teacher-forced tokens, own features)."""
     hits, count = [0.0] * steps, [0] * steps
     with torch.no_grad():
-        for group in batches(examples, 4096, random.Random(0)):
+        for group in batches(examples, batch_tokens, random.Random(0)):
             _, stats, _ = ttt_loss(model, target, group, steps)
             for i, (acc, n) in enumerate(stats):
                 hits[i] += acc * n
@@ -240,8 +267,43 @@ def evaluate_ttt(model: EagleModel, target: Transformer, examples: list[dict], s
     return [h / max(c, 1) for h, c in zip(hits, count)]
 
 
-def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_ids: torch.Tensor, args) -> tuple[EagleModel, dict]:
-    """Initialise a head with this draft vocabulary and train it; returns (model, stats)."""
+@torch.no_grad()
+def chain_estimate(model: EagleModel, examples: list[dict], k: int, batch_tokens: int = 4096) -> tuple[float, list[float]]:
+    """Greedy tokens per target step at k (bonus included), replayed teacher-forced on answers the
+    target wrote greedily (so token t+1 is the target's argmax at t, as in greedy decoding). At
+    index t, n(t) = the number of leading chained steps i < k whose proposal (draft argmax, as a
+    target id) equals the target's argmax at t+i+1 (the position whose next token it proposes),
+    none past the answer's end. Decoding then walks rounds: the first starts at the prompt's last
+    index, a round at t yields n(t) accepted tokens + 1 and the next starts at t + 1 + n(t).
+    Returns (answer tokens / rounds over all rows, per-position acceptance P(n > i | n >= i))."""
+    tokens = rounds = 0
+    reach = [0] * (k + 1)  # reach[i]: rounds with n >= i
+    for group in batches([e for e in examples if e.get("greedy")], batch_tokens, random.Random(0)):
+        ids, feats, _, argmax, valid, _ = padded(model, group)
+        alive = valid.clone()
+        n = torch.zeros_like(ids)  # [B, T]
+        for i, logits in enumerate(unrolled_logits(model, ids, feats, k)):
+            proposed = model.draft_to_target(logits.argmax(-1))  # [B, T] target ids
+            alive &= (proposed == shifted(argmax, i + 1)) & shifted(valid, i + 2)
+            n += alive
+        for b, e in enumerate(group):
+            t, end = e["prompt_len"] - 1, e["ids"].numel()  # a round at t needs token t+1
+            while t + 1 < end:
+                a = int(n[b, t])
+                tokens, rounds = tokens + 1 + a, rounds + 1
+                for i in range(a + 1):
+                    reach[i] += 1
+                t += 1 + a
+    if rounds == 0:
+        return float("nan"), [float("nan")] * k
+    return tokens / rounds, [reach[i + 1] / reach[i] if reach[i] else 0.0 for i in range(k)]
+
+
+def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_ids: torch.Tensor, args,
+          budget_s: float = 0.0) -> tuple[EagleModel, dict]:
+    """Initialise a head with this draft vocabulary and train it for args.epochs; returns (model,
+    stats). budget_s > 0: the step count is cut, before the learning-rate schedule is fixed, to
+    what fits in budget_s at the speed of the first steps (timed on a copy that is thrown away)."""
     model = init_eagle(target, draft_ids, intermediate_size=args.ffn, seed=args.seed,
                        norm_before_residual=args.norm_before_residual)
     with torch.no_grad():
@@ -253,6 +315,14 @@ def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_i
     rng = random.Random(args.seed + 1)
     plan = [batches(train_ex, args.batch_tokens, rng) for _ in range(args.epochs)]
     total_steps = sum(len(p) for p in plan)
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    if budget_s > 0:
+        per_step = time_steps(model, target, plan[0], args)
+        fits = max(1, int(budget_s / per_step))
+        log(f"train V_d={len(draft_ids)}: {per_step * 1000:.0f} ms per step; {min(fits, total_steps)} of {total_steps} steps "
+            f"fit in {budget_s:.0f}s")
+        total_steps = min(total_steps, fits)
     warmup = max(1, int(args.warmup * total_steps))
 
     def lr_at(step: int) -> float:
@@ -269,7 +339,11 @@ def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_i
     curve, window, step, t0 = [], [], 0, time.perf_counter()
     val_curve = []
     for epoch, groups in enumerate(plan):
+        if step >= total_steps:
+            break
         for group in groups:
+            if step >= total_steps:
+                break
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             loss, stats, losses = ttt_loss(model, target, group, args.steps)
@@ -290,7 +364,7 @@ def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_i
                 window = []
         if val_ex:
             model.eval()
-            val_curve.append(evaluate_ttt(model, target, val_ex, args.steps))
+            val_curve.append(evaluate_ttt(model, target, val_ex, args.steps, args.batch_tokens))
             model.train()
             log(f"train V_d={len(draft_ids)}: epoch {epoch + 1} validation top-1 per step {[round(x, 3) for x in val_curve[-1]]}")
     if bar:
@@ -299,22 +373,76 @@ def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_i
     return model, {"curve": curve, "val": val_curve, "steps": total_steps, "seconds": time.perf_counter() - t0}
 
 
+def time_steps(model: EagleModel, target: Transformer, groups: list[list[dict]], args, n: int = 6) -> float:
+    """Seconds per training step on a copy of model (the first of n steps is not counted)."""
+    clone = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in clone.parameters() if p.requires_grad], lr=args.lr)
+    groups = groups[:n]
+    skip = 1 if len(groups) > 1 else 0  # the first step (allocations, autotuning) is not counted
+    t0 = time.perf_counter()
+    for j, group in enumerate(groups):
+        if j == skip:
+            synchronize(model.device)
+            t0 = time.perf_counter()
+        loss, _, _ = ttt_loss(clone, target, group, args.steps)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    synchronize(model.device)
+    return (time.perf_counter() - t0) / (len(groups) - skip)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # --- 5. evaluation and 6. the card ---------------------------------------------------------------
 
 
-def write_card(out: Path, argv: list[str], info: dict) -> None:
+def write_card(out: Path, info: dict) -> None:
     ev = info["eval"]
+    k = info["k"]
     table = "\n".join(
         f"| {name} | {m['mean_accepted_per_step']:.2f} | {m['acceptance_rate']:.3f} | "
         f"{', '.join(f'{x:.2f}' for x in m['per_position_acceptance'])} |"
-        for name, m in ev.items())
+        for name, m in ev.get("drafts", {}).items()) or "| (not evaluated yet: `--card-only`) | | | |"
     sizes = "\n".join(
-        f"| {r['draft_vocab']} | {r['coverage']:.3f} | {', '.join(f'{x:.3f}' for x in r.get('val_top1', []))} | "
+        f"| {r['draft_vocab']} | {r['coverage']:.3f} | {r['macs'] / 1e6:.1f}M | {', '.join(f'{x:.3f}' for x in r.get('val_top1', []))} | "
         f"{r.get('accepted_per_step', float('nan')):.2f} |" for r in info["vocab_runs"])
     growth = "\n".join(
         f"| {r['fraction']:.0%} | {r['tokens']:,} | {', '.join(f'{x:.3f}' for x in r['val_top1'])} | {r['accepted_per_step']:.2f} |"
         for r in info["growth"])
     curve = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {c['top1_step0']:.3f} |" for c in info["train"]["curve"])
+    sp = info["self_prompts"]
+    if info.get("estimator") == "positions":  # runs before the round replay: see the note in the card
+        est = "est. tokens per target step (all-position average)"
+        how = ("estimated teacher-forced on the greedy validation answers by the run's script version, as 1 + the "
+               "mean over ALL answer positions of the number of leading chained proposals equal to the target's "
+               "argmax (optimistic: decoding starts its rounds where the previous draft failed; the script now "
+               "replays the rounds instead, see below)")
+    else:
+        est = "est. tokens per target step"
+        how = ("estimated by replaying greedy decoding's rounds teacher-forced on the greedy validation answers "
+               "(a round at index t accepts the leading chained proposals equal to the target's argmax, plus one; "
+               "the next round starts after them: on 16 validation answers this gave 2.0703 where minispec's engine "
+               "measured 2.0699)")
+    replay = info.get("val_replay")
+    replay_line = (f"Replaying greedy decoding's rounds on the {replay['answers']} greedy validation answers (whole "
+                   f"answers, the shipped bf16 weights, `--card-only`): **{replay['accepted_per_step']:.2f}** tokens per "
+                   f"target step, per-position acceptance {', '.join(f'{x:.2f}' for x in replay['per_position'])} "
+                   f"(P(n > i | n >= i)).\n" if replay else "")
+    if info["generator"] == "hf":
+        data = (f"{info['num_rows']} target answers written for this head (`scripts/corpus.py --generator hf`: "
+                f"`transformers`' batched generate on {info['device_name']}, fp32): {info['answers_per_prompt']} answers per "
+                f"prompt (the first greedy for about half the prompts, the rest sampled at temperature 0.8, plain "
+                f"sampling), at most {info['max_tokens']} tokens, to `weights/prompts/train.jsonl` and {sp['kept']} user "
+                f"messages the target wrote itself from its bare chat template (Magpie: {sp['asked']} asked at "
+                f"temperature 1.0, kept when closed by EOS, new, and sharing no 5-word run with a bench prompt)")
+    else:
+        data = (f"{info['num_rows']} target answers from the shared corpus (`scripts/corpus.py`: the same cached rows "
+                f"`scripts/distill.py` trains on; greedy and temperature-0.8 answers to `weights/prompts/train.jsonl` "
+                f"and self-written prompts, none sharing a subject with the bench prompts)")
     text = f"""---
 license: apache-2.0
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -329,24 +457,22 @@ embedding (not stored here) and proposes from a draft vocabulary of {info['draft
 (d2t / t2d map it to the target's 49152). Official EAGLE-3 checkpoint layout (`fc`,
 `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`); bf16, {info['bytes'] / 2**20:.1f} MB.
 Use: `LLM(model=target, draft_model="weights/eagle-smollm2")` or `python bench.py --drafters eagle`.
+`training.json` beside this card holds every number below.
 
 ## Data
 
-{info['num_rows']} target answers from the shared corpus (`scripts/corpus.py`: the same cached rows
-`scripts/distill.py` trains on; greedy and temperature-0.8 answers to `weights/prompts/train.jsonl`
-and self-written prompts, none sharing a subject with the bench prompts), cut to {info['max_len']}
-tokens: {info['train_tokens']:,} training tokens ({info['train_response_tokens']:,} in responses);
-{len(info['val_ids'])} answers held out for validation. Features: one fp32 teacher-forced target
-forward per sequence ({info['feature_s']:.0f}s).
+{data}; cut to {info['max_len']} tokens: {info['train_tokens']:,} training tokens
+({info['train_response_tokens']:,} in responses); {len(info['val_ids'])} answers held out for validation.
+Features: one fp32 teacher-forced target forward per sequence ({info['feature_s']:.0f}s).
 
 ## Training
 
 Training-time test with {info['steps']} unrolled steps (teacher-forced tokens, the head's own
 features after step 0), soft cross-entropy against the target's softmax over the draft
 vocabulary, step weights 0.8^i; AdamW lr {info['lr']} (betas 0.9/0.95), warmup + cosine, clip
-{info['clip']}, about {info['batch_tokens']} tokens a batch, {info['epochs']} epochs = {info['train']['steps']}
-steps, fp32 on a 2-core CPU ({info['train']['seconds'] / 60:.1f} min). The lm_head starts from the
-target's head rows of the draft vocabulary, the final norm from the target's.
+{info['clip']}, about {info['batch_tokens']} tokens a batch, {info['train']['steps']} steps
+(at most {info['epochs']} epochs), {'fp32 with TF32 matmuls' if info.get('tf32') else 'fp32'} on {info['device_name']} ({info['train']['seconds'] / 60:.1f} min).
+The lm_head starts from the target's head rows of the draft vocabulary, the final norm from the target's.
 
 Loss curve (mean over each logging window):
 
@@ -356,29 +482,31 @@ Loss curve (mean over each logging window):
 
 ## Draft vocabulary size
 
-Each size trained the same way on {info['vocab_share']:.0%} of the training answers; validation
-top-1 agreement with the target per unrolled step (teacher-forced tokens), and greedy tokens per
-target step at k = {info['k']} on {info['val_prompts']} validation prompts:
+Each size trained the same way on {info['vocab_share']:.0%} of the training answers. Columns: response
+tokens the vocabulary covers; multiply-adds of one chained draft step (the head is the part that
+grows); validation top-1 agreement with the target per unrolled step (teacher-forced tokens);
+greedy tokens per target step at k = {k}, {how}:
 
-| V_d | response tokens covered | validation top-1 per step | tokens per target step |
-| --- | --- | --- | --- |
+| V_d | tokens covered | MACs per draft step | validation top-1 per step | {est} |
+| --- | --- | --- | --- | --- |
 {sizes}
 
 Shipped: V_d = {info['draft_vocab']} ({info['why']}).
 
 ## How acceptance grows with data
 
-The shipped vocabulary trained on a share of the training answers (same epochs); the last
-column is greedy tokens per target step at k = {info['k']} on the validation prompts:
+The shipped vocabulary trained on a share of the training answers (the same settings; the step
+count follows the share):
 
-| share | training tokens | validation top-1 per step | tokens per target step |
+| share | training tokens | validation top-1 per step | {est} |
 | --- | --- | --- | --- |
 {growth}
 
+{replay_line}
 ## Held-out acceptance
 
-Greedy speculative decoding with minispec, k = {info['k']}, {info['eval_n']} bench prompts
-(subjects never trained on), {info['eval_tokens']} tokens each; tokens per target step include
+Greedy speculative decoding with minispec, k = {k}, {ev.get('prompts', 0)} bench prompts
+(subjects never trained on), {ev.get('tokens', 0)} tokens each; tokens per target step include
 the bonus token:
 
 | drafter | tokens per target step | acceptance | per position |
@@ -388,7 +516,7 @@ the bonus token:
 ## Command
 
 ```
-python scripts/train_eagle.py {' '.join(argv)}
+python scripts/train_eagle.py {' '.join(info['argv'])}
 ```
 """
     (out / "README.md").write_text(text)
@@ -419,23 +547,24 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--vocab-share", type=float, default=0.25, help="share of the training data each vocabulary size is compared on")
     g.add_argument("--fractions", default="0.25,0.5", help="comma list of training shares for the data-growth table (e.g. 0.25,0.5)")
     g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--max-steps", type=int, default=0, help="at most this many optimizer steps per run (0: the epochs')")
+    g.add_argument("--train-budget-s", type=float, default=0.0,
+                   help="seconds for the full-data run (a share-f run gets f times it); the step count is cut to fit, "
+                        "timed on the first steps (0: no limit)")
+    g.add_argument("--deadline-s", type=float, default=0.0,
+                   help="whole-run limit in seconds: the extra data-growth runs are skipped when they would pass it (0: none)")
+    g.add_argument("--feature-chunk-tokens", type=int, default=2048, help="tokens per teacher-forced feature forward")
     g = ap.add_argument_group("evaluation")
     g.add_argument("--eval-per-category", type=int, default=2)
     g.add_argument("--eval-tokens", type=int, default=64)
     g.add_argument("--num-speculative-tokens", type=int, default=4)
-    g.add_argument("--val-eval-prompts", type=int, default=16, help="validation prompts for the vocabulary choice")
+    g.add_argument("--draft", type=Path, default=REPO_ROOT / "weights" / "draft-smollm2",
+                   help="the token-only draft model compared with the head")
+    g.add_argument("--skip-eval", action="store_true",
+                   help="no held-out evaluation (e.g. on a GPU box); run --card-only later to add it and rewrite the card")
+    g.add_argument("--card-only", action="store_true",
+                   help="evaluate the head in --out (its training.json) on the held-out prompts and rewrite its card")
     return ap.parse_args(argv)
-
-
-def val_acceptance(target, tokenizer, eagle_dir: Path, rows: list[dict], args) -> float:
-    """Greedy tokens per target step at k on validation rows' prompts (not bench prompts: the
-    vocabulary is chosen without looking at the bench)."""
-    from minispec import LLM, SamplingParams
-
-    llm = LLM(model=(target, tokenizer), draft_model=str(eagle_dir), num_speculative_tokens=args.num_speculative_tokens,
-              max_num_seqs=len(rows), kv_cache_gib=1.0)
-    llm.generate([r["prompt_ids"] for r in rows], SamplingParams(temperature=0, max_tokens=args.eval_tokens))
-    return llm.last_metrics.mean_accepted_per_step
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -443,114 +572,197 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     default_target(args)
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.card_only:
+        return card_only(args, argv)
+    start = time.perf_counter()
 
-    # 1. corpus (the corpus is generated in the dtype --target-dtype names; features in fp32)
-    gen_target = load_checkpoint(args.target, dtype=getattr(torch, args.target_dtype), device="cpu", backend="torch")
-    prompts, _, bench, _ = load_prompts(args, gen_target)
+    def left() -> float:
+        return args.deadline_s - (time.perf_counter() - start) if args.deadline_s else float("inf")
+
+    # 1. corpus (generated in the dtype --target-dtype names; features in fp32)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    gen_target = load_checkpoint(args.target, dtype=getattr(torch, args.target_dtype), device=args.device, backend="torch")
+    prompts, _, bench, self_info = load_prompts(args, gen_target)
     rows = generate_corpus(gen_target, prompts, args, args.cache_dir, generate=not args.cached_only)
     if args.max_rows:
         rows = rows[: args.max_rows]
-    target, tokenizer = load_checkpoint(args.target, dtype=torch.float32, device="cpu", backend="torch")
     del gen_target
+    target, tokenizer = load_checkpoint(args.target, dtype=torch.float32, device=args.device, backend="torch")
     aux = default_aux_layers(target.cfg.num_layers)
 
-    # 2. features
+    # 2. features (cached on disk when on the CPU; a GPU recomputes them in seconds)
     rng = random.Random(args.seed + 1)
     val_idx = set(rng.sample(range(len(rows)), max(1, int(args.val_fraction * len(rows)))))
     t0 = time.perf_counter()
     key = hashlib.sha256(json.dumps([str(args.target), aux, args.max_len, [r["key"] for r in rows]]).encode()).hexdigest()[:16]
     cached = args.cache_dir.parent / "eagle" / f"features-{key}.pt"
-    if cached.exists():
+    if cached.exists() and target.device.type == "cpu":
         examples, feature_s = torch.load(cached)
         log(f"features: {len(examples)} sequences read from {cached}")
     else:
-        examples = extract_features(target, rows, aux, args.max_len)
+        examples = extract_features(target, rows, aux, args.max_len, args.feature_chunk_tokens)
         feature_s = time.perf_counter() - t0
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        torch.save((examples, feature_s), cached)
+        if target.device.type == "cpu":
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            torch.save((examples, feature_s), cached)
     train_ex = [e for e in examples if e["row"] not in val_idx]
     val_ex = [e for e in examples if e["row"] in val_idx]
-    val_rows = [rows[i] for i in sorted(val_idx)][: args.val_eval_prompts]
-    log(f"data: {len(train_ex)} training / {len(val_ex)} validation sequences")
+    if target.device.type == "cuda":  # training matmuls in TF32 (the features above were fp32)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    log(f"data: {len(train_ex)} training / {len(val_ex)} validation sequences "
+        f"({sum(e.get('greedy', False) for e in val_ex)} validation answers greedy)")
 
     # 3 + 4. the draft vocabulary: each size trained the same way on a share of the data; the size
-    # with the most validation tokens per target step is trained on all of it and shipped.
+    # with the most (estimated) validation tokens per target step is trained on all of it and shipped.
     random.Random(args.seed + 2).shuffle(train_ex)  # shares below are random subsets
     eos = target.cfg.eos_token_ids or tokenizer.eos_token_ids
     vocab_dir = args.cache_dir.parent / "eagle"
+    k = args.num_speculative_tokens
 
     def share_of(frac: float) -> list[dict]:
         return train_ex[: max(1, int(frac * len(train_ex)))]
 
-    def trained(examples: list[dict], ids: torch.Tensor, name: str) -> tuple[EagleModel, dict]:
+    def trained(examples: list[dict], ids: torch.Tensor, name: str, frac: float) -> tuple[EagleModel, dict]:
         """Train (or reuse the cached result of the same run: a later invocation adds comparisons
-        without retraining what an earlier one trained) and measure validation acceptance."""
+        without retraining what an earlier one trained) and estimate validation acceptance."""
         settings = [key, name, args.epochs, args.lr, args.batch_tokens, args.steps, args.seed, args.ffn, args.clip,
-                    args.norm_before_residual,
-                    args.warmup, args.weight_decay, args.eval_tokens, args.num_speculative_tokens, len(val_rows)]
+                    args.norm_before_residual, args.warmup, args.weight_decay, args.max_steps, args.train_budget_s, k]
         path, meta = vocab_dir / name, vocab_dir / name / "run.json"
         if meta.exists() and json.loads(meta.read_text())["settings"] == json.loads(json.dumps(settings)):
             log(f"{name}: reusing the trained head in {path}")
             return load_eagle(path, target), json.loads(meta.read_text())["stats"]
-        model, stats = train(target, examples, val_ex, ids, args)
+        model, stats = train(target, examples, val_ex, ids, args, budget_s=args.train_budget_s * frac)
         save_eagle(model, path, torch.float32)
-        stats["accepted_per_step"] = val_acceptance(target, tokenizer, path, val_rows, args) if val_rows else float("nan")
+        stats["accepted_per_step"], stats["per_position"] = chain_estimate(model, val_ex, k, args.batch_tokens)
         stats["tokens"] = sum(e["ids"].numel() for e in examples)
         meta.write_text(json.dumps({"settings": settings, "stats": stats}))
-        log(f"{name}: validation greedy tokens per target step {stats['accepted_per_step']:.2f} (k={args.num_speculative_tokens})")
+        log(f"{name}: validation top-1 per step {[round(x, 3) for x in stats['val'][-1]] if stats['val'] else '-'}; "
+            f"estimated greedy tokens per target step {stats['accepted_per_step']:.2f} (k={k})")
         return model, stats
 
     sizes = [min(int(s), target.cfg.vocab_size) for s in args.draft_vocab.split(",")]
-    vocab_runs, growth = [], []
+    vocab_runs = []
     for size in sizes:
         ids = draft_vocabulary(train_ex, size, target.cfg.vocab_size, eos)
         cov = coverage(train_ex, ids)
         log(f"vocab: V_d={size} covers {cov:.3f} of the training response tokens")
-        run = {"draft_vocab": size, "coverage": cov, "ids": ids, "share": args.vocab_share}
+        run = {"draft_vocab": size, "coverage": cov, "ids": ids, "share": args.vocab_share,
+               "macs": draft_step_macs(target, size, args.ffn)}
         if len(sizes) > 1:
-            _, stats = trained(share_of(args.vocab_share), ids, f"v{size}-share{args.vocab_share:g}")
+            try:
+                _, stats = trained(share_of(args.vocab_share), ids, f"v{size}-share{args.vocab_share:g}", args.vocab_share)
+            except torch.cuda.OutOfMemoryError:  # a full-vocabulary head at a GPU-sized batch
+                log(f"vocab: V_d={size} ran out of GPU memory; left out of the comparison")
+                torch.cuda.empty_cache()
+                continue
             run.update(val_top1=stats["val"][-1] if stats["val"] else [], accepted_per_step=stats["accepted_per_step"],
                        tokens=stats["tokens"])
         vocab_runs.append(run)
-    chosen = max(vocab_runs, key=lambda r: r.get("accepted_per_step", 0.0))
-    why = (f"the most validation tokens per target step when each size was trained on {args.vocab_share:.0%} of the data"
-           if len(sizes) > 1 else "the only size trained in this run")
-    for frac in [float(f) for f in args.fractions.split(",") if f]:
-        if len(sizes) > 1 and frac == args.vocab_share:  # that run is already done
-            growth.append({k: chosen[k] for k in ("tokens", "val_top1", "accepted_per_step")} | {"fraction": frac})
-            continue
-        _, stats = trained(share_of(frac), chosen["ids"], f"v{chosen['draft_vocab']}-share{frac:g}")
-        growth.append({"fraction": frac, "tokens": stats["tokens"], "val_top1": stats["val"][-1],
-                       "accepted_per_step": stats["accepted_per_step"]})
-    model, stats = trained(train_ex, chosen["ids"], f"v{chosen['draft_vocab']}")
+    chosen = max(vocab_runs, key=lambda r: -1.0 if math.isnan(r.get("accepted_per_step", 0.0)) else r.get("accepted_per_step", 0.0))
+    why = (f"the most estimated validation tokens per target step when each size was trained on {args.vocab_share:.0%} "
+           "of the data" if len(sizes) > 1 else "the only size trained in this run")
+    growth = []
+    if len(sizes) > 1:
+        growth.append({k_: chosen[k_] for k_ in ("tokens", "val_top1", "accepted_per_step")} | {"fraction": args.vocab_share})
+    model, stats = trained(train_ex, chosen["ids"], f"v{chosen['draft_vocab']}", 1.0)
     growth.append({"fraction": 1.0, "tokens": stats["tokens"], "val_top1": stats["val"][-1] if stats["val"] else [],
                    "accepted_per_step": stats["accepted_per_step"]})
     if len(sizes) == 1:  # the one size's row is the full run
         chosen.update(val_top1=growth[-1]["val_top1"], accepted_per_step=stats["accepted_per_step"], share=1.0)
 
-    # 6. save (bf16), check, 5. evaluate
+    # 6. save (bf16) and check it loads
     save_eagle(model, args.out)
     saved = load_eagle(args.out, target)
     log(f"saved {args.out} (V_d={model.config.draft_vocab_size})")
-    held_out = eval_prompts(bench, args.eval_per_category)
-    drafts = {"eagle (this head)": str(args.out), "distilled draft": str(REPO_ROOT / "weights" / "draft-smollm2"), "ngram": "ngram"}
-    args.kv_cache_gib = 1.0
-    ev = evaluate_drafts((target, tokenizer), drafts, held_out, args)
     info = {
-        "aux_layers": saved.config.aux_layers, "draft_vocab": model.config.draft_vocab_size,
+        "aux_layers": list(saved.config.aux_layers), "draft_vocab": model.config.draft_vocab_size,
         "bytes": (args.out / "model.safetensors").stat().st_size, "num_rows": len(rows), "max_len": args.max_len,
+        "generator": args.generator, "device_name": device_name(target.device), "self_prompts": self_info,
+        "tf32": target.device.type == "cuda",
+        "answers_per_prompt": args.answers_per_prompt, "max_tokens": args.max_tokens,
         "train_tokens": sum(e["ids"].numel() for e in train_ex),
         "train_response_tokens": sum(e["ids"].numel() - e["prompt_len"] for e in train_ex),
-        "val_ids": sorted(val_idx), "feature_s": feature_s, "steps": args.steps, "lr": args.lr, "clip": args.clip,
+        "val_ids": sorted(val_idx), "val_keys": [rows[i]["key"] for i in sorted(val_idx)], "feature_s": feature_s, "steps": args.steps, "lr": args.lr, "clip": args.clip,
         "batch_tokens": args.batch_tokens, "epochs": args.epochs, "train": stats, "why": why,
-        "vocab_runs": [{k: v for k, v in r.items() if k != "ids"} for r in vocab_runs], "growth": growth,
-        "eval": ev, "k": args.num_speculative_tokens, "vocab_share": args.vocab_share, "val_prompts": len(val_rows), "eval_n": len(held_out), "eval_tokens": args.eval_tokens,
+        "vocab_runs": [{k_: v for k_, v in r.items() if k_ != "ids"} for r in vocab_runs], "growth": growth,
+        "eval": {}, "k": k, "vocab_share": args.vocab_share, "argv": argv, "estimator": "replay",
     }
-    write_card(args.out, argv, info)
+
+    (args.out / "training.json").write_text(json.dumps(info, indent=2, default=str))
+
+    # the data-growth points not trained yet (as time allows)
+    for frac in [float(f) for f in args.fractions.split(",") if f]:
+        if frac in (args.vocab_share, 1.0) and len(sizes) > 1 or frac == 1.0:
+            continue
+        if args.train_budget_s * frac > left() - 30:
+            log(f"growth: no time left for the {frac:.0%} run")
+            continue
+        _, st = trained(share_of(frac), chosen["ids"], f"v{chosen['draft_vocab']}-share{frac:g}", frac)
+        growth.append({"fraction": frac, "tokens": st["tokens"], "val_top1": st["val"][-1] if st["val"] else [],
+                       "accepted_per_step": st["accepted_per_step"]})
+    growth.sort(key=lambda r: r["fraction"])
+    (args.out / "training.json").write_text(json.dumps(info, indent=2, default=str))
+
+    # 5. held-out evaluation with minispec (greedy speculative decoding) and the card
+    if not args.skip_eval:
+        info["eval"] = evaluate_held_out((target, tokenizer), bench, args)
+        (args.out / "training.json").write_text(json.dumps(info, indent=2, default=str))
+    write_card(args.out, info)
     log(f"wrote {args.out / 'README.md'}")
-    (args.cache_dir.parent / "eagle" / "last_run.json").write_text(json.dumps(info, indent=2, default=str))
     return info
+
+
+def evaluate_held_out(target, bench: list[dict], args) -> dict:
+    """Greedy speculative decoding at k on held-out bench prompts: this head, the distilled draft, n-gram."""
+    held_out = eval_prompts(bench, args.eval_per_category)
+    drafts = {"eagle (this head)": str(args.out), "distilled draft": str(args.draft), "ngram": "ngram"}
+    args.kv_cache_gib = 1.0
+    ev = evaluate_drafts(target, drafts, held_out, args)
+    return {"prompts": len(held_out), "tokens": args.eval_tokens, "drafts": ev}
+
+
+def card_only(args, argv: list[str]) -> dict:
+    """--card-only: evaluate the head saved in --out (as training.json describes it) on held-out
+    bench prompts, replay its greedy rounds on the validation answers where the corpus is in
+    --cache-dir (with the saved, bf16 weights), and write its card."""
+    info = json.loads((args.out / "training.json").read_text())
+    target, tokenizer = load_checkpoint(args.target, dtype=torch.float32, device=args.device, backend="torch")
+    bench = read_bench(args)
+    corpus_file = args.cache_dir / "corpus.jsonl"
+    if corpus_file.exists():
+        rows = read_jsonl(corpus_file)
+        by_key = {r["key"]: r for r in rows}
+        # runs before val_keys were recorded: a fresh hf cache lists its rows in the run's order
+        val = [by_key[k] for k in info["val_keys"] if k in by_key] if "val_keys" in info else [rows[i] for i in info["val_ids"]]
+        head = load_eagle(args.out, target)
+        examples = extract_features(target, [r for r in val if r["temperature"] == 0], head.config.aux_layers, info["max_len"])
+        mean, per_position = chain_estimate(head, examples, info["k"])
+        info["val_replay"] = {"answers": len(examples), "accepted_per_step": mean, "per_position": per_position}
+        log(f"validation replay: {mean:.2f} tokens per target step over {len(examples)} greedy answers")
+    info["eval"] = evaluate_held_out((target, tokenizer), bench, args)
+    (args.out / "training.json").write_text(json.dumps(info, indent=2, default=str))
+    write_card(args.out, info)
+    log(f"wrote {args.out / 'README.md'}")
+    return info
+
+
+def read_bench(args) -> list[dict]:
+    return read_jsonl(args.prompts_dir / "bench.jsonl")
+
+
+def draft_step_macs(target: Transformer, draft_vocab: int, ffn: int | None) -> int:
+    """Multiply-adds of one chained draft step (one token): the layer's q/k/v over 2H inputs, o_proj,
+    the SwiGLU MLP and the H x V_d head (fc runs only in the catch-up pass)."""
+    c = target.cfg
+    H, D, I = c.hidden_size, c.head_dim, ffn or c.intermediate_size
+    return 2 * H * (c.num_heads + 2 * c.num_kv_heads) * D + c.num_heads * D * H + 3 * H * I + H * draft_vocab
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({torch.get_num_threads()} threads)"
 
 
 if __name__ == "__main__":
