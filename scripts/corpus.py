@@ -176,11 +176,11 @@ def self_prompts(target, bench: list[dict], args) -> tuple[list[dict], dict]:
     t0 = time.perf_counter()
     if args.generator == "hf":
         ids = tokenizer.encode(header)
-        answers = hf_generate(args.target, [ids] * n, [args.self_prompt_temperature] * n, args.self_prompt_tokens,
-                              args.seed + 1_000_000, args.gen_batch_size, tokenizer.eos_token_ids, args.device)
+        answers = dict(hf_generate(args.target, [ids] * n, [args.self_prompt_temperature] * n, args.self_prompt_tokens,
+                                   args.seed + 1_000_000, args.gen_batch_size, stop_ids(target), args.device))
         outs = [SimpleNamespace(index=i, token_ids=a.ids, finish_reason=a.finish_reason,
                                 text=tokenizer.decode(a.ids[:-1] if a.finish_reason == "eos" else a.ids))
-                for i, a in enumerate(answers)]
+                for i, a in sorted(answers.items())]
     else:
         llm = LLM(model=target, max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
         params = [SamplingParams(temperature=args.self_prompt_temperature, max_tokens=args.self_prompt_tokens,
@@ -205,11 +205,13 @@ class Answer:
 
 
 def hf_generate(model_dir: Path, prompts: list[list[int]], temperatures: list[float], max_tokens: int, seed: int,
-                batch_size: int, eos_ids: list[int], device: str | None = None, budget_s: float = 0.0) -> list[Answer | None]:
+                batch_size: int, eos_ids: list[int], device: str | None = None, budget_s: float = 0.0):
     """Answer token-id prompts with `transformers`' generate (fp32, plain sampling: no top-k/top-p),
     batch_size at a time: prompts grouped by temperature and sorted by length (left padding, so
-    little is padded), batch b seeded with seed + b. Per prompt an Answer cut after its first EOS,
-    or None where budget_s (> 0) had passed before its batch started."""
+    little is padded), the batches run in a seeded random order (so a spent budget leaves out a
+    random share, not the longest or the sampled prompts), batch b seeded with seed + b. Yields,
+    batch by batch, (prompt index, Answer cut after its first EOS); stops starting batches once
+    budget_s (> 0) has passed. A sampled answer depends on its batch's seed, hence on the batch."""
     from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -219,12 +221,12 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], temperatures: list[fl
     for temp in sorted(set(temperatures)):
         members = sorted((i for i in range(len(prompts)) if temperatures[i] == temp), key=lambda i: len(prompts[i]))
         groups += [(temp, members[j : j + batch_size]) for j in range(0, len(members), batch_size)]
-    out: list[Answer | None] = [None] * len(prompts)
-    t0 = time.perf_counter()
+    random.Random(seed).shuffle(groups)
+    t0, done = time.perf_counter(), 0
     for b, (temp, group) in enumerate(groups):
         if budget_s and time.perf_counter() - t0 > budget_s:
-            log(f"hf generate: time budget {budget_s:.0f}s spent; {sum(a is None for a in out)} prompts left unanswered")
-            break
+            log(f"hf generate: time budget {budget_s:.0f}s spent; {len(prompts) - done} prompts left unanswered")
+            return
         width = max(len(prompts[i]) for i in group)
         ids = torch.full((len(group), width), pad, dtype=torch.int64)
         mask = torch.zeros(len(group), width, dtype=torch.int64)
@@ -239,10 +241,15 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], temperatures: list[fl
         for r, i in enumerate(group):
             new = seqs[r, width:].tolist()
             end = next((j for j, t in enumerate(new) if t in eos_ids), None)
-            out[i] = Answer(new[: end + 1], "eos") if end is not None else Answer(new, "length")
-        done = sum(a is not None for a in out)
+            yield i, (Answer(new[: end + 1], "eos") if end is not None else Answer(new, "length"))
+        done += len(group)
         log(f"hf generate: {done}/{len(prompts)} answered ({time.perf_counter() - t0:.0f}s)")
-    return out
+
+
+def stop_ids(target) -> list[int]:
+    """The ids minispec's engine stops at: the config's EOS ids and the tokenizer's."""
+    model, tokenizer = target
+    return sorted(set(model.cfg.eos_token_ids) | set(tokenizer.eos_token_ids))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,8 +258,9 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], temperatures: list[fl
 
 def sampling_plan(prompts: list[dict], args) -> list[SamplingParams]:
     """One SamplingParams per prompt: greedy with probability greedy_fraction (only the first time
-    a prompt text appears: a repeat would repeat its answer), else temperature sampling; every
-    request also returns the target's top `soft_top_k` log-probabilities (the soft labels)."""
+    a prompt text appears: a repeat would repeat its answer), else temperature sampling; with
+    minispec's engine every request also returns the target's top `soft_top_k` log-probabilities
+    (the soft labels; transformers' generate, --generator hf, returns none)."""
     rng = random.Random(args.seed)
     plan, seen = [], set()
     for i, p in enumerate(prompts):
@@ -288,17 +296,19 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path, generate
         + (f", {too_long} prompts skipped (prompt + max_tokens > the target's context {context})" if too_long else "")
         + ("" if generate else f" ({len(prompt_ids)} not cached are left out: cached rows only)"))
     if todo and args.generator == "hf":
-        t0 = time.perf_counter()
-        answers = hf_generate(args.target, [prompt_ids[i] for i in todo], [plan[i].temperature for i in todo], args.max_tokens,
-                              args.seed, args.gen_batch_size, tokenizer.eos_token_ids, args.device, args.generate_budget_s)
-        gen_s = (time.perf_counter() - t0) / max(1, sum(a is not None for a in answers))
-        with path.open("a") as f:
-            for i, a in zip(todo, answers):
-                if a is not None:
-                    cached[keys[i]] = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
-                                       "prompt_ids": prompt_ids[i], "output_ids": a.ids, "gen_s": gen_s}
-                    f.write(json.dumps(cached[keys[i]]) + "\n")
-        new_tokens = sum(len(a.ids) for a in answers if a is not None)
+        t0 = last = time.perf_counter()
+        new_tokens = 0
+        with path.open("a") as f:  # rows written as each batch finishes: a killed run keeps them
+            for j, a in hf_generate(args.target, [prompt_ids[i] for i in todo], [plan[i].temperature for i in todo],
+                                    args.max_tokens, args.seed, args.gen_batch_size, stop_ids(target), args.device,
+                                    args.generate_budget_s):
+                i = todo[j]
+                cached[keys[i]] = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
+                                   "prompt_ids": prompt_ids[i], "output_ids": a.ids, "gen_s": time.perf_counter() - last}
+                last = time.perf_counter()
+                f.write(json.dumps(cached[keys[i]]) + "\n")
+                f.flush()
+                new_tokens += len(a.ids)
         log(f"corpus: {len(cached)} responses, {new_tokens} new tokens in {time.perf_counter() - t0:.0f}s")
     elif todo:
         llm = LLM(model=(model, tokenizer), max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)

@@ -569,6 +569,8 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.generator != "minispec":  # the distillation loss needs the soft labels only minispec's engine writes
+        raise SystemExit("distill.py needs --generator minispec (transformers' generate writes no soft labels)")
     torch.set_num_threads(args.threads)
     args.naive_layers = args.naive_layers or args.layers
     default_target(args)

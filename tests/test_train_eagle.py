@@ -39,9 +39,10 @@ def one_hot_drafter(argmax: torch.Tensor, wrong: set[tuple[int, int]]):
 
 
 def test_chain_estimate_replays_greedy_rounds(monkeypatch):
-    """An 8-token greedy row with a 2-token prompt, k = 4, proposals right except step 1 at
-    index 1: the first round (at index 1) accepts 1 token + the bonus, the second (index 3)
-    accepts 3 (none past the row's end) + the bonus: 6 tokens in 2 rounds. A sampled row is ignored."""
+    """An 8-token greedy row with a 2-token prompt (answer at indices 2..7), k = 4. Rounds start at
+    index 0 (the first answer token is drafted too) and never propose the last token (index 7).
+    Right proposals except step 1 of the first round: rounds at 0 (n = 1) and 2 (n = 3, stopped
+    before index 7), 6 answer tokens in 2 rounds. A sampled row is ignored."""
     te = script("train_eagle")
     ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
     argmax = torch.tensor([2, 3, 4, 5, 6, 7, 8, 9])  # greedy: token t+1 is the argmax at t
@@ -49,12 +50,14 @@ def test_chain_estimate_replays_greedy_rounds(monkeypatch):
     sampled = dict(row, argmax=torch.full((8,), 5), greedy=False)
     model = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(layer=SimpleNamespace(hidden_size=1)),
                             fc=SimpleNamespace(in_features=3), draft_to_target=lambda x: x)
-    monkeypatch.setattr(te, "unrolled_logits", one_hot_drafter(argmax, wrong={(1, 1)}))
+    monkeypatch.setattr(te, "unrolled_logits", one_hot_drafter(argmax, wrong={(1, 0)}))
     mean, per_position = te.chain_estimate(model, [dict(row, greedy=True), sampled], k=4)
-    assert mean == pytest.approx(6 / 2)
+    assert mean == pytest.approx(1 + (1 + 3) / 2)
     assert per_position == pytest.approx([2 / 2, 1 / 2, 1 / 1, 0 / 1])  # P(n > i | n >= i) over the rounds n = 1, 3
     monkeypatch.setattr(te, "unrolled_logits", one_hot_drafter(argmax, wrong=set()))
-    assert te.chain_estimate(model, [dict(row, greedy=True)], k=4)[0] == pytest.approx(6 / 2)  # rounds at 1 (n=4), 6 (n=0)
+    assert te.chain_estimate(model, [dict(row, greedy=True)], k=4)[0] == pytest.approx(1 + 4 / 2)  # n = 4 at 0, 0 at 5
+    short = dict(row, ids=ids[:3], argmax=argmax[:3], features=torch.zeros(3, 3), last=torch.zeros(3, 1), greedy=True)
+    assert te.chain_estimate(model, [short], k=4) == (1.0, [0.0] * 4)  # one answer token: one round, nothing drafted
 
 
 def test_hf_generate_writes_the_targets_greedy_answers(tiny_llama):
@@ -62,14 +65,16 @@ def test_hf_generate_writes_the_targets_greedy_answers(tiny_llama):
     greedy answer, cut after EOS the same way; a spent time budget leaves prompts unanswered."""
     corpus = script("corpus")
     model, tokenizer = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-    eos = model.cfg.eos_token_ids or tokenizer.eos_token_ids
+    eos = corpus.stop_ids((model, tokenizer))
     prompts = [tokenizer.encode(t) for t in ("hello world", "the quick brown fox jumps", "a", "to be or not to be, that")]
-    answers = corpus.hf_generate(tiny_llama, prompts, [0.0] * len(prompts), 10, seed=0, batch_size=2, eos_ids=eos, device="cpu")
+    answers = dict(corpus.hf_generate(tiny_llama, prompts, [0.0] * len(prompts), 10, seed=0, batch_size=2, eos_ids=eos,
+                                      device="cpu"))
     expected = LLM(model=str(tiny_llama), kv_cache_gib=0.01).generate(prompts, SamplingParams(temperature=0, max_tokens=10))
-    assert [(a.ids, a.finish_reason) for a in answers] == [(o.token_ids, o.finish_reason) for o in expected]
+    assert sorted(answers) == list(range(len(prompts)))
+    assert [(answers[i].ids, answers[i].finish_reason) for i in range(len(prompts))] == [(o.token_ids, o.finish_reason) for o in expected]
     late = corpus.hf_generate(tiny_llama, prompts, [0.8] * len(prompts), 4, seed=0, batch_size=2, eos_ids=eos,
                               device="cpu", budget_s=1e-9)
-    assert late == [None] * len(prompts)
+    assert list(late) == []
 
 
 def test_pipeline_end_to_end_with_the_hf_generator(checkpoint_factory, tiny_llama_draft, tmp_path):
