@@ -368,17 +368,19 @@ class EagleDrafter:
                 sampled = self.draft_ids[best]  # [n] target ids
                 own = logits.softmax(-1).gather(-1, best[:, None]).squeeze(-1) if self.confidence_threshold else None
             else:  # unusable rows draw no random number, so the host needs `ok` before sampling
-                full = logits.new_full((logits.shape[0], V), float("-inf"))  # [n, V]
-                full[:, self.draft_ids] = logits
-                q = warp_probs(full, [seqs[b].params for b in active])  # [n, V], 0 outside the draft vocab
-                sampled = sample(q, [seqs[b].generator if u else None for b, u in zip(active, ok.tolist())])  # [n]
-                own = full.softmax(-1).gather(-1, sampled[:, None]).squeeze(-1) if self.confidence_threshold else None
+                # q over the draft vocabulary: what warping the full row (-inf outside it) gives there,
+                # since the warp depends on the distribution only; sampling by inverse CDF over the
+                # ascending draft ids draws what the full row would (its CDF is flat outside them).
+                q = warp_probs(logits, [seqs[b].params for b in active])  # [n, V_d]
+                drawn = sample(q, [seqs[b].generator if u else None for b, u in zip(active, ok.tolist())])  # [n] draft ids
+                sampled = self.draft_ids[drawn]  # [n] target ids
+                own = logits.softmax(-1).gather(-1, drawn[:, None]).squeeze(-1) if self.confidence_threshold else None
             sampled, usable, confident = to_host(sampled, ok, None if own is None else own >= self.confidence_threshold)
             for row, (b, t) in enumerate(zip(active, sampled)):
                 if usable[row]:
                     draft_lists[b].append(t)
                     if not greedy:
-                        draft_probs[b, i] = q[row]
+                        draft_probs[b, i, self.draft_ids] = q[row]  # 0 outside the draft vocabulary
             # 2. Chained: the next position reads the drafted token and this step's own output g.
             keep = [row for row, (b, c, u) in enumerate(zip(active, confident, usable)) if c and u and num_draft[b] > i + 1]
             if not keep:
