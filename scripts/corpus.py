@@ -295,44 +295,37 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path, generate
     log(f"corpus: {len(prompts) - len(prompt_ids)} responses cached in {path}, {len(todo)} to generate"
         + (f", {too_long} prompts skipped (prompt + max_tokens > the target's context {context})" if too_long else "")
         + ("" if generate else f" ({len(prompt_ids)} not cached are left out: cached rows only)"))
-    if todo and args.generator == "hf":
-        t0 = last = time.perf_counter()
-        new_tokens = 0
-        with path.open("a") as f:  # rows written as each batch finishes: a killed run keeps them
+    def finished():
+        """(index into todo, answer ids) as requests finish; minispec's engine also leaves the soft labels."""
+        if args.generator == "hf":
             for j, a in hf_generate(args.target, [prompt_ids[i] for i in todo], [plan[i].temperature for i in todo],
                                     args.max_tokens, args.seed, args.gen_batch_size, stop_ids(target), args.device,
                                     args.generate_budget_s):
-                i = todo[j]
-                cached[keys[i]] = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
-                                   "prompt_ids": prompt_ids[i], "output_ids": a.ids, "gen_s": time.perf_counter() - last}
-                last = time.perf_counter()
-                f.write(json.dumps(cached[keys[i]]) + "\n")
-                f.flush()
-                new_tokens += len(a.ids)
-        log(f"corpus: {len(cached)} responses, {new_tokens} new tokens in {time.perf_counter() - t0:.0f}s")
-    elif todo:
+                yield j, a.ids
+            return
         llm = LLM(model=(model, tokenizer), max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
-        tokens = [[] for _ in todo]
-        soft = [[] for _ in todo]
-        t0, new_tokens, done = time.perf_counter(), 0, 0
-        last = t0
-        with path.open("a") as f:
-            for ev in llm.stream([prompt_ids[i] for i in todo], [plan[i] for i in todo]):
-                tokens[ev.index] += ev.new_token_ids
-                soft[ev.index] += ev.new_logprobs
-                new_tokens += len(ev.new_token_ids)
-                if not ev.finished:
-                    continue
-                i, done = todo[ev.index], done + 1
-                save_soft_labels(soft_dir / f"{keys[i]}.safetensors", soft[ev.index], args.soft_top_k)
+        tokens, soft = [[] for _ in todo], [[] for _ in todo]
+        for ev in llm.stream([prompt_ids[i] for i in todo], [plan[i] for i in todo]):
+            tokens[ev.index] += ev.new_token_ids
+            soft[ev.index] += ev.new_logprobs
+            if ev.finished:
+                save_soft_labels(soft_dir / f"{keys[todo[ev.index]]}.safetensors", soft[ev.index], args.soft_top_k)
+                yield ev.index, tokens[ev.index]
+                tokens[ev.index] = soft[ev.index] = None
+
+    if todo:
+        t0 = last = time.perf_counter()
+        new_tokens = done = 0
+        with path.open("a") as f:  # each row written as its request finishes: a killed run keeps it
+            for j, output_ids in finished():
+                i, done, new_tokens = todo[j], done + 1, new_tokens + len(output_ids)
                 row = {"key": keys[i], "id": prompts[i]["id"], "temperature": plan[i].temperature,
-                       "prompt_ids": prompt_ids[i], "output_ids": tokens[ev.index],
+                       "prompt_ids": prompt_ids[i], "output_ids": output_ids,
                        "gen_s": time.perf_counter() - last}  # time since the previous row: they sum to the run's time
                 last = time.perf_counter()
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 cached[keys[i]] = row
-                tokens[ev.index] = soft[ev.index] = None
                 if done % args.log_every_responses == 0 or done == len(todo):
                     dt = time.perf_counter() - t0
                     log(f"corpus: {done}/{len(todo)} new responses, {new_tokens} tokens in {dt:.0f}s "

@@ -314,8 +314,7 @@ def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_i
         model.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
         model.norm.weight.copy_(target.norm.weight)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     rng = random.Random(args.seed + 1)
     plan = [batches(train_ex, args.batch_tokens, rng) for _ in range(args.epochs)]
     total_steps = sum(len(p) for p in plan)
@@ -350,11 +349,7 @@ def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_i
                 break
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            loss, stats, losses = ttt_loss(model, target, group, args.steps)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, args.clip)
-            opt.step()
+            loss, stats = optimizer_step(model, target, opt, group, args)
             window.append((loss.item(), stats[0][0], stats[-1][0]))
             step += 1
             if bar:
@@ -377,6 +372,16 @@ def train(target: Transformer, train_ex: list[dict], val_ex: list[dict], draft_i
     return model, {"curve": curve, "val": val_curve, "steps": total_steps, "seconds": time.perf_counter() - t0}
 
 
+def optimizer_step(model: EagleModel, target: Transformer, opt: torch.optim.Optimizer, group: list[dict], args):
+    """One step of the training-time test on a batch (gradients clipped); returns (loss, per-step stats)."""
+    loss, stats, _ = ttt_loss(model, target, group, args.steps)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], args.clip)
+    opt.step()
+    return loss, stats
+
+
 def time_steps(model: EagleModel, target: Transformer, groups: list[list[dict]], args, n: int = 6) -> float:
     """Seconds per training step on a copy of model (the first of n steps is not counted)."""
     clone = copy.deepcopy(model)
@@ -388,10 +393,7 @@ def time_steps(model: EagleModel, target: Transformer, groups: list[list[dict]],
         if j == skip:
             synchronize(model.device)
             t0 = time.perf_counter()
-        loss, _, _ = ttt_loss(clone, target, group, args.steps)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        optimizer_step(clone, target, opt, group, args)
     synchronize(model.device)
     return (time.perf_counter() - t0) / (len(groups) - skip)
 
@@ -459,7 +461,7 @@ Use: `LLM(model=target, draft_model="weights/eagle-smollm2")` or `python bench.p
 ## Data
 
 {data}; cut to {info['max_len']} tokens: {info['train_tokens']:,} training tokens
-({info['train_response_tokens']:,} in responses); {len(info['val_ids'])} answers held out for validation.
+({info['train_response_tokens']:,} in responses); {len(info['val_keys'])} answers held out for validation.
 Features: one fp32 teacher-forced target forward per sequence ({info['feature_s']:.0f}s).
 
 ## Training
@@ -684,17 +686,17 @@ def main(argv: list[str] | None = None) -> dict:
         "self_prompt_temperature": args.self_prompt_temperature,
         "train_tokens": sum(e["ids"].numel() for e in train_ex),
         "train_response_tokens": sum(e["ids"].numel() - e["prompt_len"] for e in train_ex),
-        "val_ids": sorted(val_idx), "val_keys": [rows[i]["key"] for i in sorted(val_idx)], "feature_s": feature_s, "steps": args.steps, "lr": args.lr, "clip": args.clip,
+        "val_keys": [rows[i]["key"] for i in sorted(val_idx)], "feature_s": feature_s, "steps": args.steps, "lr": args.lr, "clip": args.clip,
         "batch_tokens": args.batch_tokens, "epochs": args.epochs, "train": stats, "why": why,
         "vocab_runs": [{k_: v for k_, v in r.items() if k_ != "ids"} for r in vocab_runs], "growth": growth,
         "eval": {}, "k": k, "vocab_share": args.vocab_share, "argv": argv,
     }
 
-    (args.out / "training.json").write_text(json.dumps(info, indent=2, default=str))
+    write_info(args.out, info)
 
     # the data-growth points not trained yet (as time allows)
     for frac in [float(f) for f in args.fractions.split(",") if f]:
-        if frac in (args.vocab_share, 1.0) and len(sizes) > 1 or frac == 1.0:
+        if frac in {g["fraction"] for g in growth}:  # trained above
             continue
         if args.train_budget_s * frac > left() - 30:
             log(f"growth: no time left for the {frac:.0%} run")
@@ -703,12 +705,12 @@ def main(argv: list[str] | None = None) -> dict:
         growth.append({"fraction": frac, "tokens": st["tokens"], "val_top1": st["val"][-1] if st["val"] else [],
                        "accepted_per_step": st["accepted_per_step"]})
     growth.sort(key=lambda r: r["fraction"])
-    (args.out / "training.json").write_text(json.dumps(info, indent=2, default=str))
+    write_info(args.out, info)
 
     # 5. held-out evaluation with minispec (greedy speculative decoding) and the card
     if not args.skip_eval:
         info["eval"] = evaluate_held_out((target, tokenizer), bench, args)
-        (args.out / "training.json").write_text(json.dumps(info, indent=2, default=str))
+        write_info(args.out, info)
     write_card(args.out, info)
     log(f"wrote {args.out / 'README.md'}")
     return info
@@ -729,7 +731,7 @@ def card_only(args, argv: list[str]) -> dict:
     --cache-dir (with the saved, bf16 weights), and write its card."""
     info = json.loads((args.out / "training.json").read_text())
     target, tokenizer = load_checkpoint(args.target, dtype=torch.float32, device=args.device, backend="torch")
-    bench = read_bench(args)
+    bench = read_jsonl(args.prompts_dir / "bench.jsonl")
     corpus_file = args.cache_dir / "corpus.jsonl"
     if corpus_file.exists():
         by_key = {r["key"]: r for r in read_jsonl(corpus_file)}
@@ -740,14 +742,15 @@ def card_only(args, argv: list[str]) -> dict:
         info["val_replay"] = {"answers": len(examples), "accepted_per_step": mean, "per_position": per_position}
         log(f"validation replay: {mean:.2f} tokens per target step over {len(examples)} greedy answers")
     info["eval"] = evaluate_held_out((target, tokenizer), bench, args)
-    (args.out / "training.json").write_text(json.dumps(info, indent=2, default=str))
+    write_info(args.out, info)
     write_card(args.out, info)
     log(f"wrote {args.out / 'README.md'}")
     return info
 
 
-def read_bench(args) -> list[dict]:
-    return read_jsonl(args.prompts_dir / "bench.jsonl")
+def write_info(out: Path, info: dict) -> None:
+    """training.json beside the head: every number its card shows."""
+    (out / "training.json").write_text(json.dumps(info, indent=2, default=str))
 
 
 def draft_step_macs(target: Transformer, draft_vocab: int, ffn: int | None) -> int:
