@@ -116,6 +116,14 @@ def load_prompts(args, target) -> tuple[list[dict], list[dict], list[dict], dict
         else:  # a hand-made file: how many were asked for and how long it took are unknown
             self_info = {"asked": len(own), "kept": len(own), "seconds": 0.0}
         log(f"self-prompts: read {len(own)} from {self_path}")
+        if self_meta.exists() and args.num_self_prompts > self_info["asked"]:
+            # more asked for than the file holds: the missing messages are written and appended, so
+            # the rows already there (and the corpus answers keyed by their position) stay as they are
+            more, more_info = self_prompts(target, bench, args, start=self_info["asked"], known={p["prompt"] for p in own})
+            own += more
+            self_info = {"asked": more_info["asked"], "kept": len(own), "seconds": self_info["seconds"] + more_info["seconds"]}
+            make_prompts.write_jsonl(self_path, own)
+            self_meta.write_text(json.dumps(self_info) + "\n")
     prompts = [p for p in prompts + own for _ in range(args.answers_per_prompt)]
     return prompts, train_prompts, bench, self_info
 
@@ -147,11 +155,11 @@ def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def keep_self_prompts(outputs, bench: list[dict]) -> list[dict]:
+def keep_self_prompts(outputs, bench: list[dict], known: set[str] = frozenset()) -> list[dict]:
     """The messages (RequestOutputs) that the target closed itself (EOS), non-empty, first of their
-    text, and sharing no 5-word sequence with a bench prompt, as prompt rows."""
+    text (and not in `known`), and sharing no 5-word sequence with a bench prompt, as prompt rows."""
     bench_grams = set().union(*(word_ngrams(p["prompt"], 5) for p in bench))
-    rows, seen = [], set()
+    rows, seen = [], set(known)
     for o in outputs:
         text = o.text.strip()
         if o.finish_reason != "eos" or not text or text in seen or word_ngrams(text, 5) & bench_grams:
@@ -161,37 +169,40 @@ def keep_self_prompts(outputs, bench: list[dict]) -> list[dict]:
     return rows
 
 
-def self_prompts(target, bench: list[dict], args) -> tuple[list[dict], dict]:
+def self_prompts(target, bench: list[dict], args, start: int = 0, known: set[str] = frozenset()) -> tuple[list[dict], dict]:
     """Prompts written by the target (Magpie, Xu et al. 2024): fed only its chat template up to a
     user turn's header, an instruction-tuned model writes a user's message; sampled at
     temperature --self-prompt-temperature these are far more varied than templated prompts.
-    Filtered by `keep_self_prompts`. Returns (rows {id, category: "self", prompt}, counts)."""
+    Messages start .. --num-self-prompts - 1 are written (start > 0 extends an earlier file: message
+    i is seeded as in a single run, ids go on from start), filtered by `keep_self_prompts` (texts in
+    `known` are repeats). Returns (rows {id, category: "self", prompt}, counts)."""
     _, tokenizer = target
     if not tokenizer.chat_template:
         log("self-prompts: the target has no chat template, none written")
-        return [], {"asked": 0, "kept": 0, "seconds": 0.0}
+        return [], {"asked": start, "kept": 0, "seconds": 0.0}
     header = user_turn_header(tokenizer)
-    n = args.num_self_prompts
+    n = args.num_self_prompts - start
     log(f"self-prompts: the target writes {n} user messages, {args.gen_batch_size} at a time")
     t0 = time.perf_counter()
-    if args.generator == "hf":
+    if args.generator == "hf":  # batch b seeded with seed + b: the extension's batches follow the earlier ones'
         ids = tokenizer.encode(header)
         answers = dict(hf_generate(args.target, [ids] * n, [args.self_prompt_temperature] * n, args.self_prompt_tokens,
-                                   args.seed + 1_000_000, args.gen_batch_size, stop_ids(target), args.device))
-        outs = [SimpleNamespace(index=i, token_ids=a.ids, finish_reason=a.finish_reason,
+                                   args.seed + 1_000_000 + start, args.gen_batch_size, stop_ids(target), args.device))
+        outs = [SimpleNamespace(index=start + i, token_ids=a.ids, finish_reason=a.finish_reason,
                                 text=tokenizer.decode(a.ids[:-1] if a.finish_reason == "eos" else a.ids))
                 for i, a in sorted(answers.items())]
     else:
         llm = LLM(model=target, max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
         params = [SamplingParams(temperature=args.self_prompt_temperature, max_tokens=args.self_prompt_tokens,
-                                 seed=args.seed + 1_000_000 + i) for i in range(n)]
-        outs = llm.generate([header] * n, params)
+                                 seed=args.seed + 1_000_000 + start + i) for i in range(n)]
+        outs = [SimpleNamespace(index=start + o.index, token_ids=o.token_ids, finish_reason=o.finish_reason, text=o.text)
+                for o in llm.generate([header] * n, params)]
     seconds = time.perf_counter() - t0
-    rows = keep_self_prompts(outs, bench)
+    rows = keep_self_prompts(outs, bench, known)
     tokens = sum(len(o.token_ids) for o in outs)
     log(f"self-prompts: the target wrote {n} user messages ({tokens} tokens, {seconds:.0f}s, "
         f"{tokens / seconds:.1f} tok/s); kept {len(rows)}")
-    return rows, {"asked": n, "kept": len(rows), "seconds": seconds}
+    return rows, {"asked": start + n, "kept": len(rows), "seconds": seconds}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -262,3 +262,30 @@ def test_fused_kl_head_matches_autograd(k, hard_weight):
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want)
     assert kl.min() >= -1e-9 and grads[0].abs().sum() > 0
+
+
+def test_asking_for_more_self_prompts_extends_the_file_as_one_run_would_have_written_it(tmp_path):
+    """--num-self-prompts above what self.json says was asked writes only the missing messages and
+    appends them: with minispec's engine (message i seeded seed + 1e6 + i) 3 then 6 gives the same
+    rows, ids and counts as 6 at once, so corpus answers keyed by the earlier rows stay valid. (One
+    request at a time: a sampled fp32 message may change with its batch's size, as GEMM rounding
+    does; the int8 path is the bitwise batch-invariant one.)"""
+    from types import SimpleNamespace
+
+    draft = minispec.load_checkpoint(Path(__file__).resolve().parents[1] / "weights" / "draft-smollm2",
+                                     dtype=torch.float32, device="cpu")
+
+    def prompts_for(n: int, name: str) -> tuple[list[dict], dict]:
+        args = SimpleNamespace(prompts_dir=SCRIPTS.parent / "weights" / "prompts", rebuild_prompts=False, num_generate=0,
+                               self_prompts_file=tmp_path / name, num_self_prompts=n, answers_per_prompt=1, seed=3,
+                               generator="minispec", gen_batch_size=1, kv_cache_gib=0.05, self_prompt_tokens=40,
+                               self_prompt_temperature=1.0, target=None, device="cpu")
+        _, _, _, info = corpus.load_prompts(args, draft)
+        return make_prompts.read_jsonl(tmp_path / name), info
+
+    once, once_info = prompts_for(6, "once.jsonl")
+    prompts_for(3, "twice.jsonl")
+    twice, twice_info = prompts_for(6, "twice.jsonl")
+    assert once and twice == once
+    assert once_info["asked"] == twice_info["asked"] == 6 and once_info["kept"] == twice_info["kept"] == len(once)
+    assert len({p["id"] for p in once}) == len(once)
