@@ -648,6 +648,10 @@ def plan(args, gpu: bool) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.json:  # refused or its folder made now, not after minutes of timing
+        if args.json.is_dir():
+            raise SystemExit(f"--json {args.json}: is a directory; give the path of a file to write")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
     if args.kernels:
         from minispec_kernels.bench_kernels import main as kernels_main
 

@@ -75,8 +75,8 @@ def check_plots(result: dict, folder: Path) -> None:
 
 def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle, tmp_path, capsys):
     """--quick on a tiny target/draft pair and EAGLE head: every row with its interval, the JSON
-    file, the plots beside it, the correctness line."""
-    out = tmp_path / "bench.json"
+    file (its folder made), the plots beside it, the correctness line."""
+    out = tmp_path / "new" / "bench.json"
     result = bench.main(
         ["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
          "--eagle", str(tiny_llama_eagle), "--eagle-ks", "3",
@@ -85,7 +85,7 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
     )
     check_result(result, {"greedy", "sampled"}, {1, 2}, {"draft", "eagle", "adaptive", "ngram"})
     assert {r["k"] for r in result["rows"] if r["drafter"] == "eagle"} == {3}
-    check_plots(result, tmp_path)
+    check_plots(result, tmp_path / "new")
     assert result["dtype"] == "float32"
     assert json.loads(out.read_text())["rows"] == result["rows"]
     printed = capsys.readouterr().out
@@ -140,6 +140,7 @@ def test_quick_bench_on_default_pair(tmp_path):
     (["--drafters", "draft,medusa"], "--drafters: unknown medusa"),
     (["--modes", "beam"], "--modes: use greedy and/or sampled"),
     (["--drafters", "eagle", "--eagle", "weights/draft-smollm2"], "not an EAGLE-3 checkpoint directory"),
+    (["--json", "weights"], "--json weights: is a directory"),
 ])
 def test_bad_options_are_named(argv, message):
     with pytest.raises(SystemExit, match=message):
