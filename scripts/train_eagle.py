@@ -37,7 +37,10 @@ Run: python scripts/train_eagle.py --threads 2     (CPU: sizes 4096 and 8192 com
          --num-self-prompts 12288 --gen-batch-size 1024 --max-tokens 256 --generate-budget-s 120 \
          --batch-tokens 16384 --feature-chunk-tokens 8192 --epochs 10 --train-budget-s 100 --max-len 512 \
          --draft-vocab 4096,8192 --vocab-share 0.25 --fractions 0.25,0.5 --skip-eval
-                                                   (one H200, about 7 minutes: the run in README's status)
+                                                    (one H200, about 7 minutes), then the same command with
+                                                    --num-self-prompts 16384 (4,096 more self-prompts, appended):
+                                                    the cached answers are kept, 120 s more are written, and
+                                                    everything is trained again (about 8 minutes): the shipped head
      python scripts/train_eagle.py --card-only --cache-dir weights/cache/eagle-gpu/corpus   (then, on CPU)
      python scripts/train_eagle.py --num-generate 8 --max-tokens 16 --epochs 1 --out /tmp/e   (smoke)
 """
@@ -419,7 +422,10 @@ def write_card(out: Path, info: dict) -> None:
     growth = "\n".join(
         f"| {r['fraction']:.0%} | {r['tokens']:,} | {', '.join(f'{x:.3f}' for x in r['val_top1'])} | {r['accepted_per_step']:.2f} |"
         for r in info["growth"])
-    curve = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {c['top1_step0']:.3f} |" for c in info["train"]["curve"])
+    points = info["train"]["curve"]
+    every = max(1, math.ceil(len(points) / 24))  # at most ~24 rows, the last one always
+    curve = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {c['top1_step0']:.3f} |"
+                      for i, c in enumerate(points) if i % every == every - 1 or i == len(points) - 1)
     sp = info["self_prompts"]
     est = "est. tokens per target step"
     how = ("estimated by replaying greedy decoding's rounds teacher-forced on the greedy validation answers "
@@ -432,7 +438,7 @@ def write_card(out: Path, info: dict) -> None:
                    f"(P(n > i | n >= i)).\n" if replay else "")
     if info["generator"] == "hf":
         data = (f"{info['num_rows']} target answers written for this head (`scripts/corpus.py --generator hf`: "
-                f"`transformers`' batched generate on {info['device_name']}, fp32): {info['answers_per_prompt']} answers per "
+                f"`transformers`' batched generate on {info['device_name']}, fp32): {info['answers_per_prompt']} answer{'s' if info['answers_per_prompt'] > 1 else ''} per "
                 f"prompt (the first greedy for a share {info['greedy_fraction']:g} of the prompts, the rest sampled at "
                 f"temperature {info['temperature']:g}, plain sampling), at most {info['max_tokens']} tokens, to "
                 f"`weights/prompts/train.jsonl` and {sp['kept']} user messages the target wrote itself from its bare chat "
@@ -442,6 +448,11 @@ def write_card(out: Path, info: dict) -> None:
         data = (f"{info['num_rows']} target answers from the shared corpus (`scripts/corpus.py`: the same cached rows "
                 f"`scripts/distill.py` trains on; greedy and temperature-0.8 answers to `weights/prompts/train.jsonl` "
                 f"and self-written prompts, none sharing a subject with the bench prompts)")
+    # the runs that built the cached corpus this one extended (training.json "earlier_runs"), then this run
+    commands = "\n".join(f"python scripts/train_eagle.py {' '.join(a)}" for a in [*info.get("earlier_runs", []), info["argv"]])
+    if replay or ev:
+        cache = info["argv"][info["argv"].index("--cache-dir") + 1] if "--cache-dir" in info["argv"] else None
+        commands += "\npython scripts/train_eagle.py --card-only" + (f" --cache-dir {cache}" if cache else "") + "   # on the CPU"
     text = f"""---
 license: apache-2.0
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -473,7 +484,7 @@ vocabulary, step weights 0.8^i; AdamW lr {info['lr']} (betas 0.9/0.95), warmup +
 (at most {info['epochs']} epochs), {'fp32 with TF32 matmuls' if info.get('tf32') else 'fp32'} on {info['device_name']} ({info['train']['seconds'] / 60:.1f} min).
 The lm_head starts from the target's head rows of the draft vocabulary, the final norm from the target's.
 
-Loss curve (mean over each logging window):
+Loss curve (each row: the mean over the logging window ending at that step):
 
 | step | loss | top-1 at step 0 |
 | --- | --- | --- |
@@ -508,14 +519,14 @@ Greedy speculative decoding with minispec, k = {k}, {ev.get('prompts', 0)} bench
 (subjects never trained on), {ev.get('tokens', 0)} tokens each; tokens per target step include
 the bonus token:
 
-| drafter | tokens per target step | acceptance | per position |
+| drafter | tokens per target step | acceptance | per position, P(n > i) |
 | --- | --- | --- | --- |
 {table}
 
 ## Command
 
 ```
-python scripts/train_eagle.py {' '.join(info['argv'])}
+{commands}
 ```
 """
     (out / "README.md").write_text(text)
