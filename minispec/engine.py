@@ -9,6 +9,7 @@ at once, so waiting requests join on the next step; when pages run out the sched
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from .kv_cache import KVPoolExhausted
@@ -87,7 +88,9 @@ class LLMEngine:
         seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.target.device)
                 for i, (ids, params) in enumerate(requests)]
         self._next_id += len(seqs)
+        now = time.perf_counter()
         for seq in seqs:
+            seq.metrics.arrival_s = now
             self.scheduler.add(seq)
         return seqs
 
@@ -105,10 +108,14 @@ class LLMEngine:
             return []
         before = [len(s.output_ids) for s in seqs]
         verdicts = speculative_step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
+        now = time.perf_counter()  # the step's tokens are on the host: TTFT / TPOT stamps
         outputs = []
         for s, n, (drafted, num_accepted) in zip(seqs, before, verdicts):
             done = s.finish_reason is not None
+            if n == 0 and s.output_ids:
+                s.metrics.first_token_s = now
             if done:
+                s.metrics.finish_s = now
                 self.scheduler.finish(s)
             outputs.append(StepOutput(s, s.output_ids[n:], done, drafted, num_accepted))
         return outputs

@@ -3,6 +3,9 @@
 acceptance rate            = accepted draft tokens / drafted tokens
 mean accepted per step     = tokens emitted per target forward = 1 + accepted / steps
 per-position acceptance[i] = steps whose i-th draft was accepted / steps that drafted an i-th token
+TTFT (time to first token) = first token's time - the request's arrival (queueing and prefill)
+TPOT (time per output token after the first) = (finish - first token) / (tokens - 1): the decode
+                             speed a request sees, which speculation changes and prefill does not
 
 The counts are the rejection sampler's decisions. In a request's last step, EOS, a stop string or
 max_tokens may cut the accepted run short, so tokens emitted can be fewer than accepted + 1 there.
@@ -23,6 +26,9 @@ class RequestMetrics:
     num_accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    arrival_s: float | None = None  # time.perf_counter() when the request was added
+    first_token_s: float | None = None  # ... when the step emitting its first token ended
+    finish_s: float | None = None  # ... when the step finishing it ended
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -43,6 +49,19 @@ class RequestMetrics:
         """Tokens emitted per target forward pass: 1 + accepted/steps (the +1 is the recovered or bonus token)."""
         return 1 + self.num_accepted / self.num_steps if self.num_steps else 0.0
 
+    def ttft_s(self) -> float | None:
+        """Time to first token (None before it)."""
+        if self.arrival_s is None or self.first_token_s is None:
+            return None
+        return self.first_token_s - self.arrival_s
+
+    def tpot_s(self, num_generated: int) -> float | None:
+        """Time per output token after the first, over a finished request's num_generated tokens
+        (None for one token, or before it finished)."""
+        if self.first_token_s is None or self.finish_s is None or num_generated < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (num_generated - 1)
+
 
 @dataclass
 class RunMetrics(RequestMetrics):
@@ -54,10 +73,19 @@ class RunMetrics(RequestMetrics):
     draft_s: float = 0.0  # time in the drafter (proposals, catch-up)
     target_s: float = 0.0  # time in target verification and rejection sampling
     wall_s: float = 0.0
+    ttft_sum_s: float = 0.0  # over the requests that have a TTFT ...
+    num_ttft: int = 0
+    tpot_sum_s: float = 0.0  # ... and over those that have a TPOT (vLLM's mean: per request, then averaged)
+    num_tpot: int = 0
 
     def add(self, r: RequestMetrics, num_generated: int) -> None:
         self.num_requests += 1
         self.num_generated += num_generated
+        ttft, tpot = r.ttft_s(), r.tpot_s(num_generated)
+        if ttft is not None:
+            self.ttft_sum_s, self.num_ttft = self.ttft_sum_s + ttft, self.num_ttft + 1
+        if tpot is not None:
+            self.tpot_sum_s, self.num_tpot = self.tpot_sum_s + tpot, self.num_tpot + 1
         self.num_steps += r.num_steps
         self.num_drafted += r.num_drafted
         self.num_accepted += r.num_accepted
@@ -75,6 +103,14 @@ class RunMetrics(RequestMetrics):
     def tokens_per_s(self) -> float:
         return self.num_generated / self.wall_s if self.wall_s else 0.0
 
+    @property
+    def mean_ttft_s(self) -> float | None:
+        return self.ttft_sum_s / self.num_ttft if self.num_ttft else None
+
+    @property
+    def mean_tpot_s(self) -> float | None:
+        return self.tpot_sum_s / self.num_tpot if self.num_tpot else None
+
     def summary(self) -> dict:
         return {
             "requests": self.num_requests,
@@ -84,6 +120,8 @@ class RunMetrics(RequestMetrics):
             "mean_accepted_per_step": round(self.mean_accepted_per_step, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "mean_ttft_ms": None if self.mean_ttft_s is None else round(self.mean_ttft_s * 1e3, 2),
+            "mean_tpot_ms": None if self.mean_tpot_s is None else round(self.mean_tpot_s * 1e3, 2),
             "draft_s": round(self.draft_s, 4),
             "target_s": round(self.target_s, 4),
             "wall_s": round(self.wall_s, 4),

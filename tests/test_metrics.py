@@ -1,5 +1,7 @@
 """The metrics people monitor, on hand-made counts (vLLM's definitions)."""
 
+import pytest
+
 from minispec.metrics import RequestMetrics, RunMetrics
 
 
@@ -24,3 +26,35 @@ def test_plain_decoding_has_no_drafts():
     r.record(0, 0)
     r.record(0, 0)
     assert r.acceptance_rate == 0.0 and r.mean_accepted_per_step == 1.0
+
+
+def test_ttft_and_tpot_follow_their_definitions():
+    """TTFT = first token - arrival; TPOT = (finish - first token) / (tokens - 1), averaged over
+    requests (vLLM's mean TPOT); a one-token or unfinished request has no TPOT."""
+    a = RequestMetrics(arrival_s=10.0, first_token_s=10.5, finish_s=12.5)  # 5 tokens: TPOT 0.5
+    b = RequestMetrics(arrival_s=10.0, first_token_s=11.0, finish_s=11.3)  # 4 tokens: TPOT 0.1
+    one = RequestMetrics(arrival_s=10.0, first_token_s=10.2, finish_s=10.2)
+    waiting = RequestMetrics(arrival_s=10.0)
+    assert a.ttft_s() == 0.5 and a.tpot_s(5) == 0.5 and one.tpot_s(1) is None and waiting.ttft_s() is None
+    run = RunMetrics()
+    for r, n in ((a, 5), (b, 4), (one, 1), (waiting, 0)):
+        run.add(r, n)
+    assert run.mean_ttft_s == pytest.approx((0.5 + 1.0 + 0.2) / 3)
+    assert run.mean_tpot_s == pytest.approx((0.5 + 0.1) / 2)
+    assert run.summary()["mean_tpot_ms"] == 300.0 and RunMetrics().summary()["mean_tpot_ms"] is None
+
+
+def test_engine_stamps_arrival_first_token_and_finish(tiny_llama):
+    """Every request of a generate call gets the three stamps in order; the run's TPOT is the mean
+    over its requests of more than one token, and a request's TTFT includes its wait in the queue."""
+    from minispec import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), draft_model="ngram", num_speculative_tokens=3, max_num_seqs=1, kv_cache_gib=0.01)
+    outs = llm.generate([[1, 2, 3, 4], [5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=n) for n in (6, 1, 5)])
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_s <= m.first_token_s <= m.finish_s
+    assert outs[1].metrics.tpot_s(1) is None
+    assert outs[2].metrics.ttft_s() > outs[0].metrics.ttft_s()  # one request at a time: the third waited
+    run = llm.last_metrics
+    assert run.num_tpot == 2 and run.mean_tpot_s == pytest.approx((outs[0].metrics.tpot_s(6) + outs[2].metrics.tpot_s(5)) / 2)
