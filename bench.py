@@ -118,6 +118,11 @@ class Row:
     ratios: list[float] = field(default_factory=list)  # per-round speedup over the paired baseline
     speedup: float | None = None  # median of ratios
     speedup_ci: list[float] | None = None  # exact 95% interval for that median
+    decode_ratios: list[float] = field(default_factory=list)  # per-round baseline TPOT / this row's TPOT
+    decode_speedup: float | None = None  # median of decode_ratios: the decode phase alone (prefill left out)
+    decode_speedup_ci: list[float] | None = None
+    ttft_ms: float | None = None  # mean time to first token over all rounds' requests (queueing included)
+    tpot_ms: float | None = None  # mean time per output token after the first
     acceptance: float | None = None
     accepted_per_step: float | None = None  # tokens per target step, bonus included
     target_fwd_per_token: float | None = None
@@ -148,6 +153,7 @@ class Arm:
     weights: str | None = None  # a quantization (None: the bench's dtype)
     runs: list[Run] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
+    decode_ratios: list[float] = field(default_factory=list)  # TPOT: minispec arms only
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -311,7 +317,9 @@ def step_time(arm: Arm) -> float:
 def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[int]]], label: str,
                   progress: bool) -> None:
     """Round r: baseline, the arms (order rotated by r), baseline; each arm's ratio is its tok/s
-    over the mean tok/s of the round's two baseline runs. Fills each arm's `runs` and `ratios`."""
+    over the mean tok/s of the round's two baseline runs, its decode ratio the mean of the two
+    baseline runs' TPOT over its own (minispec arms). Fills each arm's `runs`, `ratios` and
+    `decode_ratios`."""
     from tqdm import tqdm
 
     total = len(prompt_slices) * (len(arms) + 2)
@@ -328,12 +336,18 @@ def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[
             after = baseline.run(prompts)
             bar.update()
             base_tok_s = (before.tokens + after.tokens) / (before.wall_s + after.wall_s)
+            base_tpot = sum((r.metrics.mean_tpot_s or 0.0) if r.metrics is not None else 0.0 for r in (before, after))
             baseline.runs += [before, after]
             baseline.ratios.append(1.0)
+            if base_tpot:
+                baseline.decode_ratios.append(1.0)
             for arm in arms:
                 run = runs[arm.name]
                 arm.runs.append(run)
                 arm.ratios.append(run.tokens / run.wall_s / base_tok_s)
+                tpot = run.metrics.mean_tpot_s if run.metrics is not None else None
+                if base_tpot and tpot:
+                    arm.decode_ratios.append(base_tpot / 2 / tpot)
 
 
 def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device, dtype: torch.dtype) -> Row:
@@ -347,6 +361,11 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
     row.speedup = statistics.median(arm.ratios) if arm.ratios else None
     ci = median_interval(arm.ratios)
     row.speedup_ci = [round(ci[0], 4), round(ci[1], 4)] if ci else None
+    if arm.decode_ratios:
+        row.decode_ratios = [round(x, 4) for x in arm.decode_ratios]
+        row.decode_speedup = statistics.median(arm.decode_ratios)
+        ci = median_interval(arm.decode_ratios)
+        row.decode_speedup_ci = [round(ci[0], 4), round(ci[1], 4)] if ci else None
     if arm.drafter == "peer":
         row.note = "peer"
         return row
@@ -355,12 +374,16 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
     total = RunMetrics()  # the rounds' counts added up, as a generate call adds its requests'
     for r in arm.runs:
         total.add(r.metrics, r.metrics.num_generated)
+        total.ttft_sum_s, total.num_ttft = total.ttft_sum_s + r.metrics.ttft_sum_s, total.num_ttft + r.metrics.num_ttft
+        total.tpot_sum_s, total.num_tpot = total.tpot_sum_s + r.metrics.tpot_sum_s, total.num_tpot + r.metrics.num_tpot
         total.draft_s += r.metrics.draft_s
         total.target_s += r.metrics.target_s
     steps, drafted = total.num_steps, total.num_drafted  # target steps summed over requests
     row.draft_s, row.target_s = total.draft_s, total.target_s
     row.other_s = max(wall - row.draft_s - row.target_s, 0.0)
     row.target_fwd_per_token = steps / max(row.tokens, 1)
+    row.ttft_ms = None if total.mean_ttft_s is None else total.mean_ttft_s * 1e3
+    row.tpot_ms = None if total.mean_tpot_s is None else total.mean_tpot_s * 1e3
     row.peak_mem_mib = peak_memory_mib(device)
     if arm.drafter != "none":
         row.acceptance, row.accepted_per_step = total.acceptance_rate, total.mean_accepted_per_step
@@ -465,7 +488,8 @@ def load_prompts(path: Path, tokenizer, n: int) -> list[list[int]]:
 
 
 def print_table(rows: list[Row]) -> None:
-    head = (f"{'row':<22} {'mode':<7} {'bs':>3} {'speedup':>8} {'95% CI':>13} {'':>2} {'tok/s':>7} {'accept':>6} "
+    head = (f"{'row':<22} {'mode':<7} {'bs':>3} {'speedup':>8} {'95% CI':>13} {'':>2} {'decode':>6} {'':>2} {'TPOT':>5} "
+            f"{'tok/s':>6} {'accept':>6} "
             f"{'tok/step':>8} {'verify':>6} {'draft':>6} {'pred':>5} {'peakMiB':>8}  note")
     print(head)
     print("-" * len(head))
@@ -474,8 +498,11 @@ def print_table(rows: list[Row]) -> None:
         baseline = r.drafter == "none" and all(x == 1.0 for x in r.ratios)
         ci = f"[{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]" if r.speedup_ci and not baseline else "-"
         mark = "" if baseline or r.speedup_ci is None else ("" if r.distinguishable else "~1")
+        dci = r.decode_speedup_ci
+        decode_mark = "" if baseline or dci is None or not dci[0] <= 1.0 <= dci[1] else "~1"
         print(f"{r.name:<22} {r.mode:<7} {r.batch:>3} {fmt(r.speedup, '.2f') + ('x' if r.speedup else ''):>8} "
-              f"{ci:>13} {mark:>2} {r.tok_s:>7.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
+              f"{ci:>13} {mark:>2} {fmt(r.decode_speedup, '.2f') + ('x' if r.decode_speedup else ''):>6} {decode_mark:>2} "
+              f"{fmt(r.tpot_ms, '.0f'):>5} {r.tok_s:>6.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
               f"{fmt(r.verify_cost, '.2f'):>6} {fmt(r.draft_cost, '.3f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
               f"{fmt(r.peak_mem_mib, '.0f'):>8}  {r.note}")
 
@@ -759,6 +786,8 @@ def main(argv=None) -> dict:
         print(dtype_note)
     print("speedup: median over rounds of (row tok/s / the round's baseline tok/s), exact 95% interval for the "
           "median; ~1: the interval contains 1 (not distinguishable from plain decoding)")
+    print("decode: the same median for the decode phase alone (the round's baseline TPOT / the row's; prefill left "
+          "out; its interval is in --json); TPOT: ms per output token after a request's first")
     print_table(rows)
     print(correctness)
     result = {

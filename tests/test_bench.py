@@ -85,11 +85,14 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
     )
     check_result(result, {"greedy", "sampled"}, {1, 2}, {"draft", "eagle", "adaptive", "ngram"})
     assert {r["k"] for r in result["rows"] if r["drafter"] == "eagle"} == {3}
+    for r in result["rows"]:  # every minispec row: a decode speedup over the same rounds, and its latencies
+        assert len(r["decode_ratios"]) == len(r["ratios"]) and r["decode_speedup_ci"] and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
     check_plots(result, tmp_path / "new")
     assert result["dtype"] == "float32"
     assert json.loads(out.read_text())["rows"] == result["rows"]
     printed = capsys.readouterr().out
     assert "autoregressive" in printed and "95% CI" in printed and "correctness: greedy speculative output" in printed
+    assert "decode" in printed and "TPOT" in printed
 
 
 def test_drafters_option_benches_the_chosen_drafters_only(tiny_llama, tiny_llama_draft, tmp_path):
@@ -173,22 +176,29 @@ def test_median_interval_covers_the_median_at_least_95_percent():
 def test_paired_rounds_cancel_a_linear_drift():
     """A machine that slows down linearly during the run: a baseline and an arm exactly twice as
     fast get a ratio of exactly 2 in every round, because each round's baseline runs before and
-    after its arms (drift-free rows timed one after another would say otherwise)."""
+    after its arms (drift-free rows timed one after another would say otherwise); the same for
+    the decode ratio (TPOT), and an arm without metrics (a peer) gets none."""
+    from minispec.metrics import RunMetrics
+
     clock = [0.0]
 
-    def fake(speed: float):
+    def fake(speed: float, metrics: bool = True):
         def run(prompts):
             slowdown = 1 + 0.1 * clock[0]  # the machine gets slower as time passes
             wall = len(prompts) * 10 / speed * slowdown
             clock[0] += 1
-            return bench.Run(tokens=len(prompts) * 10, wall_s=wall, outputs=[[1] * 10 for _ in prompts])
+            m = RunMetrics(tpot_sum_s=wall / 10 / len(prompts) * 0.8, num_tpot=1) if metrics else None  # 80%: decode
+            return bench.Run(tokens=len(prompts) * 10, wall_s=wall, outputs=[[1] * 10 for _ in prompts], metrics=m)
         return run
 
     baseline = bench.Arm("autoregressive", "none", 0, fake(1.0))
     arm = bench.Arm("draft k=2", "draft", 2, fake(2.0))
     bench.paired_rounds(baseline, [arm], [[[1, 2]] for _ in range(6)], "test", progress=False)
-    assert arm.ratios == pytest.approx([2.0] * 6)
+    assert arm.ratios == pytest.approx([2.0] * 6) and arm.decode_ratios == pytest.approx([2.0] * 6)
     assert len(baseline.runs) == 12 and len(arm.runs) == 6
+    peer = bench.Arm("hf generate", "peer", 0, fake(0.5, metrics=False))
+    bench.paired_rounds(bench.Arm("autoregressive", "none", 0, fake(1.0)), [peer], [[[1, 2]]] * 6, "test", progress=False)
+    assert len(peer.ratios) == 6 and peer.decode_ratios == []
 
 
 def test_divergence_check_tells_rounding_ties_from_mismatches(tiny_llama):
