@@ -122,7 +122,7 @@ class Row:
     decode_speedup: float | None = None  # median of decode_ratios: the decode phase alone (prefill left out)
     decode_speedup_ci: list[float] | None = None
     ttft_ms: float | None = None  # mean time to first token over all rounds' requests (queueing included)
-    tpot_ms: float | None = None  # mean time per output token after the first
+    tpot_ms: float | None = None  # mean time per output token after the first step (metrics.py)
     acceptance: float | None = None
     accepted_per_step: float | None = None  # tokens per target step, bonus included
     target_fwd_per_token: float | None = None
@@ -787,7 +787,7 @@ def main(argv=None) -> dict:
     print("speedup: median over rounds of (row tok/s / the round's baseline tok/s), exact 95% interval for the "
           "median; ~1: the interval contains 1 (not distinguishable from plain decoding)")
     print("decode: the same median for the decode phase alone (the round's baseline TPOT / the row's; prefill left "
-          "out; its interval is in --json); TPOT: ms per output token after a request's first")
+          "out; its interval is in --json); TPOT: ms per output token after the step that emitted a request's first")
     print_table(rows)
     print(correctness)
     result = {

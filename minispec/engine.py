@@ -113,7 +113,7 @@ class LLMEngine:
         for s, n, (drafted, num_accepted) in zip(seqs, before, verdicts):
             done = s.finish_reason is not None
             if n == 0 and s.output_ids:
-                s.metrics.first_token_s = now
+                s.metrics.first_token_s, s.metrics.first_step_tokens = now, len(s.output_ids)
             if done:
                 s.metrics.finish_s = now
                 self.scheduler.finish(s)

@@ -4,8 +4,12 @@ acceptance rate            = accepted draft tokens / drafted tokens
 mean accepted per step     = tokens emitted per target forward = 1 + accepted / steps
 per-position acceptance[i] = steps whose i-th draft was accepted / steps that drafted an i-th token
 TTFT (time to first token) = first token's time - the request's arrival (queueing and prefill)
-TPOT (time per output token after the first) = (finish - first token) / (tokens - 1): the decode
-                             speed a request sees, which speculation changes and prefill does not
+TPOT (time per output token) = (finish - first token) / (tokens emitted after the step that
+                             emitted the first): the decode speed a request sees, which speculation
+                             changes and prefill does not. For plain decoding that step emits one
+                             token and this is vLLM's (tokens - 1); a speculative first step (the
+                             prompt verified together with k drafts) can emit several, and their
+                             time is in the TTFT, so they are not counted again here.
 
 The counts are the rejection sampler's decisions. In a request's last step, EOS, a stop string or
 max_tokens may cut the accepted run short, so tokens emitted can be fewer than accepted + 1 there.
@@ -28,6 +32,7 @@ class RequestMetrics:
     accepted_per_position: list[int] = field(default_factory=list)
     arrival_s: float | None = None  # time.perf_counter() when the request was added
     first_token_s: float | None = None  # ... when the step emitting its first token ended
+    first_step_tokens: int = 1  # tokens that step emitted (more than 1 where it was speculative)
     finish_s: float | None = None  # ... when the step finishing it ended
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
@@ -56,11 +61,12 @@ class RequestMetrics:
         return self.first_token_s - self.arrival_s
 
     def tpot_s(self, num_generated: int) -> float | None:
-        """Time per output token after the first, over a finished request's num_generated tokens
-        (None for one token, or before it finished)."""
-        if self.first_token_s is None or self.finish_s is None or num_generated < 2:
+        """Time per output token after the first step, over a finished request's num_generated
+        tokens (None before it finished, or when the first step emitted them all)."""
+        after = num_generated - self.first_step_tokens
+        if self.first_token_s is None or self.finish_s is None or after < 1:
             return None
-        return (self.finish_s - self.first_token_s) / (num_generated - 1)
+        return (self.finish_s - self.first_token_s) / after
 
 
 @dataclass

@@ -29,15 +29,17 @@ def test_plain_decoding_has_no_drafts():
 
 
 def test_ttft_and_tpot_follow_their_definitions():
-    """TTFT = first token - arrival; TPOT = (finish - first token) / (tokens - 1), averaged over
-    requests (vLLM's mean TPOT); a one-token or unfinished request has no TPOT."""
-    a = RequestMetrics(arrival_s=10.0, first_token_s=10.5, finish_s=12.5)  # 5 tokens: TPOT 0.5
-    b = RequestMetrics(arrival_s=10.0, first_token_s=11.0, finish_s=11.3)  # 4 tokens: TPOT 0.1
-    one = RequestMetrics(arrival_s=10.0, first_token_s=10.2, finish_s=10.2)
+    """TTFT = first token - arrival; TPOT = (finish - first token) / (tokens emitted after the first
+    step), averaged over requests (vLLM's mean TPOT where the first step emits one token); a
+    request whose first step emitted all its tokens, or unfinished, has no TPOT."""
+    a = RequestMetrics(arrival_s=10.0, first_token_s=10.5, finish_s=12.5)  # 5 tokens: TPOT 2.0 / 4
+    b = RequestMetrics(arrival_s=10.0, first_token_s=11.0, finish_s=11.3, first_step_tokens=3)  # 6 tokens: 0.3 / 3
+    one = RequestMetrics(arrival_s=10.0, first_token_s=10.2, finish_s=10.2, first_step_tokens=3)  # all 3 in one step
     waiting = RequestMetrics(arrival_s=10.0)
-    assert a.ttft_s() == 0.5 and a.tpot_s(5) == 0.5 and one.tpot_s(1) is None and waiting.ttft_s() is None
+    assert a.ttft_s() == 0.5 and a.tpot_s(5) == 0.5 and b.tpot_s(6) == pytest.approx(0.1)
+    assert one.tpot_s(3) is None and waiting.ttft_s() is None and waiting.tpot_s(0) is None
     run = RunMetrics()
-    for r, n in ((a, 5), (b, 4), (one, 1), (waiting, 0)):
+    for r, n in ((a, 5), (b, 6), (one, 3), (waiting, 0)):
         run.add(r, n)
     assert run.mean_ttft_s == pytest.approx((0.5 + 1.0 + 0.2) / 3)
     assert run.mean_tpot_s == pytest.approx((0.5 + 0.1) / 2)
@@ -53,8 +55,11 @@ def test_engine_stamps_arrival_first_token_and_finish(tiny_llama):
     outs = llm.generate([[1, 2, 3, 4], [5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=n) for n in (6, 1, 5)])
     for o in outs:
         m = o.metrics
-        assert m.arrival_s <= m.first_token_s <= m.finish_s
+        assert m.arrival_s <= m.first_token_s <= m.finish_s and 1 <= m.first_step_tokens <= len(o.token_ids)
+        if len(o.token_ids) > m.first_step_tokens:  # the first step's tokens are in the TTFT, not the TPOT
+            assert m.tpot_s(len(o.token_ids)) == (m.finish_s - m.first_token_s) / (len(o.token_ids) - m.first_step_tokens)
     assert outs[1].metrics.tpot_s(1) is None
     assert outs[2].metrics.ttft_s() > outs[0].metrics.ttft_s()  # one request at a time: the third waited
     run = llm.last_metrics
-    assert run.num_tpot == 2 and run.mean_tpot_s == pytest.approx((outs[0].metrics.tpot_s(6) + outs[2].metrics.tpot_s(5)) / 2)
+    tpots = [t for t in (outs[0].metrics.tpot_s(6), outs[2].metrics.tpot_s(5)) if t is not None]
+    assert run.num_tpot == len(tpots) >= 1 and run.mean_tpot_s == pytest.approx(sum(tpots) / len(tpots))
