@@ -336,7 +336,8 @@ def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[
             after = baseline.run(prompts)
             bar.update()
             base_tok_s = (before.tokens + after.tokens) / (before.wall_s + after.wall_s)
-            base_tpot = sum((r.metrics.mean_tpot_s or 0.0) if r.metrics is not None else 0.0 for r in (before, after))
+            tpots = [r.metrics.mean_tpot_s for r in (before, after) if r.metrics is not None]
+            base_tpot = sum(tpots) / 2 if len(tpots) == 2 and all(tpots) else None  # both baseline runs, or none
             baseline.runs += [before, after]
             baseline.ratios.append(1.0)
             if base_tpot:
@@ -347,7 +348,7 @@ def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[
                 arm.ratios.append(run.tokens / run.wall_s / base_tok_s)
                 tpot = run.metrics.mean_tpot_s if run.metrics is not None else None
                 if base_tpot and tpot:
-                    arm.decode_ratios.append(base_tpot / 2 / tpot)
+                    arm.decode_ratios.append(base_tpot / tpot)
 
 
 def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device, dtype: torch.dtype) -> Row:
@@ -371,13 +372,9 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
         return row
     from minispec.metrics import RunMetrics
 
-    total = RunMetrics()  # the rounds' counts added up, as a generate call adds its requests'
+    total = RunMetrics()  # the rounds' totals added up
     for r in arm.runs:
-        total.add(r.metrics, r.metrics.num_generated)
-        total.ttft_sum_s, total.num_ttft = total.ttft_sum_s + r.metrics.ttft_sum_s, total.num_ttft + r.metrics.num_ttft
-        total.tpot_sum_s, total.num_tpot = total.tpot_sum_s + r.metrics.tpot_sum_s, total.num_tpot + r.metrics.num_tpot
-        total.draft_s += r.metrics.draft_s
-        total.target_s += r.metrics.target_s
+        total.merge(r.metrics)
     steps, drafted = total.num_steps, total.num_drafted  # target steps summed over requests
     row.draft_s, row.target_s = total.draft_s, total.target_s
     row.other_s = max(wall - row.draft_s - row.target_s, 0.0)
@@ -488,7 +485,7 @@ def load_prompts(path: Path, tokenizer, n: int) -> list[list[int]]:
 
 
 def print_table(rows: list[Row]) -> None:
-    head = (f"{'row':<22} {'mode':<7} {'bs':>3} {'speedup':>8} {'95% CI':>13} {'':>2} {'decode':>6} {'':>2} {'TPOT':>5} "
+    head = (f"{'row':<22} {'mode':<7} {'bs':>3} {'speedup':>8} {'95% CI':>13} {'':>2} {'decode':>6} {'':>2} {'TPOT':>6} "
             f"{'tok/s':>6} {'accept':>6} "
             f"{'tok/step':>8} {'verify':>6} {'draft':>6} {'pred':>5} {'peakMiB':>8}  note")
     print(head)
@@ -502,7 +499,7 @@ def print_table(rows: list[Row]) -> None:
         decode_mark = "" if baseline or dci is None or not dci[0] <= 1.0 <= dci[1] else "~1"
         print(f"{r.name:<22} {r.mode:<7} {r.batch:>3} {fmt(r.speedup, '.2f') + ('x' if r.speedup else ''):>8} "
               f"{ci:>13} {mark:>2} {fmt(r.decode_speedup, '.2f') + ('x' if r.decode_speedup else ''):>6} {decode_mark:>2} "
-              f"{fmt(r.tpot_ms, '.0f'):>5} {r.tok_s:>6.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
+              f"{fmt(r.tpot_ms, '.1f'):>6} {r.tok_s:>6.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
               f"{fmt(r.verify_cost, '.2f'):>6} {fmt(r.draft_cost, '.3f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
               f"{fmt(r.peak_mem_mib, '.0f'):>8}  {r.note}")
 

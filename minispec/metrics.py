@@ -71,7 +71,8 @@ class RequestMetrics:
 
 @dataclass
 class RunMetrics(RequestMetrics):
-    """Totals over the requests of one `generate` call, plus timings."""
+    """Totals over the requests of one `generate` call, plus timings (the per-request time stamps
+    it inherits stay unset: a run has sums of TTFT and TPOT instead)."""
 
     num_requests: int = 0
     num_generated: int = 0  # tokens emitted
@@ -85,6 +86,8 @@ class RunMetrics(RequestMetrics):
     num_tpot: int = 0
 
     def add(self, r: RequestMetrics, num_generated: int) -> None:
+        """Count one request in."""
+        self._add_counts(r)
         self.num_requests += 1
         self.num_generated += num_generated
         ttft, tpot = r.ttft_s(), r.tpot_s(num_generated)
@@ -92,6 +95,15 @@ class RunMetrics(RequestMetrics):
             self.ttft_sum_s, self.num_ttft = self.ttft_sum_s + ttft, self.num_ttft + 1
         if tpot is not None:
             self.tpot_sum_s, self.num_tpot = self.tpot_sum_s + tpot, self.num_tpot + 1
+
+    def merge(self, other: "RunMetrics") -> None:
+        """Add another run's totals in (bench.py sums its rounds so)."""
+        self._add_counts(other)
+        for name in ("num_requests", "num_generated", "num_preemptions", "draft_s", "target_s", "wall_s",
+                     "ttft_sum_s", "num_ttft", "tpot_sum_s", "num_tpot"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def _add_counts(self, r: RequestMetrics) -> None:
         self.num_steps += r.num_steps
         self.num_drafted += r.num_drafted
         self.num_accepted += r.num_accepted

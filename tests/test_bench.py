@@ -143,11 +143,11 @@ def test_quick_bench_on_default_pair(tmp_path):
     (["--drafters", "draft,medusa"], "--drafters: unknown medusa"),
     (["--modes", "beam"], "--modes: use greedy and/or sampled"),
     (["--drafters", "eagle", "--eagle", "weights/draft-smollm2"], "not an EAGLE-3 checkpoint directory"),
-    (["--json", "weights"], "--json weights: is a directory"),
+    (["--json", "{tmp}"], "is a directory"),
 ])
-def test_bad_options_are_named(argv, message):
+def test_bad_options_are_named(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
-        bench.main(["--quick", *argv])
+        bench.main(["--quick", *(a.format(tmp=tmp_path) for a in argv)])
 
 
 @pytest.mark.parametrize("n, expected", [(5, None), (6, (1, 6)), (8, (1, 8)), (9, (2, 8)), (17, (5, 13)), (30, (10, 21))])

@@ -47,19 +47,35 @@ def test_ttft_and_tpot_follow_their_definitions():
 
 
 def test_engine_stamps_arrival_first_token_and_finish(tiny_llama):
-    """Every request of a generate call gets the three stamps in order; the run's TPOT is the mean
-    over its requests of more than one token, and a request's TTFT includes its wait in the queue."""
+    """Every request of a generate call gets the three stamps in order; with the target as its own
+    draft every greedy draft is accepted, so the first step (prompt and k drafts verified) emits
+    k + 1 tokens, which the TPOT leaves to the TTFT; a queued request's TTFT includes its wait."""
     from minispec import LLM, SamplingParams
 
-    llm = LLM(model=str(tiny_llama), draft_model="ngram", num_speculative_tokens=3, max_num_seqs=1, kv_cache_gib=0.01)
-    outs = llm.generate([[1, 2, 3, 4], [5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=n) for n in (6, 1, 5)])
+    llm = LLM(model=str(tiny_llama), draft_model=str(tiny_llama), num_speculative_tokens=3, max_num_seqs=1, kv_cache_gib=0.01)
+    outs = llm.generate([[1, 2, 3, 4], [5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=n) for n in (9, 1, 6)])
     for o in outs:
         m = o.metrics
-        assert m.arrival_s <= m.first_token_s <= m.finish_s and 1 <= m.first_step_tokens <= len(o.token_ids)
-        if len(o.token_ids) > m.first_step_tokens:  # the first step's tokens are in the TTFT, not the TPOT
-            assert m.tpot_s(len(o.token_ids)) == (m.finish_s - m.first_token_s) / (len(o.token_ids) - m.first_step_tokens)
+        assert m.arrival_s <= m.first_token_s <= m.finish_s
+    assert [o.metrics.first_step_tokens for o in outs] == [4, 1, 4]
+    m = outs[0].metrics
+    assert m.tpot_s(9) == (m.finish_s - m.first_token_s) / (9 - 4)
     assert outs[1].metrics.tpot_s(1) is None
     assert outs[2].metrics.ttft_s() > outs[0].metrics.ttft_s()  # one request at a time: the third waited
     run = llm.last_metrics
-    tpots = [t for t in (outs[0].metrics.tpot_s(6), outs[2].metrics.tpot_s(5)) if t is not None]
-    assert run.num_tpot == len(tpots) >= 1 and run.mean_tpot_s == pytest.approx(sum(tpots) / len(tpots))
+    assert run.num_tpot == 2 and run.mean_tpot_s == pytest.approx((outs[0].metrics.tpot_s(9) + outs[2].metrics.tpot_s(6)) / 2)
+
+
+def test_runs_merge_as_their_requests_would_add():
+    """RunMetrics.merge (bench.py's sum over rounds) gives the counts and time sums of one run
+    holding both runs' requests."""
+    reqs = [RequestMetrics(arrival_s=0.0, first_token_s=0.2, finish_s=1.0), RequestMetrics(arrival_s=0.0, first_token_s=0.4, finish_s=0.6)]
+    reqs[0].record(3, 2)
+    reqs[1].record(3, 1)
+    one, first, second = RunMetrics(draft_s=0.5), RunMetrics(draft_s=0.25), RunMetrics(draft_s=0.25)
+    for r, n in zip(reqs, (5, 3)):
+        one.add(r, n)
+    first.add(reqs[0], 5)
+    second.add(reqs[1], 3)
+    first.merge(second)
+    assert first == one
