@@ -105,10 +105,11 @@ def load_prompts(args, target) -> tuple[list[dict], list[dict], list[dict], dict
     self_path = args.self_prompts_file or args.prompts_dir / "self.jsonl"
     self_meta = self_path.with_suffix(".json")
     own, self_info = [], {"asked": 0, "kept": 0, "seconds": 0.0}
+    settings = self_prompt_settings(args)
     if args.num_self_prompts and (args.rebuild_prompts or not self_path.exists()):
         own, self_info = self_prompts(target, bench, args)
         make_prompts.write_jsonl(self_path, own)
-        self_meta.write_text(json.dumps(self_info) + "\n")
+        self_meta.write_text(json.dumps(self_info | {"settings": settings}) + "\n")
     elif args.num_self_prompts:
         own = make_prompts.read_jsonl(self_path)
         if self_meta.exists():
@@ -119,13 +120,30 @@ def load_prompts(args, target) -> tuple[list[dict], list[dict], list[dict], dict
         if self_meta.exists() and args.num_self_prompts > self_info["asked"]:
             # more asked for than the file holds: the missing messages are written and appended, so
             # the rows already there (and the corpus answers keyed by their position) stay as they are
+            earlier = self_info.get("settings")
+            if earlier is not None and earlier != settings:
+                raise SystemExit(f"--num-self-prompts {args.num_self_prompts}: {self_path} was written with {earlier}, "
+                                 f"this run would add to it with {settings}; use the same settings, --rebuild-prompts "
+                                 "or another --self-prompts-file")
+            if earlier is None:
+                log(f"self-prompts: {self_meta} does not record how they were written; extending with {settings}")
             more, more_info = self_prompts(target, bench, args, start=self_info["asked"], known={p["prompt"] for p in own})
             own += more
-            self_info = {"asked": more_info["asked"], "kept": len(own), "seconds": self_info["seconds"] + more_info["seconds"]}
+            self_info = {"asked": more_info["asked"], "kept": len(own), "seconds": self_info["seconds"] + more_info["seconds"],
+                         "settings": settings}
             make_prompts.write_jsonl(self_path, own)
             self_meta.write_text(json.dumps(self_info) + "\n")
+            log(f"self-prompts: appended {len(more)} to {self_path} ({len(own)} now)")
     prompts = [p for p in prompts + own for _ in range(args.answers_per_prompt)]
     return prompts, train_prompts, bench, self_info
+
+
+def self_prompt_settings(args) -> dict:
+    """What decides the self-written prompts besides their count (self.json records it; a file is
+    extended only with the same settings)."""
+    how = {"generator": args.generator, "seed": args.seed, "temperature": args.self_prompt_temperature,
+           "max_tokens": args.self_prompt_tokens, "target": Path(str(args.target)).name if args.target else None}
+    return how | ({"batch_size": args.gen_batch_size} if args.generator == "hf" else {})
 
 
 def log(msg: str) -> None:
@@ -173,9 +191,11 @@ def self_prompts(target, bench: list[dict], args, start: int = 0, known: set[str
     """Prompts written by the target (Magpie, Xu et al. 2024): fed only its chat template up to a
     user turn's header, an instruction-tuned model writes a user's message; sampled at
     temperature --self-prompt-temperature these are far more varied than templated prompts.
-    Messages start .. --num-self-prompts - 1 are written (start > 0 extends an earlier file: message
-    i is seeded as in a single run, ids go on from start), filtered by `keep_self_prompts` (texts in
-    `known` are repeats). Returns (rows {id, category: "self", prompt}, counts)."""
+    Messages start .. --num-self-prompts - 1 are written (start > 0 extends an earlier file, ids go
+    on from start: with minispec's engine message i is seeded as in a single run; with hf the
+    extension's batches get seeds of their own, so it is not what one larger run would write),
+    filtered by `keep_self_prompts` (texts in `known` are repeats). Returns (rows {id, category:
+    "self", prompt}, counts)."""
     _, tokenizer = target
     if not tokenizer.chat_template:
         log("self-prompts: the target has no chat template, none written")
@@ -184,7 +204,7 @@ def self_prompts(target, bench: list[dict], args, start: int = 0, known: set[str
     n = args.num_self_prompts - start
     log(f"self-prompts: the target writes {n} user messages, {args.gen_batch_size} at a time")
     t0 = time.perf_counter()
-    if args.generator == "hf":  # batch b seeded with seed + b: the extension's batches follow the earlier ones'
+    if args.generator == "hf":  # batch b seeded with seed + 1e6 + start + b: no earlier run's batch seed reused
         ids = tokenizer.encode(header)
         answers = dict(hf_generate(args.target, [ids] * n, [args.self_prompt_temperature] * n, args.self_prompt_tokens,
                                    args.seed + 1_000_000 + start, args.gen_batch_size, stop_ids(target), args.device))

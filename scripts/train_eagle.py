@@ -38,7 +38,8 @@ Run: python scripts/train_eagle.py --threads 2     (CPU: sizes 4096 and 8192 com
          --batch-tokens 16384 --feature-chunk-tokens 8192 --epochs 10 --train-budget-s 100 --max-len 512 \
          --draft-vocab 4096,8192 --vocab-share 0.25 --fractions 0.25,0.5 --skip-eval
                                                     (one H200, about 7 minutes), then the same command with
-                                                    --num-self-prompts 16384 (4,096 more self-prompts, appended):
+                                                    --num-self-prompts 16384 --deadline-s 537 (4,096 more
+                                                    self-prompts, appended; the deadline skips what does not fit):
                                                     the cached answers are kept, 120 s more are written, and
                                                     everything is trained again (about 8 minutes): the shipped head
      python scripts/train_eagle.py --card-only --cache-dir weights/cache/eagle-gpu/corpus   (then, on CPU)
@@ -448,11 +449,13 @@ def write_card(out: Path, info: dict) -> None:
         data = (f"{info['num_rows']} target answers from the shared corpus (`scripts/corpus.py`: the same cached rows "
                 f"`scripts/distill.py` trains on; greedy and temperature-0.8 answers to `weights/prompts/train.jsonl` "
                 f"and self-written prompts, none sharing a subject with the bench prompts)")
-    # the runs that built the cached corpus this one extended (training.json "earlier_runs"), then this run
+    # the earlier runs over the same corpus cache (its runs.json: the corpus they wrote is part of
+    # this run's), this run, then the CPU step that evaluated it with this run's paths
     commands = "\n".join(f"python scripts/train_eagle.py {' '.join(a)}" for a in [*info.get("earlier_runs", []), info["argv"]])
     if replay or ev:
-        cache = info["argv"][info["argv"].index("--cache-dir") + 1] if "--cache-dir" in info["argv"] else None
-        commands += "\npython scripts/train_eagle.py --card-only" + (f" --cache-dir {cache}" if cache else "") + "   # on the CPU"
+        argv = info["argv"]
+        paths = [f"{flag} {argv[argv.index(flag) + 1]}" for flag in ("--target", "--out", "--cache-dir") if flag in argv]
+        commands += "\n" + " ".join(["python scripts/train_eagle.py --card-only", *paths]) + "   # on the CPU"
     text = f"""---
 license: apache-2.0
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -595,6 +598,9 @@ def main(argv: list[str] | None = None) -> dict:
     gen_target = load_checkpoint(args.target, dtype=getattr(torch, args.target_dtype), device=args.device, backend="torch")
     prompts, _, bench, self_info = load_prompts(args, gen_target)
     rows = generate_corpus(gen_target, prompts, args, args.cache_dir, generate=not args.cached_only)
+    runs_file = args.cache_dir / "runs.json"  # every training run over this corpus cache, oldest first
+    earlier_runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
+    runs_file.write_text(json.dumps(earlier_runs + [argv]) + "\n")
     if args.max_rows:
         rows = rows[: args.max_rows]
     del gen_target
@@ -700,7 +706,7 @@ def main(argv: list[str] | None = None) -> dict:
         "val_keys": [rows[i]["key"] for i in sorted(val_idx)], "feature_s": feature_s, "steps": args.steps, "lr": args.lr, "clip": args.clip,
         "batch_tokens": args.batch_tokens, "epochs": args.epochs, "train": stats, "why": why,
         "vocab_runs": [{k_: v for k_, v in r.items() if k_ != "ids"} for r in vocab_runs], "growth": growth,
-        "eval": {}, "k": k, "vocab_share": args.vocab_share, "argv": argv,
+        "eval": {}, "k": k, "vocab_share": args.vocab_share, "argv": argv, "earlier_runs": earlier_runs,
     }
 
     write_info(args.out, info)

@@ -275,11 +275,11 @@ def test_asking_for_more_self_prompts_extends_the_file_as_one_run_would_have_wri
     draft = minispec.load_checkpoint(Path(__file__).resolve().parents[1] / "weights" / "draft-smollm2",
                                      dtype=torch.float32, device="cpu")
 
-    def prompts_for(n: int, name: str) -> tuple[list[dict], dict]:
+    def prompts_for(n: int, name: str, temperature: float = 1.0) -> tuple[list[dict], dict]:
         args = SimpleNamespace(prompts_dir=SCRIPTS.parent / "weights" / "prompts", rebuild_prompts=False, num_generate=0,
                                self_prompts_file=tmp_path / name, num_self_prompts=n, answers_per_prompt=1, seed=3,
                                generator="minispec", gen_batch_size=1, kv_cache_gib=0.05, self_prompt_tokens=40,
-                               self_prompt_temperature=1.0, target=None, device="cpu")
+                               self_prompt_temperature=temperature, target=None, device="cpu")
         _, _, _, info = corpus.load_prompts(args, draft)
         return make_prompts.read_jsonl(tmp_path / name), info
 
@@ -287,5 +287,8 @@ def test_asking_for_more_self_prompts_extends_the_file_as_one_run_would_have_wri
     prompts_for(3, "twice.jsonl")
     twice, twice_info = prompts_for(6, "twice.jsonl")
     assert once and twice == once
+    assert any(int(p["id"].removeprefix("self-")) >= 3 for p in twice)  # rows the extension appended
     assert once_info["asked"] == twice_info["asked"] == 6 and once_info["kept"] == twice_info["kept"] == len(once)
     assert len({p["id"] for p in once}) == len(once)
+    with pytest.raises(SystemExit, match="was written with"):  # other settings would mix two kinds of prompt
+        prompts_for(9, "twice.jsonl", temperature=0.7)

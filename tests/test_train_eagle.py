@@ -5,6 +5,7 @@ batched generate (left padding, several batches) writes exactly the target's gre
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -88,11 +89,13 @@ def test_pipeline_end_to_end_with_the_hf_generator(checkpoint_factory, tiny_llam
     out = tmp_path / "head"
     common = ["--target", str(tiny_llama), "--out", str(out), "--cache-dir", str(tmp_path / "cache" / "corpus"),
               "--device", "cpu", "--draft", str(tiny_llama_draft), "--eval-per-category", "1", "--eval-tokens", "6", "--kv-cache-gib", "0.01"]
-    info = te.main(common + [
+    first = common + [
         "--generator", "hf", "--self-prompts-file", str(tmp_path / "self.jsonl"), "--num-self-prompts", "4",
         "--num-generate", "12", "--max-tokens", "12", "--gen-batch-size", "4", "--answers-per-prompt", "2",
         "--draft-vocab", "64,128", "--vocab-share", "0.5", "--fractions", "0.5", "--epochs", "1",
-        "--batch-tokens", "256", "--max-len", "128", "--val-fraction", "0.25", "--log-every", "100", "--skip-eval"])
+        "--batch-tokens", "256", "--max-len", "128", "--val-fraction", "0.25", "--log-every", "100", "--skip-eval"]
+    info = te.main(first)
+    assert info["earlier_runs"] == [] and json.loads((tmp_path / "cache" / "corpus" / "runs.json").read_text()) == [first]
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "training.json", "README.md"}
     target = minispec_target(tiny_llama)
     head = load_eagle(out, target)
@@ -107,6 +110,8 @@ def test_pipeline_end_to_end_with_the_hf_generator(checkpoint_factory, tiny_llam
     eagle = info["eval"]["drafts"]["eagle (this head)"]
     assert f"| eagle (this head) | {eagle['mean_accepted_per_step']:.2f} |" in card
     assert f"**{info['val_replay']['accepted_per_step']:.2f}**" in card
+    assert f"python scripts/train_eagle.py {' '.join(first)}\n" in card  # the commands that made it, then the CPU step
+    assert f"--card-only --target {tiny_llama} --out {out} --cache-dir {tmp_path / 'cache' / 'corpus'}" in card
 
 
 def minispec_target(path):
