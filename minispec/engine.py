@@ -114,8 +114,9 @@ class LLMEngine:
             done = s.finish_reason is not None
             if n == 0 and s.output_ids:
                 s.metrics.first_token_s, s.metrics.first_step_tokens = now, len(s.output_ids)
-            if done and s.finish_reason != "error":  # a failed request has no TPOT
-                s.metrics.finish_s = now
+            if done:
+                if s.finish_reason != "error":  # a failed request has no TPOT
+                    s.metrics.finish_s = now
                 self.scheduler.finish(s)
             outputs.append(StepOutput(s, s.output_ids[n:], done, drafted, num_accepted))
         return outputs

@@ -246,6 +246,7 @@ def test_a_request_with_non_finite_target_logits_fails_alone(tiny_llama, tiny_ll
     llm = LLM(model=nan_embedding_target(tiny_llama, poison), **drafter)
     outs = llm.generate([ids[0], ids[1] + [poison], ids[2]], params)
     assert outs[1].finish_reason == "error" and "not finite" in outs[1].error and outs[1].token_ids == []
+    assert outs[1].metrics.finish_s is None and outs[0].metrics.finish_s is not None  # a failed request has no TPOT
     assert [outs[0].token_ids, outs[2].token_ids] == [expected[0], expected[2]]
     assert idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(ids, params)] == expected  # pages that held NaN, reused
