@@ -139,7 +139,12 @@ class Row:
 
     @property
     def distinguishable(self) -> bool:
-        return self.speedup_ci is not None and not (self.speedup_ci[0] <= 1.0 <= self.speedup_ci[1])
+        return excludes_one(self.speedup_ci)
+
+
+def excludes_one(ci: list[float] | None) -> bool:
+    """Whether a speedup's 95% interval lies wholly above or below 1 (None: there is none)."""
+    return ci is not None and not ci[0] <= 1.0 <= ci[1]
 
 
 @dataclass
@@ -495,8 +500,7 @@ def print_table(rows: list[Row]) -> None:
         baseline = r.drafter == "none" and all(x == 1.0 for x in r.ratios)
         ci = f"[{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]" if r.speedup_ci and not baseline else "-"
         mark = "" if baseline or r.speedup_ci is None else ("" if r.distinguishable else "~1")
-        dci = r.decode_speedup_ci
-        decode_mark = "" if baseline or dci is None or not dci[0] <= 1.0 <= dci[1] else "~1"
+        decode_mark = "" if baseline or r.decode_speedup_ci is None or excludes_one(r.decode_speedup_ci) else "~1"
         print(f"{r.name:<22} {r.mode:<7} {r.batch:>3} {fmt(r.speedup, '.2f') + ('x' if r.speedup else ''):>8} "
               f"{ci:>13} {mark:>2} {fmt(r.decode_speedup, '.2f') + ('x' if r.decode_speedup else ''):>6} {decode_mark:>2} "
               f"{fmt(r.tpot_ms, '.1f'):>6} {r.tok_s:>6.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
