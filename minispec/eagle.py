@@ -229,7 +229,7 @@ def build_eagle(cfg: EagleConfig, state: dict[str, torch.Tensor], target: Transf
     model.embed_weight = embedding.to(device=device, dtype=dtype)
     model.inv_freq = rope_inv_freq(cfg.layer).to(device)
     fuse_projections(model)
-    use_cpu_fast_paths(model, dtype, device)
+    use_cpu_fast_paths(model, dtype, device, prefer=getattr(target, "cpu_matmul", None))
     return model.eval()
 
 

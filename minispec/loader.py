@@ -8,6 +8,8 @@ or unexpected is reported by name instead of surfacing later as a wrong answer.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -15,7 +17,7 @@ from safetensors import safe_open
 
 from .attention import AttentionBackend
 from .config import DTYPES, ModelConfig, rope_inv_freq
-from .model import Transformer, fuse_projections, set_cpu_matmul
+from .model import Linear, Transformer, fuse_projections, set_cpu_matmul
 from .tokenizer import Tokenizer
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -82,8 +84,10 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     backend: AttentionBackend | None = None,
+    cpu_matmul: str | None = None,
 ) -> Transformer:
-    """Instantiate the model and copy `state` (HF names, optional `model.` prefix) into it."""
+    """Instantiate the model and copy `state` (HF names, optional `model.` prefix) into it.
+    cpu_matmul: the Linear entry point to prefer on CPU (`use_cpu_fast_paths`; None: the fastest)."""
     state = {k.removeprefix("model."): v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
     with torch.device("meta"):
         model = Transformer(cfg, backend)
@@ -98,19 +102,71 @@ def build_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
     fuse_projections(model)
-    use_cpu_fast_paths(model, dtype, device)
+    use_cpu_fast_paths(model, dtype, device, prefer=cpu_matmul)
     return model.eval()
 
 
-def use_cpu_fast_paths(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """On CPU, the Linear entry points measured to help (see model.Linear)."""
-    if device.type != "cpu":
-        return
+CPU_MATMULS = ("linear", "weight_major", "prepacked", "upcast")  # model.Linear's CPU entry points
+TIMED_BYTES = 32 << 20  # models with less linear weight keep F.linear: their weights sit in the caches, timing misleads
+
+
+def cpu_matmul_candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """The Linear entry points that apply to this dtype on this CPU (model.Linear), F.linear first."""
     if dtype == torch.float32:
-        # Decode (1 row) on all cores; verification (k+1 rows) streams each weight once (model.Linear).
-        set_cpu_matmul(model, weight_major_rows=WEIGHT_MAJOR_ROWS)
-    elif not native_cpu_bf16():
-        set_cpu_matmul(model, upcast_rows=UPCAST_ROWS)  # prefill in fp32: emulated bf16 GEMMs are slow
+        return ("linear", "weight_major")
+    if not native_cpu_bf16():
+        return ("upcast",)  # emulated bf16 / fp16: prefill in fp32 (emulated GEMMs are slow for many rows)
+    return ("linear", "prepacked") if dtype == torch.bfloat16 else ("linear",)
+
+
+def set_cpu_matmul_by_name(model: torch.nn.Module, name: str) -> None:
+    set_cpu_matmul(model, weight_major_rows=WEIGHT_MAJOR_ROWS if name == "weight_major" else 0,
+                   upcast_rows=UPCAST_ROWS if name == "upcast" else 0, prepacked=name == "prepacked")
+
+
+def time_cpu_matmul(model: torch.nn.Module, name: str, rows: tuple[int, ...] = (1, 5), repeats: int = 3) -> float:
+    """Seconds for one pass of x @ W^T over ALL of model's Linear weights with entry point `name`,
+    at each row count in `rows` (a decode, a k=4 verification), best of `repeats`, summed. All
+    weights in turn, as a forward streams them: one weight timed in a loop stays in the cache and
+    misleads."""
+    set_cpu_matmul_by_name(model, name)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    total = 0.0
+    with torch.inference_mode():
+        for n in rows:
+            inputs = {m.in_features: torch.randn(n, m.in_features, dtype=m.weight.dtype) for m in linears}  # [n, in]
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first pass warms up (and packs)
+                start = time.perf_counter()
+                for m in linears:
+                    m(inputs[m.in_features])
+                best = min(best, time.perf_counter() - start)
+            total += best
+    return total
+
+
+def use_cpu_fast_paths(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                       prefer: str | None = None) -> str | None:
+    """On CPU, set every Linear of `model` to the entry point that is fastest HERE (model.Linear):
+    the first of `prefer` (an EAGLE head passes its target's: one layer's weights are too few to
+    time) and $MINISPEC_CPU_MATMUL that applies to this dtype (`cpu_matmul_candidates`), else the
+    fastest candidate by `time_cpu_matmul` (~0.5 s for SmolLM2-135M; F.linear for a model with
+    under TIMED_BYTES of linear weights). Returns the choice (None off CPU), also kept as
+    `model.cpu_matmul`."""
+    if device.type != "cpu":
+        return None
+    env = os.environ.get("MINISPEC_CPU_MATMUL") or None
+    if env is not None and env not in CPU_MATMULS:
+        raise ValueError(f"MINISPEC_CPU_MATMUL={env!r}: use one of {', '.join(CPU_MATMULS)}")
+    candidates = cpu_matmul_candidates(dtype)
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values()
+    choice = next((c for c in (prefer, env) if c in candidates), None)
+    if choice is None:
+        timed = len(candidates) > 1 and sum(w.numel() * w.element_size() for w in weights) >= TIMED_BYTES
+        choice = min(candidates, key=lambda name: time_cpu_matmul(model, name)) if timed else candidates[0]
+    set_cpu_matmul_by_name(model, choice)
+    model.cpu_matmul = choice
+    return choice
 
 
 def load_checkpoint(
@@ -146,7 +202,8 @@ def load_checkpoint(
         tokenizer = Tokenizer.from_dir(path, hf_config)
     cfg = ModelConfig.from_hf(hf_config)
     cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))  # every declared end
-    model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend)
+    # An int8 model's Linears are replaced (quant.Int8Linear): no CPU matmul is worth timing for it.
+    model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, "linear" if quantization else None)
     del state  # the full-precision tensors: freed before the int8 copies are made
     calibration = [tokenizer.encode(CALIBRATION_TEXT)] if quantization else None
     return quantize_model(model, quantization, calibration), tokenizer

@@ -37,15 +37,21 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """y = x W^T + b, with W [out, in] as in nn.Linear (and HF checkpoints).
 
-    Two CPU entry points, both the same math, chosen by the number of rows M (the loader turns
-    them on where they were measured to help; see `set_cpu_matmul`):
+    Three CPU entry points besides F.linear, all the same math. Which one helps depends on the
+    CPU, so the loader times the first two against F.linear on the model's own weights and keeps
+    the fastest (loader.use_cpu_fast_paths); the third is on wherever bf16 is emulated:
+    * prepacked (bf16 on a CPU with native bf16 matmuls): oneDNN's blocked copy of W, made once
+      (`packed_weight`) instead of on every call. Measured on a 2-core Xeon with AVX512-BF16 and
+      AMX, whole SmolLM2 forward: decode 29 vs 36 ms, a 5-row verification 31 vs 39 ms. The
+      copy doubles the memory of the linear weights.
     * 1 <= M <= weight_major_rows (fp32): `weight_major`, the product with W as the left operand,
       its rows split into one block per thread. Decoding feeds 1 row, a speculative verification
       k+1 rows. Measured on a 2-core Zen 3 CPU, whole SmolLM2 forward: PyTorch's default path runs
       1 row as a single-threaded matrix-vector product, and for 2..16 rows packs W on every call,
       so the cost grew with M (1.5x at M = 2, 1.8x at M = 3); W-major blocks use both cores for
       one row (the matmuls 1.6x faster) and stream W once for a few rows (0.9-1.2x of M = 1's old
-      cost for M = 2..9).
+      cost for M = 2..9). On the Xeon above it is the other way round: W-major made a decode
+      2.2x SLOWER (74 vs 34 ms), as F.linear there already uses both cores well.
     * M > upcast_rows (bf16 / fp16 on a CPU without native bf16 matmuls): compute in fp32 from an
       fp32 copy of W made per call. Emulated bf16 GEMMs are slow for many rows (a 60-token
       prefill of SmolLM2: 1.8 s in bf16, 0.6 s in fp32), while the copy costs one pass over W.
@@ -53,8 +59,12 @@ class Linear(nn.Linear):
 
     weight_major_rows: int = 0  # 0: off
     upcast_rows: int = 0  # 0: off
+    prepacked: bool = False
+    _packed: tuple | None = None  # (the weight it was made from, that weight's version, oneDNN's copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prepacked and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
         if x.dim() == 2:
             rows = x.shape[0]
             if 1 <= rows <= self.weight_major_rows:
@@ -63,6 +73,21 @@ class Linear(nn.Linear):
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight out (an opaque tensor; remade on first use)."""
+        return {**self.__dict__, "_packed": None}
+
+    def packed_weight(self) -> torch.Tensor:
+        """oneDNN's blocked (opaque, `torch._mkldnn` layout) copy of W [out, in], made on first use
+        and made again whenever W is replaced or changed in place (its version counter moves), so
+        a stale copy is never used."""
+        weight = self.weight
+        if self._packed is None or self._packed[0] is not weight or self._packed[1] != weight._version:
+            with torch.no_grad():
+                self._packed = (weight, weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        return self._packed[2]
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -82,12 +107,15 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return (y if bias is None else y + bias).contiguous()
 
 
-def set_cpu_matmul(model: nn.Module, weight_major_rows: int = 0, upcast_rows: int = 0) -> None:
+def set_cpu_matmul(model: nn.Module, weight_major_rows: int = 0, upcast_rows: int = 0, prepacked: bool = False) -> None:
     """In `model`, Linear layers fed 1..weight_major_rows rows compute W-major (`weight_major`);
-    those fed more than upcast_rows rows compute in fp32 (see `Linear`). 0 turns either off."""
+    those fed more than upcast_rows rows compute in fp32; with prepacked, every call uses oneDNN's
+    packed copy of W (see `Linear`). 0 / False turns each off."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.weight_major_rows, module.upcast_rows = weight_major_rows, upcast_rows
+            module.weight_major_rows, module.upcast_rows, module.prepacked = weight_major_rows, upcast_rows, prepacked
+            if not prepacked:
+                module._packed = None  # free the copy
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +144,7 @@ def fused_linear(parts: list[Linear]) -> Linear:
         fused.weight.copy_(torch.cat([p.weight for p in parts]))  # [sum(out), in]
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([p.bias for p in parts]))
-    fused.weight_major_rows, fused.upcast_rows = first.weight_major_rows, first.upcast_rows
+    fused.weight_major_rows, fused.upcast_rows, fused.prepacked = first.weight_major_rows, first.upcast_rows, first.prepacked
     return fused
 
 

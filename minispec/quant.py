@@ -36,7 +36,6 @@ Two implementations of that one definition:
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -141,7 +140,9 @@ class Int8Linear(nn.Module):
         bounds = self._bounds.get(rows)
         if bounds is None:  # [rows, 2] of (+1, -1), kept per row count (a handful: decode, verify, prefill chunks)
             bounds = self._bounds[rows] = torch.tensor([1.0, -1.0]).expand(rows, 2)
-        s = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True, dtype=torch.float32).clamp_min_(TINY)  # [M, 1] max |x|
+        # max |x| per row; abs().amax() rather than vector_norm(x, inf): the same (a max is exact) and
+        # 3x cheaper for a few rows on CPU (vector_norm took 9 us at M = 5, the pair 3 us).
+        s = x.float().abs().amax(dim=-1, keepdim=True).clamp_min_(TINY)  # [M, 1]
         # A row with NaN / inf has s = NaN / inf: its u is zeroed here (the kernel's min and max stay
         # -1 and +1 for the other rows) and its output becomes NaN again when multiplied by s.
         u = torch.cat((x / s, bounds), dim=-1).nan_to_num_(0.0, 0.0, 0.0)  # [M, in + 2] (fp32: s is)

@@ -1,8 +1,8 @@
 """The engine's fast paths compute what the reference paths compute.
 
-* `model.Linear` with a weight-major product for 2..16 rows equals `F.linear` (the loader turns
-  it on for fp32 on CPU only), and a whole k+1-token verification forward gives the same logits
-  either way;
+* `model.Linear` with a weight-major product for 2..16 rows, or with oneDNN's prepacked weight,
+  equals `F.linear`, and a whole k+1-token verification forward gives the same logits either way;
+  the loader keeps whichever entry point it timed fastest on this CPU;
 * the torch attention backend builds its batch indices (`paged_attention.ref_plan`) once per
   forward and shares them across layers, with the same output as building them per layer;
 * greedy verification (`greedy_verify`: one argmax, no sampling) equals `rejection_sample` on the
@@ -11,12 +11,17 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint
+from minispec import loader
+from minispec.eagle import load_eagle
 from minispec.loader import UPCAST_ROWS, WEIGHT_MAJOR_ROWS, native_cpu_bf16
 from minispec.model import Linear, set_cpu_matmul
 from minispec.sampling import warp_probs
@@ -66,13 +71,65 @@ def test_upcast_linear_equals_fp32_math_rounded(rows, bias, seed):
         assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
 
 
-def test_loader_turns_cpu_matmul_paths_on_by_dtype(tiny_llama):
-    """fp32 on CPU: the weight-major product; bf16: fp32 prefill unless the CPU has native bf16."""
+def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
+    """The loader times the entry points that apply to the dtype (fp32: F.linear or weight-major;
+    bf16 with native bf16: F.linear or prepacked; emulated bf16: fp32 prefill) and keeps the
+    fastest; a tiny model (its weights fit the caches) keeps F.linear untimed; $MINISPEC_CPU_MATMUL
+    overrides where it applies and a name that is none of them is refused; an EAGLE head follows
+    its target."""
+    timed = []
+
+    def fake_time(model, name, **_):
+        timed.append(name)
+        return {"linear": 2.0, "weight_major": 1.0, "prepacked": 1.0}[name]
+
+    monkeypatch.setattr(loader, "time_cpu_matmul", fake_time)
+    plan = lambda model: {(m.weight_major_rows, m.upcast_rows, m.prepacked) for m in model.modules() if isinstance(m, Linear)}  # noqa: E731
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+    assert fp32.cpu_matmul == "linear" and plan(fp32) == {(0, 0, False)} and timed == []  # too small to time
+    monkeypatch.setattr(loader, "TIMED_BYTES", 0)
+    fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+    assert timed == ["linear", "weight_major"] and fp32.cpu_matmul == "weight_major"
+    assert plan(fp32) == {(WEIGHT_MAJOR_ROWS, 0, False)}
     bf16, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
-    plan = lambda model: {(m.weight_major_rows, m.upcast_rows) for m in model.modules() if isinstance(m, Linear)}  # noqa: E731
-    assert plan(fp32) == {(WEIGHT_MAJOR_ROWS, 0)}
-    assert plan(bf16) == {(0, 0 if native_cpu_bf16() else UPCAST_ROWS)}
+    assert plan(bf16) == ({(0, 0, True)} if native_cpu_bf16() else {(0, UPCAST_ROWS, False)})
+    monkeypatch.setenv("MINISPEC_CPU_MATMUL", "linear")
+    fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+    assert fp32.cpu_matmul == "linear" and plan(fp32) == {(0, 0, False)}
+    monkeypatch.setenv("MINISPEC_CPU_MATMUL", "weight-major")
+    with pytest.raises(ValueError, match="MINISPEC_CPU_MATMUL='weight-major'"):
+        load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+
+
+def test_eagle_head_takes_its_targets_cpu_matmul(tiny_llama, tiny_llama_eagle, monkeypatch):
+    monkeypatch.setenv("MINISPEC_CPU_MATMUL", "weight_major")
+    target, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+    monkeypatch.delenv("MINISPEC_CPU_MATMUL")
+    head = load_eagle(tiny_llama_eagle, target)
+    assert target.cpu_matmul == head.cpu_matmul == "weight_major"
+    assert all(m.weight_major_rows == WEIGHT_MAJOR_ROWS for m in head.modules() if isinstance(m, Linear))
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 40), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_prepacked_linear_equals_f_linear(rows, bias, seed):
+    """oneDNN's packed copy of W gives F.linear's result (to bf16 rounding: another kernel may add
+    in another order), for 2-d and 3-d inputs and a non-contiguous one; a weight changed in place
+    or replaced is packed again, never used stale."""
+    torch.manual_seed(seed)
+    layer = Linear(48, 80, bias=bias).to(torch.bfloat16)
+    layer.prepacked = True
+    for x in (torch.randn(rows, 48), torch.randn(2, rows, 48), torch.randn(48, rows).t()):
+        x = x.to(torch.bfloat16)
+        torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+    x = torch.randn(rows, 48).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.mul_(-1)
+    torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+    layer.weight = torch.nn.Parameter(torch.randn(80, 48).to(torch.bfloat16))
+    torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+    copied = copy.deepcopy(layer)  # the opaque copy is left out, then remade
+    assert copied._packed is None and torch.equal(copied(x), layer(x))
 
 
 def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
