@@ -20,9 +20,11 @@ each an elementwise product and a sum over the last, contiguous axis, which torc
 fixed order per output element (and splits over threads by output, never inside one). Not
 matmuls: CPU GEMMs round a row differently depending on the other rows, on the matrix sizes and
 even on the operands' memory alignment (measured: the same [3, 64] x [64, 32] product, batch 1
-vs 2, differed). Rows with the same L are computed together. Cost: a gather and a few ops per
-distinct L per layer (a decode or a verification: 1-2; a prefill of T tokens: T / BUCKET), and
-products of R x Hq x L x D floats, chunked.
+vs 2, differed). Rows with the same L are computed together, grouped by sequence: a group's
+keys and values are gathered once and broadcast over its rows (a verification's k+1 rows, or up
+to BUCKET rows of a prompt, share them), which changes no product or sum. Cost: a gather and a
+few ops per distinct L per layer (a decode or a verification: 1-2; a prefill of T tokens:
+T / BUCKET), and products of R x Hq x L x D floats, chunked.
 """
 
 from __future__ import annotations
@@ -34,15 +36,19 @@ import torch
 from .attention import BatchMetadata
 
 BUCKET = 32  # keys per row are padded to a multiple of this
+CHUNK_FLOATS = 1 << 22  # at most this many floats in one [rows, Hq, L, D] product
 
 
 @dataclass
 class Bucket:
-    """The rows of one forward whose keys are padded to the same length L."""
+    """The rows of one forward whose keys are padded to the same length L, as U sequence groups of
+    Q row slots (a group with fewer rows repeats its last one there; those outputs are dropped)."""
 
-    rows: torch.Tensor | None  # [R] row ids (None: all rows of the forward, in order)
-    slots: torch.Tensor  # [R, L] int64 slot of each key (masked keys: any valid slot)
-    visible: torch.Tensor  # [R, L] bool
+    rows: torch.Tensor | None  # [U*Q] row id of each slot (None: all T rows of the forward, in order)
+    slots: torch.Tensor  # [U, L] int64 slot of each key of the group's sequence (masked keys: any valid slot)
+    visible: torch.Tensor  # [U, Q, L] bool
+    real: torch.Tensor | None  # [R] the slots in U*Q that hold real rows (None: all)
+    out_rows: torch.Tensor | None  # [R] their row ids (None: all T rows, in order)
 
 
 @dataclass
@@ -54,30 +60,44 @@ class InvariantPlan:
 
 
 def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: int | None) -> InvariantPlan:
-    """Group the forward's rows by padded key count L = ceil((position + 1) / BUCKET) * BUCKET and
-    find their keys: page_size None (a prefill over the forward's own K/V): slot = the sequence's
-    first new row + j; else the page pool's slot through the block table."""
-    starts = meta.query_start_loc.long()  # [B+1]
-    counts = starts[1:] - starts[:-1]  # [B]
-    seq_of_row = torch.repeat_interleave(torch.arange(len(counts), device=starts.device), counts)  # [T]
-    positions = meta.positions.tolist()
-    lengths = [-(-(p + 1) // BUCKET) * BUCKET for p in positions]  # padded key count per row
-    distinct = sorted(set(lengths))
+    """Group the forward's rows by padded key count L = ceil((position + 1) / BUCKET) * BUCKET, then
+    by sequence, and find each group's keys: page_size None (a prefill over the forward's own K/V):
+    slot = the sequence's first new row + j; else the page pool's slot through the block table."""
+    dev = meta.positions.device
+    starts = meta.query_start_loc.tolist()  # [B+1]
+    positions = meta.positions.tolist()  # [T]
+    groups: dict[int, dict[int, list[int]]] = {}  # L -> sequence -> its rows with that L, in order
+    for b in range(len(starts) - 1):
+        for t in range(starts[b], starts[b + 1]):
+            groups.setdefault(-(-(positions[t] + 1) // BUCKET) * BUCKET, {}).setdefault(b, []).append(t)
     buckets = []
-    for L in distinct:
-        rows = None if len(distinct) == 1 else torch.tensor([t for t, n in enumerate(lengths) if n == L], device=starts.device)
-        seqs = seq_of_row if rows is None else seq_of_row[rows]  # [R]
-        row_pos = (meta.positions if rows is None else meta.positions[rows])[:, None]  # [R, 1]
-        j = torch.arange(L, device=starts.device)  # [L]
-        visible = j <= row_pos  # [R, L]
+    for L in sorted(groups):
+        seqs = list(groups[L])  # [U]
+        Q = max(len(r) for r in groups[L].values())
+        slot_rows = [r + [r[-1]] * (Q - len(r)) for r in groups[L].values()]  # [U][Q]: repeats of a group's last row pad it
+        flat = [t for r in slot_rows for t in r]  # [U*Q]
+        real = [u * Q + i for u, s in enumerate(seqs) for i in range(len(groups[L][s]))]  # [R]
+        out_rows = [flat[i] for i in real]  # [R]
+        row_pos = meta.positions[torch.tensor(flat, device=dev)].view(len(seqs), Q, 1)  # [U, Q, 1]
+        j = torch.arange(L, device=dev)  # [L]
+        visible = j <= row_pos  # [U, Q, L]
         if sliding_window is not None:
             visible &= j > row_pos - sliding_window
+        seq_ids = torch.tensor(seqs, device=dev)  # [U]
         if page_size is None:
-            slots = starts[seqs][:, None] + j  # [R, L]
+            slots = meta.query_start_loc.long()[seq_ids][:, None] + j  # [U, L]
         else:
-            pages = meta.block_tables.long()[seqs]  # [R, max_pages]
-            slots = pages[:, (j // page_size).clamp(max=pages.shape[1] - 1)] * page_size + j % page_size  # [R, L]
-        buckets.append(Bucket(rows, torch.where(visible, slots, slots[:, :1]), visible))
+            pages = meta.block_tables.long()[seq_ids]  # [U, max_pages]
+            slots = pages[:, (j // page_size).clamp(max=pages.shape[1] - 1)] * page_size + j % page_size  # [U, L]
+        needed = visible.any(dim=1)  # [U, L]: keys some row of the group sees (the others may lie past the pool)
+        everything = flat == list(range(len(positions)))
+        buckets.append(Bucket(
+            rows=None if everything else torch.tensor(flat, device=dev),
+            slots=torch.where(needed, slots, slots[:, :1]),
+            visible=visible,
+            real=None if len(real) == len(flat) else torch.tensor(real, device=dev),
+            out_rows=None if everything else torch.tensor(out_rows, device=dev),
+        ))
     return InvariantPlan(buckets, sliding_window)
 
 
@@ -88,29 +108,39 @@ def invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     T, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q) if len(plan.buckets) > 1 else None  # [T, Hq, D]
+    out = None if len(plan.buckets) == 1 and plan.buckets[0].out_rows is None else torch.empty_like(q)  # [T, Hq, D]
     for b in plan.buckets:
-        R, L = b.slots.shape
-        keys = k_pool[b.slots].float().transpose(1, 2)  # [R, Hkv, L, D]
-        values_t = v_pool[b.slots].float().permute(0, 2, 3, 1).contiguous()  # [R, Hkv, D, L]: L innermost
-        q_b = (q if b.rows is None else q[b.rows]).float().view(R, num_kv_heads, group, head_dim)  # [R, Hkv, g, D]
-        step = chunk_rows(L, num_q_heads, head_dim)
+        U, Q, L = b.visible.shape
+        keys = k_pool[b.slots].float().transpose(1, 2)  # [U, Hkv, L, D]
+        values_t = v_pool[b.slots].float().permute(0, 2, 3, 1).contiguous()  # [U, Hkv, D, L]: L innermost
+        q_b = (q if b.rows is None else q[b.rows]).float().view(U, Q, num_kv_heads, group, head_dim)  # [U, Q, Hkv, g, D]
         parts = []
-        for c in range(0, R, step):  # bounds the products' memory
-            rc = slice(c, c + step)
+        for us, qs in chunks(U, Q, L * num_q_heads * head_dim, CHUNK_FLOATS):  # bounds the products' memory
             # Dot products as multiply + sum over the last axis (D, then L): a fixed reduction per
             # output element, unlike a GEMM, whose rounding depends on the shapes and alignment.
-            scores = (q_b[rc, :, :, None, :] * keys[rc, :, None]).sum(-1).mul_(sm_scale)  # [r, Hkv, g, L]
-            scores.masked_fill_(~b.visible[rc, None, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)  # [r, Hkv, g, L]
-            parts.append((probs[:, :, :, None, :] * values_t[rc, :, None]).sum(-1))  # [r, Hkv, g, D]
-        o = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(R, num_q_heads, head_dim).to(q.dtype)  # [R, Hq, D]
+            # A group's keys broadcast over its rows: [u, q, Hkv, g, 1, D] * [u, 1, Hkv, 1, L, D].
+            scores = (q_b[us, qs, :, :, None, :] * keys[us, None, :, None]).sum(-1).mul_(sm_scale)  # [u, q, Hkv, g, L]
+            scores.masked_fill_(~b.visible[us, qs, None, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)  # [u, q, Hkv, g, L]
+            parts.append((probs[..., None, :] * values_t[us, None, :, None]).sum(-1))  # [u, q, Hkv, g, D]
+        o = torch.cat([p.flatten(0, 1) for p in parts]) if len(parts) > 1 else parts[0]  # [U*Q, Hkv, g, D] ([U, Q, ...] if one)
+        o = o.reshape(U * Q, num_q_heads, head_dim).to(q.dtype)  # [U*Q, Hq, D]
+        if b.real is not None:
+            o = o[b.real]  # [R, Hq, D]
         if out is None:
             return o
-        out[b.rows] = o
+        if b.out_rows is None:
+            out.copy_(o)
+        else:
+            out[b.out_rows] = o
     return out
 
 
-def chunk_rows(L: int, num_q_heads: int, head_dim: int, budget: int = 1 << 22) -> int:
-    """Rows per chunk so that one [rows, Hq, L, D] product holds at most `budget` floats."""
-    return max(1, budget // (L * num_q_heads * head_dim))
+def chunks(U: int, Q: int, per_row: int, budget: int):
+    """(group slice, row slice) pairs covering [U, Q] in order, each product holding at most
+    `budget` floats (per_row of them per row): whole groups when one fits, else rows of one group."""
+    if Q * per_row <= budget:
+        step = budget // (Q * per_row)
+        return [(slice(u, u + step), slice(None)) for u in range(0, U, step)]
+    step = max(1, budget // per_row)
+    return [(slice(u, u + 1), slice(i, i + step)) for u in range(U) for i in range(0, Q, step)]

@@ -122,6 +122,33 @@ def test_invariant_attention_is_attention_and_is_batch_invariant(lengths, group,
         start += n
 
 
+def test_invariant_attention_gives_the_same_bits_in_any_chunking(monkeypatch):
+    """Two prompts (41 and 70 rows: groups of up to 32 rows share their keys), and a paged
+    verification of 5 rows across a bucket edge, batched with a 1-row decode: the output is the
+    same bit for bit whether the products run a group at a time or one row at a time."""
+    from minispec import invariant_attention as ia
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(111, h, 16, generator=g) for h in (6, 2, 2))
+    prefill = invariant_plan(BatchMetadata.for_prompts([41, 70]), None, None)
+    pool_k, pool_v = torch.randn(12 * 8, 2, 16, generator=g), torch.randn(12 * 8, 2, 16, generator=g)
+    paged = BatchMetadata(positions=torch.tensor([60, 61, 62, 63, 64, 20]), query_start_loc=torch.tensor([0, 5, 6]),
+                          seq_lens=torch.tensor([65, 21]), max_query_len=5, max_seq_len=65,
+                          block_tables=torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 0, 0, 0, 0, 0, 0]]))
+    verify = invariant_plan(paged, 8, None)
+    assert [tuple(b.visible.shape[:2]) for b in verify.buckets] == [(1, 1), (1, 4), (1, 1)]  # (groups, rows) per L
+    whole = (invariant_attention(q, k, v, prefill, 0.3), invariant_attention(q[:6], pool_k, pool_v, verify, 0.3))
+    monkeypatch.setattr(ia, "CHUNK_FLOATS", 1)
+    assert torch.equal(invariant_attention(q, k, v, prefill, 0.3), whole[0])
+    assert torch.equal(invariant_attention(q[:6], pool_k, pool_v, verify, 0.3), whole[1])
+    for row, (b, t) in enumerate([(0, 60), (0, 64), (1, 20)]):  # each row alone: the same bits
+        r = [0, 4, 5][row]
+        alone = BatchMetadata(positions=torch.tensor([t]), query_start_loc=torch.tensor([0, 1]),
+                              seq_lens=torch.tensor([t + 1]), max_query_len=1, max_seq_len=t + 1,
+                              block_tables=paged.block_tables[b : b + 1])
+        assert torch.equal(invariant_attention(q[r : r + 1], pool_k, pool_v, invariant_plan(alone, 8, None), 0.3), whole[1][r : r + 1])
+
+
 @pytest.fixture(scope="module")
 def int8_target(tiny_llama):
     return load_checkpoint(tiny_llama, dtype="float32", quantization="int8")
