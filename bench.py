@@ -708,7 +708,8 @@ def main(argv=None) -> dict:
     else:
         dtype, target, dtype_note = calibrate_dtype(target_path, max(p["ks"]))
         log(dtype_note)
-    log(f"device={device} dtype={dtype_name(dtype)} target={target_path} draft={draft_path}")
+    matmul = getattr(target[0], "cpu_matmul", None)  # the CPU Linear entry point the loader timed fastest
+    log(f"device={device} dtype={dtype_name(dtype)}{f' matmul={matmul}' if matmul else ''} target={target_path} draft={draft_path}")
     draft = load_checkpoint(draft_path, dtype=dtype) if {"draft", "adaptive"} & set(p["drafters"]) else None
     quantized = None  # (target, draft) with quantized weights, fp32 everywhere else
     if args.quantization:
@@ -780,7 +781,7 @@ def main(argv=None) -> dict:
     title = f"{target_path.name} + {draft_path.name}, {device.type}, {dtype_name(dtype)}"
     bench_time = f"{time.perf_counter() - START:.0f} s in all"
     print()
-    print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}, target={target_path.name}, "
+    print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}{f', matmul={matmul}' if matmul else ''}, target={target_path.name}, "
           f"draft={draft_path.name}, {p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
           f"{bench_time}")
     if dtype_note:
@@ -797,6 +798,7 @@ def main(argv=None) -> dict:
         "draft": str(draft_path),
         "dtype": dtype_name(dtype),
         "dtype_choice": dtype_note,
+        "cpu_matmul": matmul,
         "plan": p,
         "rows": [{**asdict(r), "distinguishable": r.distinguishable} for r in rows],
         "correctness": correctness,

@@ -22,8 +22,11 @@ matmuls: CPU GEMMs round a row differently depending on the other rows, on the m
 even on the operands' memory alignment (measured: the same [3, 64] x [64, 32] product, batch 1
 vs 2, differed). Rows with the same L are computed together, grouped by sequence: a group's
 keys and values are gathered once and broadcast over its rows (a verification's k+1 rows, or up
-to BUCKET rows of a prompt, share them), which changes no product or sum. Cost: a gather and a
-few ops per distinct L per layer (a decode or a verification: 1-2; a prefill of T tokens:
+to BUCKET rows of a prompt, share them), which changes no product or sum of a row: a key hidden
+from it adds a zero term (probability 0 times a finite value; a NaN or inf value of a LATER row's
+key would make this row NaN too, as in the torch reference backend: zeroing those terms cost
+30-60% of the attention here). Cost: a gather and a few ops per
+distinct (L, rows per sequence) per layer (a decode or a verification: 1-2; a prefill of T tokens:
 T / BUCKET), and products of R x Hq x L x D floats, chunked.
 """
 
@@ -42,13 +45,11 @@ CHUNK_FLOATS = 1 << 22  # at most this many floats in one [rows, Hq, L, D] produ
 @dataclass
 class Bucket:
     """The rows of one forward whose keys are padded to the same length L, as U sequence groups of
-    Q row slots (a group with fewer rows repeats its last one there; those outputs are dropped)."""
+    Q rows each (sequences with another number of rows at this L form another bucket)."""
 
-    rows: torch.Tensor | None  # [U*Q] row id of each slot (None: all T rows of the forward, in order)
-    slots: torch.Tensor  # [U, L] int64 slot of each key of the group's sequence (masked keys: any valid slot)
+    rows: torch.Tensor | None  # [U*Q] row ids, group by group (None: all T rows of the forward, in order)
+    slots: torch.Tensor  # [U, L] int64 slot of each key of the group's sequence (keys no row sees: any valid slot)
     visible: torch.Tensor  # [U, Q, L] bool
-    real: torch.Tensor | None  # [R] the slots in U*Q that hold real rows (None: all)
-    out_rows: torch.Tensor | None  # [R] their row ids (None: all T rows, in order)
 
 
 @dataclass
@@ -60,24 +61,24 @@ class InvariantPlan:
 
 
 def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: int | None) -> InvariantPlan:
-    """Group the forward's rows by padded key count L = ceil((position + 1) / BUCKET) * BUCKET, then
-    by sequence, and find each group's keys: page_size None (a prefill over the forward's own K/V):
-    slot = the sequence's first new row + j; else the page pool's slot through the block table."""
+    """Group the forward's rows by padded key count L = ceil((position + 1) / BUCKET) * BUCKET and
+    by sequence, and the groups by (L, rows in the group), so that no group is padded; find each
+    group's keys: page_size None (a prefill over the forward's own K/V): slot = the sequence's
+    first new row + j; else the page pool's slot through the block table."""
     dev = meta.positions.device
     starts = meta.query_start_loc.tolist()  # [B+1]
     positions = meta.positions.tolist()  # [T]
-    groups: dict[int, dict[int, list[int]]] = {}  # L -> sequence -> its rows with that L, in order
+    groups: dict[tuple[int, int], list[int]] = {}  # (sequence, L) -> its rows with that L, in order
     for b in range(len(starts) - 1):
         for t in range(starts[b], starts[b + 1]):
-            groups.setdefault(-(-(positions[t] + 1) // BUCKET) * BUCKET, {}).setdefault(b, []).append(t)
+            groups.setdefault((b, -(-(positions[t] + 1) // BUCKET) * BUCKET), []).append(t)
+    shapes: dict[tuple[int, int], list[int]] = {}  # (L, Q) -> sequences
+    for (b, L), rows in groups.items():
+        shapes.setdefault((L, len(rows)), []).append(b)
     buckets = []
-    for L in sorted(groups):
-        seqs = list(groups[L])  # [U]
-        Q = max(len(r) for r in groups[L].values())
-        slot_rows = [r + [r[-1]] * (Q - len(r)) for r in groups[L].values()]  # [U][Q]: repeats of a group's last row pad it
-        flat = [t for r in slot_rows for t in r]  # [U*Q]
-        real = [u * Q + i for u, s in enumerate(seqs) for i in range(len(groups[L][s]))]  # [R]
-        out_rows = [flat[i] for i in real]  # [R]
+    for L, Q in sorted(shapes):
+        seqs = shapes[L, Q]  # [U]
+        flat = [t for b in seqs for t in groups[b, L]]  # [U*Q]
         row_pos = meta.positions[torch.tensor(flat, device=dev)].view(len(seqs), Q, 1)  # [U, Q, 1]
         j = torch.arange(L, device=dev)  # [L]
         visible = j <= row_pos  # [U, Q, L]
@@ -91,13 +92,7 @@ def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: i
             slots = pages[:, (j // page_size).clamp(max=pages.shape[1] - 1)] * page_size + j % page_size  # [U, L]
         needed = visible.any(dim=1)  # [U, L]: keys some row of the group sees (the others may lie past the pool)
         everything = flat == list(range(len(positions)))
-        buckets.append(Bucket(
-            rows=None if everything else torch.tensor(flat, device=dev),
-            slots=torch.where(needed, slots, slots[:, :1]),
-            visible=visible,
-            real=None if len(real) == len(flat) else torch.tensor(real, device=dev),
-            out_rows=None if everything else torch.tensor(out_rows, device=dev),
-        ))
+        buckets.append(Bucket(None if everything else torch.tensor(flat, device=dev), torch.where(needed, slots, slots[:, :1]), visible))
     return InvariantPlan(buckets, sliding_window)
 
 
@@ -108,7 +103,7 @@ def invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     T, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
-    out = None if len(plan.buckets) == 1 and plan.buckets[0].out_rows is None else torch.empty_like(q)  # [T, Hq, D]
+    out = None if len(plan.buckets) == 1 and plan.buckets[0].rows is None else torch.empty_like(q)  # [T, Hq, D]
     for b in plan.buckets:
         U, Q, L = b.visible.shape
         keys = k_pool[b.slots].float().transpose(1, 2)  # [U, Hkv, L, D]
@@ -125,14 +120,9 @@ def invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
             parts.append((probs[..., None, :] * values_t[us, None, :, None]).sum(-1))  # [u, q, Hkv, g, D]
         o = torch.cat([p.flatten(0, 1) for p in parts]) if len(parts) > 1 else parts[0]  # [U*Q, Hkv, g, D] ([U, Q, ...] if one)
         o = o.reshape(U * Q, num_q_heads, head_dim).to(q.dtype)  # [U*Q, Hq, D]
-        if b.real is not None:
-            o = o[b.real]  # [R, Hq, D]
         if out is None:
             return o
-        if b.out_rows is None:
-            out.copy_(o)
-        else:
-            out[b.out_rows] = o
+        out[b.rows if b.rows is not None else slice(None)] = o
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -108,6 +109,7 @@ def build_model(
 
 CPU_MATMULS = ("linear", "weight_major", "prepacked", "upcast")  # model.Linear's CPU entry points
 TIMED_BYTES = 32 << 20  # models with less linear weight keep F.linear: their weights sit in the caches, timing misleads
+MIN_GAIN = 0.05  # another entry point replaces F.linear only if it is at least this much faster
 
 
 def cpu_matmul_candidates(dtype: torch.dtype) -> tuple[str, ...]:
@@ -124,46 +126,59 @@ def set_cpu_matmul_by_name(model: torch.nn.Module, name: str) -> None:
                    upcast_rows=UPCAST_ROWS if name == "upcast" else 0, prepacked=name == "prepacked")
 
 
-def time_cpu_matmul(model: torch.nn.Module, name: str, rows: tuple[int, ...] = (1, 5), repeats: int = 3) -> float:
-    """Seconds for one pass of x @ W^T over ALL of model's Linear weights with entry point `name`,
-    at each row count in `rows` (a decode, a k=4 verification), best of `repeats`, summed. All
-    weights in turn, as a forward streams them: one weight timed in a loop stays in the cache and
-    misleads."""
-    set_cpu_matmul_by_name(model, name)
+def time_cpu_matmuls(model: torch.nn.Module, names: tuple[str, ...], rows: tuple[int, ...] = (1, 5),
+                     repeats: int = 3) -> dict[str, float]:
+    """Seconds per entry point: one pass of x @ W^T over ALL of model's Linear weights at each row
+    count in `rows` (a decode, a k=4 verification), the best of `repeats` passes, summed over
+    `rows`. All weights in turn, as a forward streams them (one weight timed in a loop stays in
+    the cache and misleads); the entry points take turns within each repeat, so a drift of the
+    machine's speed hits them alike. Leaves the model set to the last name."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    total = 0.0
+    gen = torch.Generator().manual_seed(0)  # the caller's random streams are left alone
+    best = {(name, n): float("inf") for name in names for n in rows}
     with torch.inference_mode():
-        for n in rows:
-            inputs = {m.in_features: torch.randn(n, m.in_features, dtype=m.weight.dtype) for m in linears}  # [n, in]
-            best = float("inf")
-            for _ in range(repeats + 1):  # the first pass warms up (and packs)
-                start = time.perf_counter()
-                for m in linears:
-                    m(inputs[m.in_features])
-                best = min(best, time.perf_counter() - start)
-            total += best
-    return total
+        inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=gen).to(m.weight.dtype) for m in linears}
+                  for n in rows}  # [n, in] per input width
+        for repeat in range(repeats + 1):  # the first pass warms up (and packs)
+            for name in names:
+                set_cpu_matmul_by_name(model, name)
+                for n in rows:
+                    start = time.perf_counter()
+                    for m in linears:
+                        m(inputs[n][m.in_features])
+                    if repeat:
+                        best[name, n] = min(best[name, n], time.perf_counter() - start)
+    return {name: sum(best[name, n] for n in rows) for name in names}
 
 
 def use_cpu_fast_paths(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                        prefer: str | None = None) -> str | None:
     """On CPU, set every Linear of `model` to the entry point that is fastest HERE (model.Linear):
-    the first of `prefer` (an EAGLE head passes its target's: one layer's weights are too few to
-    time) and $MINISPEC_CPU_MATMUL that applies to this dtype (`cpu_matmul_candidates`), else the
-    fastest candidate by `time_cpu_matmul` (~0.5 s for SmolLM2-135M; F.linear for a model with
-    under TIMED_BYTES of linear weights). Returns the choice (None off CPU), also kept as
-    `model.cpu_matmul`."""
+    `prefer` if it applies to this dtype (`cpu_matmul_candidates`; an EAGLE head passes its
+    target's: one layer's weights are too few to time), else $MINISPEC_CPU_MATMUL if it applies
+    (a warning says when it does not), else the candidates timed by `time_cpu_matmuls` (~0.5 s for
+    SmolLM2-135M), where another entry point replaces F.linear only if it is at least
+    MIN_GAIN faster (so that near-ties do not flip between runs); a model with under
+    TIMED_BYTES of linear weight keeps F.linear untimed. Returns the choice (None off CPU), also
+    kept as `model.cpu_matmul`."""
     if device.type != "cpu":
         return None
     env = os.environ.get("MINISPEC_CPU_MATMUL") or None
     if env is not None and env not in CPU_MATMULS:
         raise ValueError(f"MINISPEC_CPU_MATMUL={env!r}: use one of {', '.join(CPU_MATMULS)}")
     candidates = cpu_matmul_candidates(dtype)
+    if env is not None and env not in candidates and prefer not in candidates:
+        warnings.warn(f"MINISPEC_CPU_MATMUL={env!r} does not apply to {dtype} on this CPU "
+                      f"(there: {', '.join(candidates)}); choosing by timing", stacklevel=2)
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values()
     choice = next((c for c in (prefer, env) if c in candidates), None)
     if choice is None:
-        timed = len(candidates) > 1 and sum(w.numel() * w.element_size() for w in weights) >= TIMED_BYTES
-        choice = min(candidates, key=lambda name: time_cpu_matmul(model, name)) if timed else candidates[0]
+        choice = candidates[0]
+        if len(candidates) > 1 and sum(w.numel() * w.element_size() for w in weights) >= TIMED_BYTES:
+            seconds = time_cpu_matmuls(model, candidates)
+            fastest = min(candidates, key=seconds.get)
+            if seconds[fastest] * (1 + MIN_GAIN) < seconds[choice]:
+                choice = fastest
     set_cpu_matmul_by_name(model, choice)
     model.cpu_matmul = choice
     return choice

@@ -42,8 +42,9 @@ class Linear(nn.Linear):
     the fastest (loader.use_cpu_fast_paths); the third is on wherever bf16 is emulated:
     * prepacked (bf16 on a CPU with native bf16 matmuls): oneDNN's blocked copy of W, made once
       (`packed_weight`) instead of on every call. Measured on a 2-core Xeon with AVX512-BF16 and
-      AMX, whole SmolLM2 forward: decode 29 vs 36 ms, a 5-row verification 31 vs 39 ms. The
-      copy doubles the memory of the linear weights.
+      AMX, whole SmolLM2 forward: decode 28-29 vs 36 ms, a 5-row verification 30-31 vs 39 ms.
+      The copy doubles the memory of the linear weights; inference only (no backward: with
+      gradients wanted, F.linear runs).
     * 1 <= M <= weight_major_rows (fp32): `weight_major`, the product with W as the left operand,
       its rows split into one block per thread. Decoding feeds 1 row, a speculative verification
       k+1 rows. Measured on a 2-core Zen 3 CPU, whole SmolLM2 forward: PyTorch's default path runs
@@ -60,10 +61,11 @@ class Linear(nn.Linear):
     weight_major_rows: int = 0  # 0: off
     upcast_rows: int = 0  # 0: off
     prepacked: bool = False
-    _packed: tuple | None = None  # (the weight it was made from, that weight's version, oneDNN's copy)
+    _packed: tuple | None = None  # (the weight it was made from, (its version, data_ptr, dtype), oneDNN's copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prepacked and x.device.type == "cpu":
+        if self.prepacked and x.device.type == "cpu" and x.dtype == self.weight.dtype and not (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):  # oneDNN's op has no backward
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
         if x.dim() == 2:
             rows = x.shape[0]
@@ -77,16 +79,25 @@ class Linear(nn.Linear):
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the packed weight out (an opaque tensor; remade on first use)."""
-        return {**self.__dict__, "_packed": None}
+        state = dict(super().__getstate__())  # a copy: the live module keeps its packed weight
+        state["_packed"] = None
+        return state
+
+    def _apply(self, fn, recurse=True):
+        """Moved or cast (`.to`, `.float()`: W's data is swapped in place): the packed copy is dropped."""
+        self._packed = None
+        return super()._apply(fn, recurse)
 
     def packed_weight(self) -> torch.Tensor:
         """oneDNN's blocked (opaque, `torch._mkldnn` layout) copy of W [out, in], made on first use
-        and made again whenever W is replaced or changed in place (its version counter moves), so
-        a stale copy is never used."""
+        and made again whenever W is replaced, moved, cast or changed in place through autograd-
+        visible ops (its version counter moves). Writes through `weight.data` bypass the version
+        counter: after one, call `set_cpu_matmul` again (it drops the copy)."""
         weight = self.weight
-        if self._packed is None or self._packed[0] is not weight or self._packed[1] != weight._version:
+        key = (weight._version, weight.data_ptr(), weight.dtype)
+        if self._packed is None or self._packed[0] is not weight or self._packed[1] != key:
             with torch.no_grad():
-                self._packed = (weight, weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+                self._packed = (weight, key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
         return self._packed[2]
 
 
@@ -114,8 +125,7 @@ def set_cpu_matmul(model: nn.Module, weight_major_rows: int = 0, upcast_rows: in
     for module in model.modules():
         if isinstance(module, Linear):
             module.weight_major_rows, module.upcast_rows, module.prepacked = weight_major_rows, upcast_rows, prepacked
-            if not prepacked:
-                module._packed = None  # free the copy
+            module._packed = None  # dropped (made again on first use when prepacked)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,7 +88,7 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
     for r in result["rows"]:  # every minispec row: a decode speedup over the same rounds, and its latencies
         assert len(r["decode_ratios"]) == len(r["ratios"]) and r["decode_speedup_ci"] and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
     check_plots(result, tmp_path / "new")
-    assert result["dtype"] == "float32"
+    assert result["dtype"] == "float32" and result["cpu_matmul"] == "linear"  # a tiny target: F.linear, untimed
     assert json.loads(out.read_text())["rows"] == result["rows"]
     printed = capsys.readouterr().out
     assert "autoregressive" in printed and "95% CI" in printed and "correctness: greedy speculative output" in printed

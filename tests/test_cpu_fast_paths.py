@@ -1,8 +1,9 @@
 """The engine's fast paths compute what the reference paths compute.
 
-* `model.Linear` with a weight-major product for 2..16 rows, or with oneDNN's prepacked weight,
-  equals `F.linear`, and a whole k+1-token verification forward gives the same logits either way;
-  the loader keeps whichever entry point it timed fastest on this CPU;
+* `model.Linear` with a weight-major product for 2..16 rows, or with oneDNN's prepacked weight
+  (bf16), equals `F.linear`, and whole forwards give the same logits either way (fp32: also the
+  same greedy tokens of a speculative run); the loader keeps whichever entry point it timed
+  fastest on this CPU;
 * the torch attention backend builds its batch indices (`paged_attention.ref_plan`) once per
   forward and shares them across layers, with the same output as building them per layer;
 * greedy verification (`greedy_verify`: one argmax, no sampling) equals `rejection_sample` on the
@@ -74,31 +75,46 @@ def test_upcast_linear_equals_fp32_math_rounded(rows, bias, seed):
 def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
     """The loader times the entry points that apply to the dtype (fp32: F.linear or weight-major;
     bf16 with native bf16: F.linear or prepacked; emulated bf16: fp32 prefill) and keeps the
-    fastest; a tiny model (its weights fit the caches) keeps F.linear untimed; $MINISPEC_CPU_MATMUL
-    overrides where it applies and a name that is none of them is refused; an EAGLE head follows
-    its target."""
-    timed = []
+    fastest, leaving F.linear only for a clear gain; a tiny model (its weights fit the caches)
+    keeps F.linear untimed; $MINISPEC_CPU_MATMUL overrides where it applies, warns where it does
+    not, and a name that is none of them is refused."""
+    monkeypatch.delenv("MINISPEC_CPU_MATMUL", raising=False)
+    timed, seconds = [], {"linear": 2.0, "weight_major": 1.0, "prepacked": 1.0}
 
-    def fake_time(model, name, **_):
-        timed.append(name)
-        return {"linear": 2.0, "weight_major": 1.0, "prepacked": 1.0}[name]
+    def fake_time(model, names, **_):
+        timed.append(names)
+        return {name: seconds[name] for name in names}
 
-    monkeypatch.setattr(loader, "time_cpu_matmul", fake_time)
+    monkeypatch.setattr(loader, "time_cpu_matmuls", fake_time)
     plan = lambda model: {(m.weight_major_rows, m.upcast_rows, m.prepacked) for m in model.modules() if isinstance(m, Linear)}  # noqa: E731
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
     assert fp32.cpu_matmul == "linear" and plan(fp32) == {(0, 0, False)} and timed == []  # too small to time
     monkeypatch.setattr(loader, "TIMED_BYTES", 0)
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-    assert timed == ["linear", "weight_major"] and fp32.cpu_matmul == "weight_major"
+    assert timed == [("linear", "weight_major")] and fp32.cpu_matmul == "weight_major"
     assert plan(fp32) == {(WEIGHT_MAJOR_ROWS, 0, False)}
+    seconds["weight_major"] = 1.99  # faster, but by less than MIN_GAIN: F.linear stays
+    assert load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")[0].cpu_matmul == "linear"
     bf16, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
     assert plan(bf16) == ({(0, 0, True)} if native_cpu_bf16() else {(0, UPCAST_ROWS, False)})
-    monkeypatch.setenv("MINISPEC_CPU_MATMUL", "linear")
+    monkeypatch.setenv("MINISPEC_CPU_MATMUL", "weight_major")
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-    assert fp32.cpu_matmul == "linear" and plan(fp32) == {(0, 0, False)}
+    assert fp32.cpu_matmul == "weight_major" and plan(fp32) == {(WEIGHT_MAJOR_ROWS, 0, False)}
+    with pytest.warns(UserWarning, match="does not apply to torch.bfloat16"):
+        load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
     monkeypatch.setenv("MINISPEC_CPU_MATMUL", "weight-major")
     with pytest.raises(ValueError, match="MINISPEC_CPU_MATMUL='weight-major'"):
         load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+
+
+def test_the_timer_times_each_candidate_and_leaves_random_streams_alone(tiny_llama):
+    model, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+    torch.manual_seed(7)
+    seconds = loader.time_cpu_matmuls(model, ("linear", "weight_major"), repeats=1)
+    assert set(seconds) == {"linear", "weight_major"} and all(0 < t < 10 for t in seconds.values())
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(3))
 
 
 def test_eagle_head_takes_its_targets_cpu_matmul(tiny_llama, tiny_llama_eagle, monkeypatch):
@@ -110,26 +126,44 @@ def test_eagle_head_takes_its_targets_cpu_matmul(tiny_llama, tiny_llama_eagle, m
     assert all(m.weight_major_rows == WEIGHT_MAJOR_ROWS for m in head.modules() if isinstance(m, Linear))
 
 
+needs_native_bf16 = pytest.mark.skipif(not native_cpu_bf16(), reason="oneDNN packs bf16 weights only on CPUs with native bf16")
+
+
+@needs_native_bf16
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(1, 40), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_prepacked_linear_equals_f_linear(rows, bias, seed):
     """oneDNN's packed copy of W gives F.linear's result (to bf16 rounding: another kernel may add
-    in another order), for 2-d and 3-d inputs and a non-contiguous one; a weight changed in place
-    or replaced is packed again, never used stale."""
+    in another order), for 2-d and 3-d inputs and a non-contiguous one; a weight changed in place,
+    replaced or cast is packed again, never used stale; with gradients wanted F.linear runs."""
     torch.manual_seed(seed)
     layer = Linear(48, 80, bias=bias).to(torch.bfloat16)
     layer.prepacked = True
+
+    def check(x):
+        with torch.inference_mode():
+            y = layer(x)
+        assert layer._packed is not None and layer._packed[0] is layer.weight  # the packed path ran
+        torch.testing.assert_close(y.float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+
     for x in (torch.randn(rows, 48), torch.randn(2, rows, 48), torch.randn(48, rows).t()):
-        x = x.to(torch.bfloat16)
-        torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+        check(x.to(torch.bfloat16))
     x = torch.randn(rows, 48).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.mul_(-1)
-    torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+    check(x)
     layer.weight = torch.nn.Parameter(torch.randn(80, 48).to(torch.bfloat16))
-    torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+    check(x)
+    layer.float().bfloat16()  # cast and back: the data is swapped inside the same Parameter
+    assert layer._packed is None
+    check(x)
     copied = copy.deepcopy(layer)  # the opaque copy is left out, then remade
-    assert copied._packed is None and torch.equal(copied(x), layer(x))
+    assert copied._packed is None and layer._packed is not None
+    with torch.inference_mode():
+        assert torch.equal(copied(x), layer(x))
+    xg = x.clone().requires_grad_()
+    layer(xg).sum().backward()  # grad mode: F.linear, so gradients reach x and W
+    assert xg.grad is not None and layer.weight.grad is not None
 
 
 def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
@@ -147,6 +181,20 @@ def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
         logits.append(model(ids, BatchMetadata.for_prompts([len(ids)]))[-5:])  # [5, V]
     assert outputs[0] == outputs[1]
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+@needs_native_bf16
+def test_bf16_logits_do_not_depend_on_prepacking(tiny_llama):
+    """A whole bf16 forward, a prompt and then one token over its cache, with oneDNN's packed
+    weights and with F.linear: the same logits to bf16 rounding."""
+    ids = torch.arange(5, 30)
+    logits = []
+    for prepacked in (True, False):
+        model, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+        set_cpu_matmul(model, prepacked=prepacked)
+        logits.append(model(ids, BatchMetadata.for_prompts([len(ids)])))  # [T, V] fp32
+        assert all(m._packed is not None for m in model.modules() if isinstance(m, Linear)) == prepacked
+    torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=0.02)
 
 
 def test_attention_indices_are_built_once_per_forward(tiny_llama, monkeypatch):

@@ -123,7 +123,7 @@ def test_invariant_attention_is_attention_and_is_batch_invariant(lengths, group,
 
 
 def test_invariant_attention_gives_the_same_bits_in_any_chunking(monkeypatch):
-    """Two prompts (41 and 70 rows: groups of up to 32 rows share their keys), and a paged
+    """Two prompts (41 and 70 rows: groups of up to 32 rows of one prompt share its keys), and a paged
     verification of 5 rows across a bucket edge, batched with a 1-row decode: the output is the
     same bit for bit whether the products run a group at a time or one row at a time."""
     from minispec import invariant_attention as ia
@@ -131,6 +131,9 @@ def test_invariant_attention_gives_the_same_bits_in_any_chunking(monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(111, h, 16, generator=g) for h in (6, 2, 2))
     prefill = invariant_plan(BatchMetadata.for_prompts([41, 70]), None, None)
+    # (groups, rows) per (L, rows per sequence): L 32 both prompts' first 32 rows; L 64 the first
+    # prompt's last 9 rows and the second's next 32 (apart: no group is padded); L 96 the last 6
+    assert [tuple(b.visible.shape[:2]) for b in prefill.buckets] == [(2, 32), (1, 9), (1, 32), (1, 6)]
     pool_k, pool_v = torch.randn(12 * 8, 2, 16, generator=g), torch.randn(12 * 8, 2, 16, generator=g)
     paged = BatchMetadata(positions=torch.tensor([60, 61, 62, 63, 64, 20]), query_start_loc=torch.tensor([0, 5, 6]),
                           seq_lens=torch.tensor([65, 21]), max_query_len=5, max_seq_len=65,
