@@ -121,9 +121,10 @@ def cpu_matmul_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     return ("linear", "prepacked") if dtype == torch.bfloat16 else ("linear",)
 
 
-def set_cpu_matmul_by_name(model: torch.nn.Module, name: str) -> None:
+def set_cpu_matmul_by_name(model: torch.nn.Module, name: str, keep_packed: bool = False) -> None:
     set_cpu_matmul(model, weight_major_rows=WEIGHT_MAJOR_ROWS if name == "weight_major" else 0,
-                   upcast_rows=UPCAST_ROWS if name == "upcast" else 0, prepacked=name == "prepacked")
+                   upcast_rows=UPCAST_ROWS if name == "upcast" else 0, prepacked=name == "prepacked",
+                   keep_packed=keep_packed)
 
 
 def time_cpu_matmuls(model: torch.nn.Module, names: tuple[str, ...], rows: tuple[int, ...] = (1, 5),
@@ -141,7 +142,7 @@ def time_cpu_matmuls(model: torch.nn.Module, names: tuple[str, ...], rows: tuple
                   for n in rows}  # [n, in] per input width
         for repeat in range(repeats + 1):  # the first pass warms up (and packs)
             for name in names:
-                set_cpu_matmul_by_name(model, name)
+                set_cpu_matmul_by_name(model, name, keep_packed=True)  # packing happens once, in the warm-up
                 for n in rows:
                     start = time.perf_counter()
                     for m in linears:

@@ -96,9 +96,14 @@ class Linear(nn.Linear):
         weight = self.weight
         key = (weight._version, weight.data_ptr(), weight.dtype)
         if self._packed is None or self._packed[0] is not weight or self._packed[1] != key:
-            with torch.no_grad():
-                self._packed = (weight, key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+            self._packed = (weight, key, pack_weight(weight))
         return self._packed[2]
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] -> oneDNN's blocked copy for `torch.ops.mkldnn._linear_pointwise` (any row count)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -118,14 +123,17 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return (y if bias is None else y + bias).contiguous()
 
 
-def set_cpu_matmul(model: nn.Module, weight_major_rows: int = 0, upcast_rows: int = 0, prepacked: bool = False) -> None:
+def set_cpu_matmul(model: nn.Module, weight_major_rows: int = 0, upcast_rows: int = 0, prepacked: bool = False,
+                   keep_packed: bool = False) -> None:
     """In `model`, Linear layers fed 1..weight_major_rows rows compute W-major (`weight_major`);
     those fed more than upcast_rows rows compute in fp32; with prepacked, every call uses oneDNN's
-    packed copy of W (see `Linear`). 0 / False turns each off."""
+    packed copy of W (see `Linear`). 0 / False turns each off. Packed copies are dropped (made
+    again on first use) unless keep_packed (the loader's timing switches back and forth)."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.weight_major_rows, module.upcast_rows, module.prepacked = weight_major_rows, upcast_rows, prepacked
-            module._packed = None  # dropped (made again on first use when prepacked)
+            if not keep_packed:
+                module._packed = None
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -117,6 +117,19 @@ def test_the_timer_times_each_candidate_and_leaves_random_streams_alone(tiny_lla
     assert torch.equal(after, torch.rand(3))
 
 
+@pytest.mark.skipif(not native_cpu_bf16(), reason="oneDNN packs bf16 weights only on CPUs with native bf16")
+def test_the_timer_packs_each_weight_once(tiny_llama, monkeypatch):
+    """Timing F.linear and prepacked in turns must not time the packing: each weight is packed
+    once, in the warm-up pass, however many repeats follow."""
+    from minispec import model as model_module
+
+    model, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+    packed, pack = [], model_module.pack_weight
+    monkeypatch.setattr(model_module, "pack_weight", lambda w: packed.append(w) or pack(w))
+    loader.time_cpu_matmuls(model, ("linear", "prepacked"), repeats=3)
+    assert len(packed) == len({id(m.weight) for m in model.modules() if isinstance(m, Linear)})
+
+
 def test_eagle_head_takes_its_targets_cpu_matmul(tiny_llama, tiny_llama_eagle, monkeypatch):
     monkeypatch.setenv("MINISPEC_CPU_MATMUL", "weight_major")
     target, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
