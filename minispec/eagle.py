@@ -23,9 +23,9 @@ their features after its last verification; the draft has cached positions < c):
   2. chained steps j = 2..k: position n+j-3 reads (g of the previous row, d_{j-1}), proposes d_j.
   3. rollback (after the target's verification): the draft forgets positions >= n-1; the next
      catch-up starts there.
-A new (or preempted) sequence gets its features first: `speculative_step` has the target
-prefill its tokens but the newest one, then drafts in the same step. The draft proposes from q = warp(logits scattered into a
-full-vocabulary row of -inf), the same temperature / top-k / top-p warp as the target's p, so
+A new sequence drafts nothing in its first step: the target's prefill emits its first token and
+hands over the features of every prompt position, so the first catch-up runs over the whole
+prompt (a preempted one, recomputed, gets its features first and drafts at once: speculative.py). The draft proposes from q = warp(logits scattered into a full-vocabulary row of -inf), the same temperature / top-k / top-p warp as the target's p, so
 q(x) = 0 outside the draft vocabulary and speculative sampling stays exact (speculative.py).
 
 Checkpoints: the official EAGLE-3 layout (config.json: a Llama config with num_hidden_layers 1,
@@ -337,7 +337,7 @@ class EagleDrafter:
 
     def ready(self, s: Sequence, n: int) -> bool:
         """Can s draft n tokens now: the features for every position the draft has not cached are
-        there (not for a one-token prompt's first step), and the draft's context allows them."""
+        there (not in a new sequence's first step: its prefill brings them), and the draft's context allows them."""
         pending = s.draft_state
         return (pending is not None and pending.start == s.draft.num_cached and pending.end == len(s) - 1
                 and pending.end > pending.start and len(s) - 2 + n <= self.runner.max_positions)

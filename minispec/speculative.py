@@ -236,10 +236,12 @@ def speculative_step(
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     layers = getattr(drafter, "target_layers", None)
 
-    # 0. A feature drafter reads the target's hidden states of every position before the newest
-    # token. New (or preempted and recomputed) sequences have none yet: the target prefills
-    # their tokens but the newest first, so that they are drafted in this very step.
-    lagging = [s for s in seqs if s.target.num_cached < len(s) - 1] if layers is not None else []
+    # 0. A feature drafter drafts only for sequences whose target features it has. A new one
+    # drafts nothing in its first step: the prompt's prefill emits the first token and hands over
+    # the prompt's features (as vLLM's EAGLE does). A preempted one, recomputed, has its tokens
+    # but the newest prefilled first, so that it drafts this very step, as it would have without
+    # the preemption (a seeded request then draws the same random numbers: the same output).
+    lagging = [s for s in seqs if s.output_ids and s.target.num_cached < len(s) - 1] if layers is not None else []
     if lagging:
         t = time.perf_counter()
         feeds = [Feed(s.target, s.tokens[s.target.num_cached : len(s) - 1]) for s in lagging]
