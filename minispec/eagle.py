@@ -25,8 +25,10 @@ their features after its last verification; the draft has cached positions < c):
      catch-up starts there.
 A new sequence drafts nothing in its first step: the target's prefill emits its first token and
 hands over the features of every prompt position, so the first catch-up runs over the whole
-prompt (a preempted one, recomputed, gets its features first and drafts at once: speculative.py). The draft proposes from q = warp(logits scattered into a full-vocabulary row of -inf), the same temperature / top-k / top-p warp as the target's p, so
-q(x) = 0 outside the draft vocabulary and speculative sampling stays exact (speculative.py).
+prompt (a preempted one, recomputed, gets its features first and drafts at once: speculative.py).
+The draft proposes from q = warp(logits scattered into a full-vocabulary row of -inf), the same
+temperature / top-k / top-p warp as the target's p, so q(x) = 0 outside the draft vocabulary and
+speculative sampling stays exact (speculative.py).
 
 Checkpoints: the official EAGLE-3 layout (config.json: a Llama config with num_hidden_layers 1,
 draft_vocab_size, optional target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids,

@@ -133,7 +133,7 @@ def time_cpu_matmuls(model: torch.nn.Module, names: tuple[str, ...], rows: tuple
     count in `rows` (a decode, a k=4 verification), the best of `repeats` passes, summed over
     `rows`. All weights in turn, as a forward streams them (one weight timed in a loop stays in
     the cache and misleads); the entry points take turns within each repeat, so a drift of the
-    machine's speed hits them alike. Leaves the model set to the last name."""
+    machine's speed hits them alike. Leaves the model set to the last name, packed copies kept."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     gen = torch.Generator().manual_seed(0)  # the caller's random streams are left alone
     best = {(name, n): float("inf") for name in names for n in rows}
@@ -180,7 +180,7 @@ def use_cpu_fast_paths(model: torch.nn.Module, dtype: torch.dtype, device: torch
             fastest = min(candidates, key=seconds.get)
             if seconds[fastest] * (1 + MIN_GAIN) < seconds[choice]:
                 choice = fastest
-    set_cpu_matmul_by_name(model, choice)
+    set_cpu_matmul_by_name(model, choice, keep_packed=choice == "prepacked")  # the timer's packs serve the first forward
     model.cpu_matmul = choice
     return choice
 

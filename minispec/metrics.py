@@ -9,7 +9,9 @@ TPOT (time per output token) = (finish - first token) / (tokens emitted after th
                              changes and prefill does not. For plain decoding that step emits one
                              token and this is vLLM's (tokens - 1); a speculative first step (the
                              prompt verified together with k drafts) can emit several, and their
-                             time is in the TTFT, so they are not counted again here.
+                             time is in the TTFT, so they are not counted again here. (An EAGLE
+                             head drafts from the second step: its first step is a plain prefill,
+                             and its catch-up over the prompt is in the TPOT.)
 
 The counts are the rejection sampler's decisions. In a request's last step, EOS, a stop string or
 max_tokens may cut the accepted run short, so tokens emitted can be fewer than accepted + 1 there.

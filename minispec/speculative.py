@@ -238,9 +238,10 @@ def speculative_step(
 
     # 0. A feature drafter drafts only for sequences whose target features it has. A new one
     # drafts nothing in its first step: the prompt's prefill emits the first token and hands over
-    # the prompt's features (as vLLM's EAGLE does). A preempted one, recomputed, has its tokens
-    # but the newest prefilled first, so that it drafts this very step, as it would have without
-    # the preemption (a seeded request then draws the same random numbers: the same output).
+    # the prompt's features (the tokens per forward of vLLM's EAGLE, which drafts at the end of
+    # that step). A preempted one (it has output tokens; a new one has none cached), recomputed,
+    # has its tokens but the newest prefilled first, so that it drafts this very step, as it
+    # would have without the preemption (a seeded request draws the same random numbers).
     lagging = [s for s in seqs if s.output_ids and s.target.num_cached < len(s) - 1] if layers is not None else []
     if lagging:
         t = time.perf_counter()

@@ -15,7 +15,8 @@ command below = the run in the model card):
              included), sorted by id (d2t / t2d). Several sizes are compared (--draft-vocab), each
              trained on a share of the data and judged by `chain_estimate` on the validation
              answers: greedy decoding's rounds replayed teacher-forced (2.057 where minispec's
-             engine measured 2.070 on the same 16 answers), so the choice never looks at the bench.
+             engine measured 2.070 on the same 16 answers, both when a request's first step still
+             drafted), so the choice never looks at the bench.
 4. train     the EAGLE-3 training-time test: S unrolled steps (S = 7). Step 0 at index t reads
              (fc(target features at t), token t+1); step i reads (its own step i-1 output at t,
              token t+i+1), RoPE position t+i, and attends to step 0's keys at indices <= t plus
@@ -279,9 +280,10 @@ def chain_estimate(model: EagleModel, examples: list[dict], k: int, batch_tokens
     - a round at index t has target features up to t and token t+1 in hand; chained step i
       proposes token t+i+2, accepted while it equals the target's argmax at t+i+1; n(t) = the
       leading accepted count, never proposing the answer's last token (it is the free final one);
-    - the first round is at P-2 (the target prefills all prompt tokens but the last, so the first
-      answer token is drafted too); a round emits n(t) + 1 tokens and the next is at t + 1 + n(t);
-      rounds run while a token is left to emit.
+    - the first round is the prompt's prefill: it emits the first answer token and drafts
+      nothing (the engine drafts from a request's second step on); the next round is at P-1; a
+      round emits n(t) + 1 tokens and the next is at t + 1 + n(t); rounds run while a token is
+      left to emit.
     Returns (1 + accepted / rounds over all rows, per-position acceptance P(n > i | n >= i))."""
     accepted = rounds = 0
     reach = [0] * (k + 1)  # reach[i]: rounds with n >= i
@@ -295,7 +297,8 @@ def chain_estimate(model: EagleModel, examples: list[dict], k: int, batch_tokens
             n += alive
         n = n.cpu()
         for b, e in enumerate(group):
-            t, end = max(e["prompt_len"] - 2, 0), e["ids"].numel()
+            t, end = e["prompt_len"] - 1, e["ids"].numel()
+            rounds += end > e["prompt_len"]  # the prefill: one token, no drafts (no reach)
             while t + 2 < end:  # token t+2 is still to emit
                 a = int(n[b, t])
                 accepted, rounds = accepted + a, rounds + 1
@@ -431,7 +434,8 @@ def write_card(out: Path, info: dict) -> None:
     est = "est. tokens per target step"
     how = ("estimated by replaying greedy decoding's rounds teacher-forced on the greedy validation answers "
            "(`chain_estimate`: a round accepts the leading chained proposals equal to the target's argmax, "
-           "plus one token; on 16 validation answers it gave 2.057 where minispec's engine measured 2.070)")
+           "plus one token, the prompt's prefill a round of one; on 16 validation answers it gave 2.057 where "
+           "minispec's engine measured 2.070, both when a request's first step still drafted)")
     replay = info.get("val_replay")
     replay_line = (f"Replaying greedy decoding's rounds on the {replay['answers']} greedy validation answers (whole "
                    f"answers, the shipped bf16 weights, `--card-only`): **{replay['accepted_per_step']:.2f}** tokens per "

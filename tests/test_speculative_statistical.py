@@ -253,8 +253,7 @@ SP = SamplingParams
 CASES = [
     # (drafter, k, params, m generated tokens): every drafted position, the rejection and the
     # bonus paths are inside the m tokens (the first step drafts min(k, m - 1) tokens; an EAGLE
-    # head drafts from the second step on, min(k, m - 2): its k=2, m=3 case, where the mutants
-    # run, drafts one token, and its k=3 case takes m=5).
+    # head drafts from the second step on, min(k, m - 2), so its cases take one token more).
     ("none", 1, SP(temperature=1.0), 3),
     ("none", 1, SP(temperature=0.7, top_k=4, top_p=0.9), 3),
     ("near", 1, SP(temperature=1.0), 3),
@@ -266,7 +265,7 @@ CASES = [
     ("near", 3, SP(temperature=0.8, top_p=0.9), 4),
     ("ngram", 4, SP(temperature=1.2, top_k=4), 5),
     ("near", 5, SP(temperature=1.0, top_k=5), 6),
-    ("eagle", 2, SP(temperature=0.6), 3),  # the EAGLE mutants below run here
+    ("eagle", 2, SP(temperature=0.6), 4),  # the EAGLE mutants below run here
     ("eagle", 3, SP(temperature=1.0, top_k=5, top_p=0.95), 5),
     ("eagle", 1, SP(temperature=1.3), 3),
 ]
@@ -308,7 +307,7 @@ def test_with_int8_weights_the_law_is_the_int8_targets(int8_models, drafter, k, 
 ADAPTIVE = [  # (drafter, k, params, m, confidence threshold): draft lengths vary step by step
     ("near", 4, SP(temperature=1.0), 5, 0.6),
     ("far", 3, SP(temperature=0.8, top_k=4), 4, 0.5),
-    ("eagle", 3, SP(temperature=1.0), 4, 0.6),
+    ("eagle", 3, SP(temperature=1.0), 5, 0.6),  # an EAGLE head drafts from the second step
 ]
 
 
@@ -327,7 +326,9 @@ def test_adaptive_draft_length_keeps_the_target_distribution(models, drafter, k,
 # --- ... and each planted bug is rejected by the same statistic ---------------------------------
 
 MUTANT_PARAMS = SP(temperature=0.6)  # far from 1, so a missing temperature shows
-MUTANT_K, MUTANT_M = 2, 3  # ("near", 2, MUTANT_PARAMS, 3) is in CASES: the real code passes it
+MUTANT_K = 2
+MUTANT_M = {"near": 3, "eagle": 4}  # tokens per request: an EAGLE head drafts from the second step on, so it
+# takes one more to draft both positions. (drafter, 2, MUTANT_PARAMS, m) is in CASES: the real code passes it
 
 
 def _untempered(params: list[SamplingParams]) -> list[SamplingParams]:
@@ -397,9 +398,9 @@ MUTANTS = [("near", no_residual), ("near", always_accept), ("near", bonus_off_by
 @pytest.mark.parametrize("drafter,mutant", MUTANTS, ids=[f"{d}-{m.__name__}" for d, m in MUTANTS])
 def test_statistic_rejects_planted_bugs(models, monkeypatch, drafter, mutant):
     """Power: each mutant's samples are REJECTED (p < ALPHA) by the statistic the real code passes."""
-    assert (drafter, MUTANT_K, MUTANT_PARAMS, MUTANT_M) in CASES  # ... in this very configuration
+    assert (drafter, MUTANT_K, MUTANT_PARAMS, MUTANT_M[drafter]) in CASES  # ... in this very configuration
     mutant(monkeypatch)
-    pval, _ = p_value(models, drafter, MUTANT_K, MUTANT_PARAMS, MUTANT_M)
+    pval, _ = p_value(models, drafter, MUTANT_K, MUTANT_PARAMS, MUTANT_M[drafter])
     assert pval < ALPHA
 
 
@@ -407,5 +408,5 @@ def test_a_draft_that_ignores_temperature_consistently_is_still_exact(models, mo
     """Control, not a bug: the draft samples and reports the same (untempered) q; exactness
     holds for any q, only the acceptance rate changes."""
     monkeypatch.setattr(minispec.drafters, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
-    pval, _ = p_value(models, "near", MUTANT_K, MUTANT_PARAMS, MUTANT_M)
+    pval, _ = p_value(models, "near", MUTANT_K, MUTANT_PARAMS, MUTANT_M["near"])
     assert pval > ALPHA

@@ -40,10 +40,11 @@ def one_hot_drafter(argmax: torch.Tensor, wrong: set[tuple[int, int]]):
 
 
 def test_chain_estimate_replays_greedy_rounds(monkeypatch):
-    """An 8-token greedy row with a 2-token prompt (answer at indices 2..7), k = 4. Rounds start at
-    index 0 (the first answer token is drafted too) and never propose the last token (index 7).
-    Right proposals except step 1 of the first round: rounds at 0 (n = 1) and 2 (n = 3, stopped
-    before index 7), 6 answer tokens in 2 rounds. A sampled row is ignored."""
+    """An 8-token greedy row with a 2-token prompt (answer at indices 2..7), k = 4. The prefill is
+    a round of one token (index 2) with no drafts; drafting rounds start at index 1 and never
+    propose the last token (index 7). Right proposals except step 1 of the round at 1: rounds at
+    1 (n = 1) and 3 (n = 2, stopped before index 7): 6 answer tokens in 3 rounds. A sampled row
+    is ignored."""
     te = script("train_eagle")
     ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
     argmax = torch.tensor([2, 3, 4, 5, 6, 7, 8, 9])  # greedy: token t+1 is the argmax at t
@@ -51,12 +52,12 @@ def test_chain_estimate_replays_greedy_rounds(monkeypatch):
     sampled = dict(row, argmax=torch.full((8,), 5), greedy=False)
     model = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(layer=SimpleNamespace(hidden_size=1)),
                             fc=SimpleNamespace(in_features=3), draft_to_target=lambda x: x)
-    monkeypatch.setattr(te, "unrolled_logits", one_hot_drafter(argmax, wrong={(1, 0)}))
+    monkeypatch.setattr(te, "unrolled_logits", one_hot_drafter(argmax, wrong={(1, 1)}))
     mean, per_position = te.chain_estimate(model, [dict(row, greedy=True), sampled], k=4)
-    assert mean == pytest.approx(1 + (1 + 3) / 2)
-    assert per_position == pytest.approx([2 / 2, 1 / 2, 1 / 1, 0 / 1])  # P(n > i | n >= i) over the rounds n = 1, 3
+    assert mean == pytest.approx(1 + (0 + 1 + 2) / 3)
+    assert per_position == pytest.approx([2 / 2, 1 / 2, 0 / 1, 0.0])  # P(n > i | n >= i) over the drafting rounds n = 1, 2
     monkeypatch.setattr(te, "unrolled_logits", one_hot_drafter(argmax, wrong=set()))
-    assert te.chain_estimate(model, [dict(row, greedy=True)], k=4)[0] == pytest.approx(1 + 4 / 2)  # n = 4 at 0, 0 at 5
+    assert te.chain_estimate(model, [dict(row, greedy=True)], k=4)[0] == pytest.approx(1 + 4 / 2)  # the prefill, then n = 4 at 1
     short = dict(row, ids=ids[:3], argmax=argmax[:3], features=torch.zeros(3, 3), last=torch.zeros(3, 1), greedy=True)
     assert te.chain_estimate(model, [short], k=4) == (1.0, [0.0] * 4)  # one answer token: one round, nothing drafted
 
