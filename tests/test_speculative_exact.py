@@ -375,17 +375,19 @@ def test_warp_probs_matches_the_reference_row_by_row_in_mixed_batches(data):
 @FIXED
 @given(st.data())
 def test_top_candidates_shortcut_gives_the_full_sort_result(data):
-    """warp_probs looks for the top-k / top-p cut-off among the TOP_CANDIDATES most likely tokens
-    and redoes, over the whole vocabulary, the rows whose cut-off may lie beyond them: every
-    candidate count gives the full-sort result bit for bit (ties across the boundary included)."""
+    """warp_probs looks for the top-k / top-p cut-off among the CANDIDATES[0] most likely tokens
+    and redoes with CANDIDATES[1], then over the whole vocabulary, the rows whose cut-off may lie
+    beyond them: every pair of candidate counts gives the full-sort result bit for bit (ties
+    across the boundary included)."""
     vocab, rows = data.draw(st.integers(2, 12)), data.draw(st.integers(1, 6))
     values = st.integers(-3, 3).map(lambda x: x / 2) if data.draw(st.booleans()) else st.floats(-8, 8)
     logits = torch.tensor(data.draw(st.lists(st.lists(values, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows)))
     params = [data.draw(sampling_params(vocab)) for _ in range(rows)]
-    full = warp_probs(logits, params)  # vocab < TOP_CANDIDATES: one full sort
-    for candidates in range(1, vocab):
-        with mock.patch.object(sampling, "TOP_CANDIDATES", candidates):
-            assert torch.equal(warp_probs(logits, params), full), candidates
+    full = warp_probs(logits, params)  # vocab < CANDIDATES: one full sort
+    for first in range(1, vocab):
+        for then in range(first, vocab + 1):
+            with mock.patch.object(sampling, "CANDIDATES", (first, then)):
+                assert torch.equal(warp_probs(logits, params), full), (first, then)
 
 
 def test_top_k_keeps_ties_together_and_top_p_keeps_the_crossing_token():
