@@ -170,7 +170,7 @@ def use_cpu_fast_paths(model: torch.nn.Module, dtype: torch.dtype, device: torch
     candidates = cpu_matmul_candidates(dtype)
     if env is not None and env not in candidates and prefer not in candidates:
         warnings.warn(f"MINISPEC_CPU_MATMUL={env!r} does not apply to {dtype} on this CPU "
-                      f"(there: {', '.join(candidates)}); choosing by timing", stacklevel=2)
+                      f"(there: {', '.join(candidates)}); choosing among those", stacklevel=2)
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values()
     choice = next((c for c in (prefer, env) if c in candidates), None)
     if choice is None:
