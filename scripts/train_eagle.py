@@ -272,6 +272,14 @@ def evaluate_ttt(model: EagleModel, target: Transformer, examples: list[dict], s
     return [h / max(c, 1) for h, c in zip(hits, count)]
 
 
+def record_run(runs_file: Path, argv: list[str]) -> list[str]:
+    """Add argv to runs_file (every training run over one corpus cache, oldest first; a rerun of
+    the same command moves to the end instead of appearing twice). Returns the other runs."""
+    earlier = [run for run in (json.loads(runs_file.read_text()) if runs_file.exists() else []) if run != argv]
+    runs_file.write_text(json.dumps(earlier + [argv]) + "\n")
+    return earlier
+
+
 @torch.no_grad()
 def chain_estimate(model: EagleModel, examples: list[dict], k: int, batch_tokens: int = 4096) -> tuple[float, list[float]]:
     """Greedy tokens per target step at k (bonus included), replayed teacher-forced on answers the
@@ -602,9 +610,7 @@ def main(argv: list[str] | None = None) -> dict:
     gen_target = load_checkpoint(args.target, dtype=getattr(torch, args.target_dtype), device=args.device, backend="torch")
     prompts, _, bench, self_info = load_prompts(args, gen_target)
     rows = generate_corpus(gen_target, prompts, args, args.cache_dir, generate=not args.cached_only)
-    runs_file = args.cache_dir / "runs.json"  # every training run over this corpus cache, oldest first
-    earlier_runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
-    runs_file.write_text(json.dumps(earlier_runs + [argv]) + "\n")
+    earlier_runs = record_run(args.cache_dir / "runs.json", argv)
     if args.max_rows:
         rows = rows[: args.max_rows]
     del gen_target

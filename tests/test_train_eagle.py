@@ -62,6 +62,15 @@ def test_chain_estimate_replays_greedy_rounds(monkeypatch):
     assert te.chain_estimate(model, [short], k=4) == (1.0, [0.0] * 4)  # one answer token: one round, nothing drafted
 
 
+def test_runs_json_lists_each_command_once_oldest_first(tmp_path):
+    te = script("train_eagle")
+    runs = tmp_path / "runs.json"
+    assert te.record_run(runs, ["--a"]) == []
+    assert te.record_run(runs, ["--b"]) == [["--a"]]
+    assert te.record_run(runs, ["--a"]) == [["--b"]]  # a rerun: listed once, as the latest
+    assert json.loads(runs.read_text()) == [["--b"], ["--a"]]
+
+
 def test_hf_generate_writes_the_targets_greedy_answers(tiny_llama):
     """Prompts of different lengths in batches of 2 (left-padded): every answer equals minispec's
     greedy answer, cut after EOS the same way; a spent time budget leaves prompts unanswered."""
