@@ -120,9 +120,9 @@ def invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
             parts.append((probs[..., None, :] * values_t[us, None, :, None]).sum(-1))  # [u, q, Hkv, g, D]
         o = torch.cat([p.flatten(0, 1) for p in parts]) if len(parts) > 1 else parts[0]  # [U*Q, Hkv, g, D] ([U, Q, ...] if one)
         o = o.reshape(U * Q, num_q_heads, head_dim).to(q.dtype)  # [U*Q, Hq, D]
-        if out is None:
+        if out is None:  # one bucket holding every row in order
             return o
-        out[b.rows if b.rows is not None else slice(None)] = o
+        out[b.rows] = o  # several buckets: none holds every row, so each has its row ids
     return out
 
 

@@ -171,10 +171,10 @@ def use_cpu_fast_paths(model: torch.nn.Module, dtype: torch.dtype, device: torch
     if env is not None and env not in candidates and prefer not in candidates:
         warnings.warn(f"MINISPEC_CPU_MATMUL={env!r} does not apply to {dtype} on this CPU "
                       f"(there: {', '.join(candidates)}); choosing among those", stacklevel=2)
-    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values()
     choice = next((c for c in (prefer, env) if c in candidates), None)
     if choice is None:
         choice = candidates[0]
+        weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values()
         if len(candidates) > 1 and sum(w.numel() * w.element_size() for w in weights) >= TIMED_BYTES:
             seconds = time_cpu_matmuls(model, candidates)
             fastest = min(candidates, key=seconds.get)

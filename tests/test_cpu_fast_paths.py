@@ -72,6 +72,9 @@ def test_upcast_linear_equals_fp32_math_rounded(rows, bias, seed):
         assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
 
 
+needs_native_bf16 = pytest.mark.skipif(not native_cpu_bf16(), reason="oneDNN packs bf16 weights only on CPUs with native bf16")
+
+
 def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
     """The loader times the entry points that apply to the dtype (fp32: F.linear or weight-major;
     bf16 with native bf16: F.linear or prepacked; emulated bf16: fp32 prefill) and keeps the
@@ -117,7 +120,7 @@ def test_the_timer_times_each_candidate_and_leaves_random_streams_alone(tiny_lla
     assert torch.equal(after, torch.rand(3))
 
 
-@pytest.mark.skipif(not native_cpu_bf16(), reason="oneDNN packs bf16 weights only on CPUs with native bf16")
+@needs_native_bf16
 def test_the_timer_packs_each_weight_once(tiny_llama, monkeypatch):
     """Timing F.linear and prepacked in turns must not time the packing: each weight is packed
     once, in the warm-up pass, however many repeats follow."""
@@ -137,9 +140,6 @@ def test_eagle_head_takes_its_targets_cpu_matmul(tiny_llama, tiny_llama_eagle, m
     head = load_eagle(tiny_llama_eagle, target)
     assert target.cpu_matmul == head.cpu_matmul == "weight_major"
     assert all(m.weight_major_rows == WEIGHT_MAJOR_ROWS for m in head.modules() if isinstance(m, Linear))
-
-
-needs_native_bf16 = pytest.mark.skipif(not native_cpu_bf16(), reason="oneDNN packs bf16 weights only on CPUs with native bf16")
 
 
 @needs_native_bf16
