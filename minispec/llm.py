@@ -31,6 +31,7 @@ from .attention import AttentionBackend
 from .drafters import ModelDrafter, NgramDrafter
 from .eagle import EagleDrafter, EagleModel, is_eagle_checkpoint, load_eagle
 from .engine import LLMEngine, StepOutput
+from .hybrid import LookupFirstDrafter
 from .kv_cache import KVCache
 from .loader import load_checkpoint
 from .metrics import RequestMetrics, RunMetrics
@@ -105,6 +106,7 @@ class LLM:
         ngram_max: int = 3,
         ngram_min: int = 1,
         draft_confidence_threshold: float | None = None,
+        prompt_lookup_min: int | None = None,
         cuda_graphs: bool | None = None,
         static_shapes: bool | None = None,
         verbose: bool = False,
@@ -117,6 +119,9 @@ class LLM:
         free GPU memory on CUDA, 1 GiB on CPU), split in proportion to per-token KV size.
         draft_confidence_threshold: adaptive draft length for a draft model; each step drafts up
         to num_speculative_tokens, stopping after a token the draft gave probability < threshold.
+        prompt_lookup_min (with a draft model or EAGLE head): a sequence whose last n >= this many
+        tokens occurred earlier in it drafts what followed that occurrence (prompt lookup, no
+        forward; n up to max(ngram_max, this)); the model drafts for the others (hybrid.py).
         vLLM spellings are accepted too: speculative_model= (older vLLM) for draft_model, and
         speculative_config={"model": ..., "num_speculative_tokens": ..., "method": "draft_model" |
         "ngram" | "eagle3"} (current vLLM); tensor_parallel_size must be 1 (one device).
@@ -135,6 +140,11 @@ class LLM:
             check_int("num_speculative_tokens", num_speculative_tokens, 1, 32)
         if draft_confidence_threshold is not None and (draft_model is None or draft_model == "ngram"):
             raise ValueError("draft_confidence_threshold needs a draft model (the n-gram drafter has no probabilities)")
+        if prompt_lookup_min is not None:
+            check_int("prompt_lookup_min", prompt_lookup_min, 1)
+            if draft_model is None or draft_model == "ngram":
+                raise ValueError("prompt_lookup_min puts prompt lookup in front of a draft model or EAGLE head; "
+                                 "give one as draft_model (the n-gram drafter alone takes ngram_min / ngram_max)")
         for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("ngram_max", ngram_max), ("ngram_min", ngram_min)):
             check_int(name, value, 1)
@@ -179,6 +189,8 @@ class LLM:
             drafter = NgramDrafter(ngram_max, ngram_min)
         else:
             drafter = None
+        if prompt_lookup_min is not None:
+            drafter = LookupFirstDrafter(drafter, prompt_lookup_min, ngram_max)
         on_cuda = device_.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError("cuda_graphs=True needs a CUDA device (static_shapes=True runs the same layout eagerly)")
@@ -199,9 +211,10 @@ class LLM:
             max_num_batched_tokens,
         )
         if static_shapes if static_shapes is not None else graphs:
-            target_args = {"hidden_layers": drafter.target_layers} if isinstance(drafter, EagleDrafter) else {}
+            layers = getattr(drafter, "target_layers", None)  # a feature drafter's (maybe behind lookup)
+            target_args = {"hidden_layers": layers} if layers is not None else {}
             runners[0].use_static_shapes(self.engine.k + 1, max_num_seqs, graphs, **target_args)
-            if isinstance(drafter, ModelDrafter):  # its steps feed 1 token (2 after a fully accepted step)
+            if isinstance(getattr(drafter, "model_drafter", drafter), ModelDrafter):  # its steps feed 1 token (2 after a fully accepted step)
                 runners[1].use_static_shapes(2, max_num_seqs, graphs)
         self.last_metrics: RunMetrics | None = None
         self._lock = threading.RLock()  # one engine step, submission or abort at a time

@@ -159,6 +159,19 @@ def test_draft_confidence_threshold_is_checked(tiny_llama, tiny_llama_draft, dra
         LLM(model=tiny_llama, draft_model=draft, draft_confidence_threshold=threshold, kv_cache_gib=0.01)
 
 
+@pytest.mark.parametrize("draft,value,message", [
+    ("ngram", 2, "prompt_lookup_min puts prompt lookup in front of a draft model"),
+    (None, 2, "prompt_lookup_min puts prompt lookup in front of a draft model"),
+    ("model", 0, "prompt_lookup_min"),
+    ("model", 1.5, "prompt_lookup_min"),
+    ("model", True, "prompt_lookup_min"),
+])
+def test_prompt_lookup_min_is_checked(tiny_llama, tiny_llama_draft, draft, value, message):
+    draft = tiny_llama_draft if draft == "model" else draft
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_llama, draft_model=draft, prompt_lookup_min=value, kv_cache_gib=0.01)
+
+
 # --- outputs ------------------------------------------------------------------------------------
 
 

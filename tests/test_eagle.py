@@ -72,8 +72,9 @@ def fresh_proposals(target, eagle, tokens: list[int], drafts: list[int], params:
 
 
 def recorded_proposals(llm: LLM, prompts, params) -> list[tuple[list[int], list[int], torch.Tensor]]:
-    """Run generate, recording every proposal: (the sequence's tokens, its drafts, q rows [n, V])."""
-    drafter = llm.engine.drafter
+    """Run generate, recording every proposal: (the sequence's tokens, its drafts, q rows [n, V]);
+    the EAGLE head's own, when prompt lookup stands in front of it."""
+    drafter = getattr(llm.engine.drafter, "model_drafter", llm.engine.drafter)
     seen = []
     original = drafter.propose
 
@@ -99,12 +100,12 @@ def sampled(seed: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, max_tokens=20, seed=seed, ignore_eos=True)
 
 
-def check_catch_up(target, eagle, llm: LLM) -> tuple[int, float]:
+def check_catch_up(target, eagle, llm: LLM, prompts=PROMPTS) -> tuple[int, float]:
     """Compare every recorded proposal with the fresh reference; returns (proposals compared,
     largest |q - q_fresh|). The batch's requests have mixed accept/reject histories."""
-    params = [sampled(i) for i in range(len(PROMPTS))]
-    seen = recorded_proposals(llm, PROMPTS, params)
-    by_prompt = {tuple(p): sp for p, sp in zip(PROMPTS, params)}
+    params = [sampled(i) for i in range(len(prompts))]
+    seen = recorded_proposals(llm, prompts, params)
+    by_prompt = {tuple(p): sp for p, sp in zip(prompts, params)}
     worst = 0.0
     for tokens, drafts, q in seen:
         sp = next(v for p, v in by_prompt.items() if tuple(tokens[: len(p)]) == p)
@@ -120,6 +121,20 @@ def test_every_proposal_equals_a_fresh_drafter_on_the_accepted_prefix(target, ea
     metrics = llm.last_metrics
     assert 0 < metrics.acceptance_rate < 1, "the history must hold both accepted and rejected drafts"
     assert n >= 4 * len(PROMPTS) and worst < 1e-5
+
+
+def test_steps_drafted_by_prompt_lookup_leave_the_heads_proposals_exact(target, eagle):
+    """With prompt lookup in front (hybrid.py), the head skips the steps lookup drafts and catches
+    up on all their positions the next time it drafts: every proposal it makes still equals a
+    fresh drafter's over the accepted prefix."""
+    llm = LLM(model=target, draft_model=eagle, num_speculative_tokens=3, kv_cache_gib=0.01, page_size=4,
+              prompt_lookup_min=1)
+    repeating = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 40, 41, 40], [100, 3, 77, 12, 9, 250, 31, 8, 9, 250], [2, 2]]
+    n, worst = check_catch_up(target, eagle, llm, repeating)
+    hybrid = llm.engine.drafter
+    # Each request's first step is looked up (a new sequence's head has no features yet), and so
+    # are some later ones; the head drafted the rest after catching up on them.
+    assert hybrid.lookup_drafts >= len(repeating) and n >= 2 * len(repeating) and worst < 1e-5
 
 
 def test_a_drafter_without_the_catch_up_fails_the_same_check(target, eagle, monkeypatch):

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP
 
 FIXED = settings(derandomize=True, deadline=None, max_examples=25, suppress_health_check=list(HealthCheck))
 GREEDY = SamplingParams(temperature=0)
-DRAFTERS = ["model", "self", "ngram", "adaptive", "eagle", "eagle-adaptive"]
+DRAFTERS = ["model", "self", "ngram", "adaptive", "eagle", "eagle-adaptive", "model+lookup", "eagle+lookup"]
 ADAPTIVE_THRESHOLD = 0.005  # tiny_llama_draft's confidences straddle it: draft lengths vary from 1 to k
 EAGLE_THRESHOLD = 0.01  # the same for conftest's tiny_llama_eagle (its draft vocabulary: 160 tokens)
+LOOKUP_MIN = 2  # "<drafter>+lookup": prompt lookup of >= 2 tokens first, the model drafter where it finds none
 
 
 @pytest.fixture(scope="module", params=[None, "int8"])
@@ -53,11 +54,13 @@ def llms(pair):
             if eos is not None:  # same weights, another EOS id (a copy: the shared target is untouched)
                 model = (copy.copy(target[0]), target[1])
                 model[0].cfg = dataclasses.replace(target[0].cfg, eos_token_ids=[eos])
+            name = drafter.removesuffix("+lookup")
             draft_model = {"none": None, "model": draft, "self": target, "ngram": "ngram", "adaptive": draft,
-                           "eagle": eagle, "eagle-adaptive": eagle}[drafter]
-            threshold = {"adaptive": ADAPTIVE_THRESHOLD, "eagle-adaptive": EAGLE_THRESHOLD}.get(drafter)
+                           "eagle": eagle, "eagle-adaptive": eagle}[name]
+            threshold = {"adaptive": ADAPTIVE_THRESHOLD, "eagle-adaptive": EAGLE_THRESHOLD}.get(name)
             built[key] = LLM(model=model, draft_model=draft_model, num_speculative_tokens=k,
-                             kv_cache_gib=0.01, page_size=8, max_num_seqs=16, draft_confidence_threshold=threshold)
+                             kv_cache_gib=0.01, page_size=8, max_num_seqs=16, draft_confidence_threshold=threshold,
+                             prompt_lookup_min=LOOKUP_MIN if drafter.endswith("+lookup") else None)
         return built[key]
 
     return get
@@ -96,7 +99,7 @@ def check_metrics(out, k: int) -> None:
     max_tokens=st.integers(1, 20),
 )
 def test_greedy_speculative_equals_plain_greedy(llms, batch, k, drafter, max_tokens):
-    """Any prompts, k in 1..6, model / self / n-gram / adaptive-length drafter: the same tokens, texts and finish
+    """Any prompts, k in 1..6, model / self / n-gram / adaptive-length / lookup-first drafter: the same tokens, texts and finish
     reasons as plain greedy decoding (max_tokens reached mid-run included)."""
     params = dataclasses.replace(GREEDY, max_tokens=max_tokens)
     plain = llms("none").generate(batch, params)
@@ -207,7 +210,7 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=T
     others=st.lists(prompts, min_size=1, max_size=3),
     position=st.integers(0, 3),
     seed=st.integers(0, 2**31),
-    drafter=st.sampled_from(["none", "model", "ngram", "adaptive", "eagle"]),
+    drafter=st.sampled_from(["none", "model", "ngram", "adaptive", "eagle", "eagle+lookup"]),
     k=st.integers(1, 4),
 )
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch(llms, mine, others, position, seed, drafter, k):

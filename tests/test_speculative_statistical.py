@@ -3,9 +3,10 @@ alone would sample.
 
 Setting. A tiny random target (vocabulary V = 6, one layer, logits scaled up so distributions are
 far from uniform and depend on the context) and two drafts: a perturbed copy of the target
-(acceptance ~0.6-0.8) and an independent random model (low acceptance), plus the n-gram drafter
-and an EAGLE-3 head (random, reading the target's hidden states) whose draft vocabulary holds 4 of
-the 6 tokens, so the target puts mass where q is 0.
+(acceptance ~0.6-0.8) and an independent random model (low acceptance), plus the n-gram drafter,
+an EAGLE-3 head (random, reading the target's hidden states) whose draft vocabulary holds 4 of
+the 6 tokens, so the target puts mass where q is 0, and prompt lookup in front of a draft model
+or of the head ("+lookup", hybrid.py: one-hot q on some steps, the model's on others).
 For each configuration we sample N = 2000 requests of m tokens in one batch, each with its own
 seed, and compare the empirical distribution of the m-token continuations with the exact one,
 P(y_1..y_m) = prod_j warp(target logits | prompt, y_<j)(y_j), computed by enumerating all V^m
@@ -20,8 +21,8 @@ against closed forms). Significance level ALPHA = 1e-3, fixed seeds: every run i
 
 Power. The same statistic at the same ALPHA must REJECT each planted bug (mutants of
 minispec.speculative / minispec.drafters, monkeypatched): no residual, always accept, bonus from
-the wrong position, temperature missing from the target's p, and a draft that samples from one q
-but reports another. A control shows what is NOT a bug: a draft that consistently ignores the
+the wrong position, temperature missing from the target's p, a draft that samples from one q
+but reports another, and a hybrid that reports no q (zeros) for its looked-up tokens. A control shows what is NOT a bug: a draft that consistently ignores the
 temperature is still exact (speculative sampling is exact for any q it is told truthfully).
 """
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 
 import minispec.drafters
 import minispec.eagle
+import minispec.hybrid
 import minispec.speculative
 from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
 from minispec.eagle import init_eagle
@@ -220,31 +222,38 @@ def exact_distribution(model: Transformer, params: SamplingParams, m: int, promp
     return (prefix[:, None] * probs[:, m - 1]).flatten()  # [V^m]
 
 
-def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n: int = N, threshold: float | None = None):
-    """Generate n requests of m tokens (seeds 0..n-1) in one batch; counts [V^m] and metrics.
-    threshold: the draft's confidence threshold (adaptive draft length), None for fixed k."""
+def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n: int = N, threshold: float | None = None,
+                  lookup: int | None = None):
+    """Generate n requests of m tokens (seeds 0..n-1) in one batch; counts [V^m] and the LLM.
+    threshold: the draft's confidence threshold (adaptive draft length), None for fixed k;
+    lookup: prompt_lookup_min (prompt lookup first, the draft where it finds nothing)."""
     llm = LLM(
         model=(target, tok), draft_model=draft, num_speculative_tokens=k, max_num_seqs=n,
         max_num_batched_tokens=n * (len(PROMPT) + m + k), kv_cache_gib=0.02, page_size=8,
-        draft_confidence_threshold=threshold,
+        draft_confidence_threshold=threshold, prompt_lookup_min=lookup,
     )
     requests = [dataclasses.replace(params, max_tokens=m, seed=i, ignore_eos=True) for i in range(n)]
     outs = llm.generate([PROMPT] * n, requests)
     ids = torch.tensor([o.token_ids for o in outs])  # [n, m]
     index = (ids * V ** torch.arange(m - 1, -1, -1)).sum(-1)  # [n]
-    return torch.bincount(index, minlength=V**m), llm.last_metrics
+    return torch.bincount(index, minlength=V**m), llm
 
 
-def p_value(models, drafter: str, k: int, params: SamplingParams, m: int, threshold: float | None = None) -> tuple[float, object]:
-    if drafter in ("none", "ngram", "eagle"):
-        draft = {"none": None, "ngram": "ngram", "eagle": models["eagle"]}[drafter]
+LOOKUP_MIN = 2  # "<drafter>+lookup": prompt lookup of >= 2 tokens first (PROMPT repeats "1 2"), the drafter otherwise
+
+
+def p_value(models, drafter: str, k: int, params: SamplingParams, m: int, threshold: float | None = None) -> tuple[float, LLM]:
+    name, lookup = drafter.removesuffix("+lookup"), LOOKUP_MIN if drafter.endswith("+lookup") else None
+    if name in ("none", "ngram", "eagle"):
+        draft = {"none": None, "ngram": "ngram", "eagle": models["eagle"]}[name]
     else:
-        draft = (models[drafter], models["tok"])
-    counts, metrics = sample_counts(models["target"], draft, k, params, m, models["tok"], threshold=threshold)
+        draft = (models[name], models["tok"])
+    counts, llm = sample_counts(models["target"], draft, k, params, m, models["tok"], threshold=threshold, lookup=lookup)
+    metrics = llm.last_metrics
     pval, stat, df = pooled_chi_square(counts, exact_distribution(models["target"], params, m))
     print(f"\n{drafter} k={k} m={m} threshold={threshold} {params}: chi2={stat:.1f} df={df} p={pval:.3g} "
           f"acceptance={metrics.acceptance_rate:.3f} per_position={[round(x, 2) for x in metrics.per_position_acceptance]}")
-    return pval, metrics
+    return pval, llm
 
 
 # --- the correct implementation passes ----------------------------------------------------------
@@ -268,6 +277,8 @@ CASES = [
     ("eagle", 2, SP(temperature=0.6), 4),  # the EAGLE mutants below run here
     ("eagle", 3, SP(temperature=1.0, top_k=5, top_p=0.95), 5),
     ("eagle", 1, SP(temperature=1.3), 3),
+    ("near+lookup", 2, SP(temperature=0.6), 3),  # the lookup mutant below runs here
+    ("eagle+lookup", 3, SP(temperature=1.0, top_k=5, top_p=0.95), 5),
 ]
 
 
@@ -275,10 +286,12 @@ CASES = [
 def test_generated_sequences_follow_the_target_distribution(models, drafter, k, params, m):
     """Speculative (model or n-gram drafter, any k) and plain decoding: the joint law of the m
     generated tokens is the target's autoregressive law (chi-square p > ALPHA)."""
-    pval, metrics = p_value(models, drafter, k, params, m)
+    pval, llm = p_value(models, drafter, k, params, m)
     assert pval > ALPHA
     if drafter != "none":
-        assert 0 < metrics.acceptance_rate < 1  # both the accept and the reject paths were taken
+        assert 0 < llm.last_metrics.acceptance_rate < 1  # both the accept and the reject paths were taken
+    if drafter.endswith("+lookup"):  # both halves of the hybrid drafted, many times
+        assert min(llm.engine.drafter.lookup_drafts, llm.engine.drafter.model_drafts) > N // 4
 
 
 @pytest.fixture(scope="module")
@@ -299,9 +312,9 @@ INT8_CASES = [("near", 2, SP(temperature=0.6), 3), ("eagle", 2, SP(temperature=1
 def test_with_int8_weights_the_law_is_the_int8_targets(int8_models, drafter, k, params, m):
     """Quantization changes the target, not the exactness: speculative decoding with int8 target
     and draft samples the int8 target's autoregressive law (chi-square p > ALPHA)."""
-    pval, metrics = p_value(int8_models, drafter, k, params, m)
+    pval, llm = p_value(int8_models, drafter, k, params, m)
     assert pval > ALPHA
-    assert 0 < metrics.acceptance_rate < 1
+    assert 0 < llm.last_metrics.acceptance_rate < 1
 
 
 ADAPTIVE = [  # (drafter, k, params, m, confidence threshold): draft lengths vary step by step
@@ -315,7 +328,8 @@ ADAPTIVE = [  # (drafter, k, params, m, confidence threshold): draft lengths var
 def test_adaptive_draft_length_keeps_the_target_distribution(models, drafter, k, params, m, threshold):
     """A draft that stops early after a low-confidence token (a stopping rule that looks only at
     what was already drafted) leaves the joint law of the m tokens the target's (p > ALPHA)."""
-    pval, metrics = p_value(models, drafter, k, params, m, threshold)
+    pval, llm = p_value(models, drafter, k, params, m, threshold)
+    metrics = llm.last_metrics
     assert pval > ALPHA
     drafted = metrics.drafted_per_position
     # The rule really varied the length: some steps stopped at position 1, some went further.
@@ -327,7 +341,7 @@ def test_adaptive_draft_length_keeps_the_target_distribution(models, drafter, k,
 
 MUTANT_PARAMS = SP(temperature=0.6)  # far from 1, so a missing temperature shows
 MUTANT_K = 2
-MUTANT_M = {"near": 3, "eagle": 4}  # tokens per request: an EAGLE head drafts from the second step on, so it
+MUTANT_M = {"near": 3, "eagle": 4, "near+lookup": 3}  # tokens per request: an EAGLE head drafts from the second step on, so it
 # takes one more to draft both positions. (drafter, 2, MUTANT_PARAMS, m) is in CASES: the real code passes it
 
 
@@ -390,9 +404,16 @@ def eagle_ignores_d2t(monkeypatch):
     monkeypatch.setattr(minispec.eagle, "sample", sample_draft_id)
 
 
+def lookup_reports_no_q(monkeypatch):
+    """(f) the hybrid drafter leaves q at 0 for its looked-up tokens (not one-hot): the verifier
+    then accepts every one of them."""
+    monkeypatch.setattr(minispec.hybrid, "one_hot_q", lambda tokens, vocab_size, device: torch.zeros(len(tokens), vocab_size))
+
+
 MUTANTS = [("near", no_residual), ("near", always_accept), ("near", bonus_off_by_one),
            ("near", target_ignores_temperature), ("near", reports_another_q(minispec.drafters)),
-           ("eagle", no_residual), ("eagle", reports_another_q(minispec.eagle)), ("eagle", eagle_ignores_d2t)]
+           ("eagle", no_residual), ("eagle", reports_another_q(minispec.eagle)), ("eagle", eagle_ignores_d2t),
+           ("near+lookup", lookup_reports_no_q)]
 
 
 @pytest.mark.parametrize("drafter,mutant", MUTANTS, ids=[f"{d}-{m.__name__}" for d, m in MUTANTS])

@@ -1,0 +1,65 @@
+"""The lookup-first drafter (minispec/hybrid.py), step by step: which half drafts, and the q it
+reports. (Its exactness runs with the others: greedy identity and seeded batch invariance in
+test_speculative_greedy.py, the output law and a planted bug in test_speculative_statistical.py,
+the EAGLE head's catch-up after looked-up steps in test_eagle.py.)"""
+
+from __future__ import annotations
+
+import torch
+
+from minispec import LLM, SamplingParams
+from minispec.drafters import NgramDrafter
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 9, 9, 9], [100, 3, 77, 12, 9, 250, 31, 8],
+           [20, 21, 22, 20, 21], [60, 61, 60, 61, 60, 61]]
+
+
+def recorded(llm: LLM, params) -> list[tuple[list[int], int, list[int], torch.Tensor | None]]:
+    """Every proposal of a generate call: (the sequence's tokens, num_draft asked, drafts, its q rows or None)."""
+    drafter, seen = llm.engine.drafter, []
+    original = drafter.propose
+
+    def propose(seqs, num_draft):
+        lists, probs = original(seqs, num_draft)
+        for b, (s, n, d) in enumerate(zip(seqs, num_draft, lists)):
+            seen.append((list(s.tokens), n, list(d), None if probs is None else probs[b, : len(d) + 1].clone()))
+        return lists, probs
+
+    drafter.propose = propose
+    try:
+        llm.generate(PROMPTS, params)
+    finally:
+        del drafter.propose
+    return seen
+
+
+def test_lookup_drafts_where_the_context_repeats_and_the_model_elsewhere(tiny_llama, tiny_llama_draft):
+    """Sampled requests: a sequence whose last >= 2 tokens occurred before gets lookup's
+    continuation with one-hot q rows; any other gets the draft model's tokens, each drawn where
+    its reported q is positive; rows past the drafts are zero."""
+    llm = LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, kv_cache_gib=0.01,
+              page_size=8, prompt_lookup_min=2)
+    params = [SamplingParams(temperature=0.9, max_tokens=16, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    lookup = NgramDrafter(3, 2)
+    by_lookup = by_model = 0
+    for tokens, n, drafts, q in recorded(llm, params):
+        expected = lookup.lookup(tokens, n) if n > 0 else []
+        assert q is not None and q.shape[0] == len(drafts) + 1 and not q[len(drafts)].any()
+        if expected:
+            by_lookup += 1
+            assert drafts == expected
+            assert torch.equal(q[: len(drafts)], torch.nn.functional.one_hot(torch.tensor(drafts), q.shape[1]).float())
+        elif drafts:
+            by_model += 1
+            assert all(q[i, t] > 0 for i, t in enumerate(drafts))
+            torch.testing.assert_close(q[: len(drafts)].sum(-1), torch.ones(len(drafts)))
+    assert by_lookup >= 3 and by_model >= 3
+    assert (llm.engine.drafter.lookup_drafts, llm.engine.drafter.model_drafts) == (by_lookup, by_model)
+
+
+def test_an_all_greedy_batch_gets_no_q(tiny_llama, tiny_llama_draft):
+    """Greedy: every q is one-hot at its drafted token, so none is built (as for the other drafters)."""
+    llm = LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, kv_cache_gib=0.01,
+              page_size=8, prompt_lookup_min=2)
+    seen = recorded(llm, SamplingParams(temperature=0, max_tokens=12))
+    assert any(d for _, _, d, _ in seen) and all(q is None for *_, q in seen)
