@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_DRAFT = ROOT / "weights" / "draft-smollm2"
 DEFAULT_EAGLE = ROOT / "weights" / "eagle-smollm2"
 DEFAULT_PROMPTS = ROOT / "weights" / "prompts" / "bench.jsonl"
-DRAFTERS = ("draft", "eagle", "adaptive", "ngram")  # the names rows carry in their `drafter` key
+DRAFTERS = ("draft", "eagle", "eagle+lookup", "adaptive", "ngram")  # the names rows carry in their `drafter` key
 START = time.perf_counter()
 
 
@@ -156,6 +156,7 @@ class Arm:
     k: int
     run: Callable[[list[list[int]]], Run]
     weights: str | None = None  # a quantization (None: the bench's dtype)
+    note: Callable[[], str] | None = None  # what the row's note says after the rounds
     runs: list[Run] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     decode_ratios: list[float] = field(default_factory=list)  # TPOT: minispec arms only
@@ -209,12 +210,14 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
 
     llm = LLM(
         model=target,
-        draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft, "eagle": str(args.eagle)}[drafter],
+        draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft, "eagle": str(args.eagle),
+                     "eagle+lookup": str(args.eagle)}[drafter],
         num_speculative_tokens=max(k, 1),
         max_num_seqs=batch,
         kv_cache_gib=args.kv_cache_gib,
         page_size=16,
         draft_confidence_threshold=args.confidence if drafter == "adaptive" else None,
+        prompt_lookup_min=args.lookup_min if drafter == "eagle+lookup" else None,
         quantization=quantization,
     )
 
@@ -226,11 +229,19 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
         return Run(m.num_generated, m.wall_s, [o.token_ids for o in outs], m)
 
     name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}", "eagle": f"eagle k={k}",
+            "eagle+lookup": f"eagle+lookup k={k}",
             "adaptive": f"draft k<={k} conf{args.confidence:g}"}[drafter]
     if quantization:
         name = f"{quantization} {name}"
     llm.generate(warmup, dataclasses.replace(params, max_tokens=min(4, params.max_tokens)))
-    return Arm(name, drafter, k, run, weights=quantization)
+    note = None
+    if drafter == "eagle+lookup":  # how often each half drafted, over the timed rounds
+        hybrid = llm.engine.drafter
+        hybrid.lookup_drafts = hybrid.model_drafts = 0
+
+        def note() -> str:
+            return f"lookup drafted {hybrid.lookup_drafts / max(hybrid.lookup_drafts + hybrid.model_drafts, 1):.0%}"
+    return Arm(name, drafter, k, run, weights=quantization, note=note)
 
 
 def sync(device: torch.device) -> None:
@@ -375,6 +386,7 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
     if arm.drafter == "peer":
         row.note = "peer"
         return row
+    row.note = arm.note() if arm.note else ""
     from minispec.metrics import RunMetrics
 
     total = RunMetrics()  # the rounds' totals added up
@@ -520,7 +532,7 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ours = [r for r in rows if r.drafter in DRAFTERS and r.speedup is not None]
     groups = sorted({(r.mode, r.batch) for r in ours}, key=lambda g: (g[0] != "greedy", g[1]))
-    colors = {"draft": "tab:blue", "eagle": "tab:red", "adaptive": "tab:purple", "ngram": "tab:green"}
+    colors = {"draft": "tab:blue", "eagle": "tab:red", "eagle+lookup": "tab:orange", "adaptive": "tab:purple", "ngram": "tab:green"}
     paths = []
 
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True, squeeze=False)
@@ -613,6 +625,8 @@ def parse_args(argv=None):
                     help=f"EAGLE-3 head directory for the eagle drafter (default: {DEFAULT_EAGLE.relative_to(ROOT)})")
     ap.add_argument("--eagle-ks", help="ks of the eagle drafter (default: 4 on the CPU default run, else --ks)")
     ap.add_argument("--ngram-k", type=int, default=4, help="draft length of the n-gram drafter")
+    ap.add_argument("--lookup-min", type=int, default=3,
+                    help="eagle+lookup: prompt lookup drafts when the last >= this many tokens occurred before, the head otherwise")
     ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive drafter: most tokens drafted per step")
     ap.add_argument("--confidence", type=float, default=0.4, help="adaptive drafter: stop after a token the draft gave p < this")
     ap.add_argument("--batch-sizes", help="comma-separated (default: 1,2 on CPU, 1,4 with --full, 1,16 on GPU)")
@@ -644,10 +658,11 @@ def plan(args, gpu: bool) -> dict:
         defaults = dict(drafters=",".join(DRAFTERS), ks="1,2,4,6,8", batches="1,16" if gpu else "1,4",
                         rounds=10, tokens=128 if gpu else 32, modes="greedy,sampled")
     else:
-        defaults = dict(drafters="eagle,draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12, modes="greedy,sampled")
+        defaults = dict(drafters="eagle,eagle+lookup,draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12,
+                        modes="greedy,sampled")
     drafters = (args.drafters or defaults["drafters"]).split(",")
-    if not args.drafters and "eagle" in drafters and not (Path(args.eagle) / "config.json").exists():
-        drafters.remove("eagle")  # no EAGLE head at --eagle: the default sweep goes without it
+    if not args.drafters and not (Path(args.eagle) / "config.json").exists():  # no EAGLE head at --eagle:
+        drafters = [d for d in drafters if not d.startswith("eagle")]  # the default sweep goes without it
     unknown = sorted(set(drafters) - set(DRAFTERS))
     if unknown:
         raise SystemExit(f"--drafters: unknown {', '.join(unknown)} (choose from {', '.join(DRAFTERS)})")
@@ -715,7 +730,7 @@ def main(argv=None) -> dict:
     if args.quantization:
         quantized = (load_checkpoint(target_path, dtype=torch.float32, quantization=args.quantization),
                      draft and load_checkpoint(draft_path, dtype=torch.float32, quantization=args.quantization))
-    if "eagle" in p["drafters"]:
+    if {"eagle", "eagle+lookup"} & set(p["drafters"]):
         from minispec.eagle import is_eagle_checkpoint
 
         if not is_eagle_checkpoint(args.eagle):
@@ -740,7 +755,8 @@ def main(argv=None) -> dict:
         slices = [[prompts[(r * bs + i) % len(prompts)] for i in range(bs)] for r in range(p["rounds"])]
         baseline = minispec_arm(target, draft, "none", 0, params, bs, args, device, prompts[0])
         specs = [(d, k) for d in p["drafters"] for k in
-                 {"draft": p["ks"], "eagle": p["eagle_ks"], "adaptive": [args.adaptive_k], "ngram": [args.ngram_k]}[d]]
+                 {"draft": p["ks"], "eagle": p["eagle_ks"], "eagle+lookup": p["eagle_ks"], "adaptive": [args.adaptive_k],
+                  "ngram": [args.ngram_k]}[d]]
         arms = [minispec_arm(target, draft, d, k, params, bs, args, device, prompts[0]) for d, k in specs]
         q_arms = [minispec_arm(*quantized, d, k, params, bs, args, device, prompts[0], args.quantization)
                   for d, k in [("none", 0)] + specs] if quantized else []

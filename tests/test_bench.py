@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -81,10 +82,12 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
         ["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
          "--eagle", str(tiny_llama_eagle), "--eagle-ks", "3",
          "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--json", str(out), "--dtype", "float32",
-         "--modes", "greedy,sampled", "--batch-sizes", "1,2", "--drafters", "draft,eagle,adaptive,ngram"]
+         "--modes", "greedy,sampled", "--batch-sizes", "1,2", "--drafters", "draft,eagle,eagle+lookup,adaptive,ngram"]
     )
-    check_result(result, {"greedy", "sampled"}, {1, 2}, {"draft", "eagle", "adaptive", "ngram"})
-    assert {r["k"] for r in result["rows"] if r["drafter"] == "eagle"} == {3}
+    check_result(result, {"greedy", "sampled"}, {1, 2}, {"draft", "eagle", "eagle+lookup", "adaptive", "ngram"})
+    assert {r["k"] for r in result["rows"] if r["drafter"].startswith("eagle")} == {3}
+    for r in result["rows"]:  # the hybrid's rows say how often prompt lookup drafted instead of the head
+        assert re.fullmatch(r"lookup drafted \d+%", r["note"]) if r["drafter"] == "eagle+lookup" else r["note"] in ("", "peer")
     for r in result["rows"]:  # every minispec row: a decode speedup over the same rounds, and its latencies
         assert len(r["decode_ratios"]) == len(r["ratios"]) and r["decode_speedup_ci"] and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
     check_plots(result, tmp_path / "new")
