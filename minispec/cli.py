@@ -27,7 +27,7 @@ from .llm import LLM, StreamEvent
 from .sampling import SamplingParams
 from .trace import RequestTrace, write_html, write_jsonl
 
-SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "weights" / "draft-smollm2"
+SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "weights" / "eagle-smollm2"  # the default target's best drafter
 GREEN, DIM_STRUCK, RESET = "\x1b[32m", "\x1b[2;9m", "\x1b[0m"
 
 
@@ -35,8 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct, shipped)")
     common.add_argument("--draft", help="a draft HF directory or .gguf, an EAGLE-3 directory, 'ngram', or 'none' "
-                                        "(default: the shipped distilled draft with the default target, else ngram)")
+                                        "(default: the shipped EAGLE-3 head with the default target, else ngram)")
     common.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k", help="tokens drafted per step (default 4)")
+    common.add_argument("--lookup-min", type=int, help="with a draft model or EAGLE head: draft by prompt lookup where "
+                                                      "the last >= N tokens occurred before, by the model elsewhere")
     common.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     common.add_argument("--top-p", type=float, default=1.0)
     common.add_argument("--top-k", type=int, default=0)
@@ -73,10 +75,14 @@ def load_llm(args) -> LLM:
     draft = args.draft or (str(SHIPPED_DRAFT) if not args.target and SHIPPED_DRAFT.exists() else "ngram")
     if draft not in ("ngram", "none") and not Path(draft).exists():
         raise CliError(f"--draft {draft}: no such file or directory (or use 'ngram' / 'none')")
+    if args.lookup_min is not None and draft in ("ngram", "none"):
+        raise CliError(f"--lookup-min puts prompt lookup in front of a draft model or EAGLE head; --draft is {draft}")
     llm = LLM(model=str(target), draft_model=None if draft == "none" else draft,
-              num_speculative_tokens=args.k if draft != "none" else None, dtype=args.dtype)
+              num_speculative_tokens=args.k if draft != "none" else None, dtype=args.dtype,
+              prompt_lookup_min=args.lookup_min)
     print(f"[minispec] target {target.name}, draft {Path(draft).name if draft not in ('ngram', 'none') else draft}"
-          + (f", k={args.k}" if draft != "none" else ""), file=sys.stderr)
+          + (f", k={args.k}" if draft != "none" else "")
+          + (f", prompt lookup of >= {args.lookup_min} tokens first" if args.lookup_min else ""), file=sys.stderr)
     return llm
 
 

@@ -39,13 +39,15 @@ def base(tiny_llama, draft: str = "ngram") -> list[str]:
     return ["--target", str(tiny_llama), "--draft", draft, "--max-tokens", "10", "--seed", "0"]
 
 
-@pytest.mark.parametrize("draft", ["ngram", "model", "none"])
+@pytest.mark.parametrize("draft", ["ngram", "model", "none", "model+lookup"])
 def test_generate_prints_what_llm_generate_returns(tiny_llama, tiny_llama_draft, capsys, draft):
-    draft_arg = str(tiny_llama_draft) if draft == "model" else draft
-    status, out, err = run_cli(capsys, "generate", *base(tiny_llama, draft_arg), "--temperature", "0.8", PROMPT)
+    draft_arg = str(tiny_llama_draft) if draft.startswith("model") else draft
+    lookup = 2 if draft.endswith("+lookup") else None
+    status, out, err = run_cli(capsys, "generate", *base(tiny_llama, draft_arg), "--temperature", "0.8", PROMPT,
+                               *(["--lookup-min", str(lookup)] if lookup else []))
     assert status == 0
     llm = LLM(model=str(tiny_llama), draft_model=None if draft == "none" else draft_arg,
-              num_speculative_tokens=None if draft == "none" else 4)
+              num_speculative_tokens=None if draft == "none" else 4, prompt_lookup_min=lookup)
     expected = llm.generate([PROMPT], SamplingParams(temperature=0.8, max_tokens=10, seed=0))[0].text
     assert out == expected + "\n"
     assert "\x1b[" not in out  # captured stdout is no terminal: no colours
@@ -98,6 +100,8 @@ def test_colours_on_a_terminal_and_only_there(tiny_llama):
     (["--max-tokens", "600"], "context length"),
     (["--trace", "out.txt"], ".html or .jsonl"),
     (["-k", "0"], "num_speculative_tokens"),
+    (["--lookup-min", "2"], "--lookup-min puts prompt lookup in front of a draft model"),  # base()'s draft: ngram
+    (["--lookup-min", "2", "--draft", "none"], "--lookup-min puts prompt lookup in front of a draft model"),
 ])
 def test_bad_input_is_one_line_and_exit_status_1(tiny_llama, capsys, argv, message):
     args = base(tiny_llama)
