@@ -619,7 +619,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a small check, well under a minute on CPU")
     ap.add_argument("--full", action="store_true", help="every drafter at every k, more rounds and tokens")
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
-    ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default: draft,ngram on CPU, all on GPU and with --full)")
+    ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default: eagle,eagle+lookup,draft,ngram on CPU "
+                                       "(--quick: eagle,draft,ngram), all on GPU and with --full)")
     ap.add_argument("--ks", help="comma-separated draft lengths of the draft model (default: 2 on CPU, 1,2,4,6,8 on GPU and with --full)")
     ap.add_argument("--eagle", type=Path, default=DEFAULT_EAGLE,
                     help=f"EAGLE-3 head directory for the eagle drafter (default: {DEFAULT_EAGLE.relative_to(ROOT)})")
@@ -686,6 +687,8 @@ def plan(args, gpu: bool) -> dict:
         raise SystemExit(f"--rounds must be >= 6 (fewer admit no 95% interval for a median), got {p['rounds']}")
     if min(p["ks"] + p["eagle_ks"] + p["batches"]) < 1 or p["max_tokens"] < 1:
         raise SystemExit("--ks, --batch-sizes and --max-tokens must be positive")
+    if args.lookup_min < 1:
+        raise SystemExit(f"--lookup-min must be positive, got {args.lookup_min}")
     return p
 
 

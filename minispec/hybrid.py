@@ -48,9 +48,9 @@ class LookupFirstDrafter:
             lists, model_probs = self.model_drafter.propose(seqs, model_draft)
         else:
             lists, model_probs = [[] for _ in seqs], None
-        lists = [found or drafted for found, drafted in zip(looked_up, lists)]
         self.lookup_drafts += sum(1 for found in looked_up if found)
-        self.model_drafts += sum(1 for n in model_draft if n > 0)
+        self.model_drafts += sum(1 for drafted in lists if drafted)  # (an EAGLE head not ready yet drafts none)
+        lists = [found or drafted for found, drafted in zip(looked_up, lists)]
         if all(s.params.greedy for s in seqs):
             return lists, None
         K = max(len(d) for d in lists)

@@ -214,7 +214,9 @@ class LLM:
             layers = getattr(drafter, "target_layers", None)  # a feature drafter's (maybe behind lookup)
             target_args = {"hidden_layers": layers} if layers is not None else {}
             runners[0].use_static_shapes(self.engine.k + 1, max_num_seqs, graphs, **target_args)
-            if isinstance(getattr(drafter, "model_drafter", drafter), ModelDrafter):  # its steps feed 1 token (2 after a fully accepted step)
+            # A draft model's steps feed 1 token (2 after a fully accepted step; more after steps
+            # prompt lookup drafted, which run eagerly: static shapes fit the common case).
+            if isinstance(getattr(drafter, "model_drafter", drafter), ModelDrafter):
                 runners[1].use_static_shapes(2, max_num_seqs, graphs)
         self.last_metrics: RunMetrics | None = None
         self._lock = threading.RLock()  # one engine step, submission or abort at a time

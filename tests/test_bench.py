@@ -147,6 +147,7 @@ def test_quick_bench_on_default_pair(tmp_path):
     (["--modes", "beam"], "--modes: use greedy and/or sampled"),
     (["--drafters", "eagle", "--eagle", "weights/draft-smollm2"], "not an EAGLE-3 checkpoint directory"),
     (["--json", "{tmp}"], "is a directory"),
+    (["--lookup-min", "0"], "--lookup-min must be positive"),
 ])
 def test_bad_options_are_named(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):

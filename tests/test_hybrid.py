@@ -63,3 +63,19 @@ def test_an_all_greedy_batch_gets_no_q(tiny_llama, tiny_llama_draft):
               page_size=8, prompt_lookup_min=2)
     seen = recorded(llm, SamplingParams(temperature=0, max_tokens=12))
     assert any(d for _, _, d, _ in seen) and all(q is None for *_, q in seen)
+
+
+def test_a_mixed_greedy_and_sampled_batch(tiny_llama, tiny_llama_draft):
+    """Greedy and seeded sampled requests in one batch (q then holds one-hot rows, the draft's rows
+    and zeros side by side): the greedy ones emit plain greedy decoding's tokens, the sampled
+    ones what they emit alone."""
+    llm = LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, kv_cache_gib=0.01,
+              page_size=8, prompt_lookup_min=2)
+    plain = LLM(model=tiny_llama, kv_cache_gib=0.01, page_size=8)
+    params = [SamplingParams(temperature=0, max_tokens=16) if i % 2 == 0 else
+              SamplingParams(temperature=0.9, max_tokens=16, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    together = llm.generate(PROMPTS, params)
+    for prompt, p, out in zip(PROMPTS, params, together):
+        alone = (plain if p.greedy else llm).generate([prompt], p)[0]
+        assert out.token_ids == alone.token_ids
+    assert llm.engine.drafter.lookup_drafts > 0 and llm.engine.drafter.model_drafts > 0

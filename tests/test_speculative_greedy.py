@@ -110,6 +110,20 @@ def test_greedy_speculative_equals_plain_greedy(llms, batch, k, drafter, max_tok
         assert out.finish_reason != "length" or len(out.token_ids) == max_tokens
 
 
+@pytest.mark.parametrize("drafter", ["model+lookup", "eagle+lookup"])
+def test_lookup_first_greedy_equals_plain_greedy_where_lookup_fires(llms, drafter):
+    """Prompts that repeat themselves (random prompts rarely do): both halves of the hybrid draft,
+    and the output is still plain greedy decoding's."""
+    batch = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 40, 41, 42, 40], [9, 100, 9, 100, 9], [200, 201, 202]]
+    params = dataclasses.replace(GREEDY, max_tokens=24)
+    llm = llms(drafter, 3)
+    hybrid = llm.engine.drafter
+    before = (hybrid.lookup_drafts, hybrid.model_drafts)
+    spec = llm.generate(batch, params)
+    same_outputs(spec, llms("none").generate(batch, params))
+    assert hybrid.lookup_drafts > before[0] and hybrid.model_drafts > before[1]
+
+
 @FIXED
 @given(prompt=prompts, k=st.integers(1, 6), drafter=st.sampled_from(DRAFTERS), data=st.data())
 def test_eos_inside_an_accepted_run_stops_exactly_where_plain_decoding_stops(llms, prompt, k, drafter, data):
