@@ -124,7 +124,9 @@ class LLM:
         forward; n up to max(ngram_max, this)); the model drafts for the others (hybrid.py).
         vLLM spellings are accepted too: speculative_model= (older vLLM) for draft_model, and
         speculative_config={"model": ..., "num_speculative_tokens": ..., "method": "draft_model" |
-        "ngram" | "eagle3"} (current vLLM); tensor_parallel_size must be 1 (one device).
+        "ngram" | "eagle3", "prompt_lookup_min": n, "prompt_lookup_max": n} (current vLLM; the
+        window is the n-gram drafter's, or with a model prompt lookup in front of it, as
+        prompt_lookup_min); tensor_parallel_size must be 1 (one device).
         cuda_graphs (default: on CUDA): decode, verification and draft steps run with static
         shapes, captured as CUDA graphs at start-up (graphs.py; a failed capture warns once and
         runs them eagerly). static_shapes (default: cuda_graphs) runs that static layout without
@@ -134,8 +136,18 @@ class LLM:
         Models passed already built must have been loaded with it (load_checkpoint(...,
         quantization="int8"), quant.quantize_model): they are never quantized in place."""
         check_quantization(quantization)
-        draft_model, num_speculative_tokens = vllm_spec_args(
+        draft_model, num_speculative_tokens, lookup = vllm_spec_args(
             draft_model, num_speculative_tokens, speculative_model, speculative_config, tensor_parallel_size)
+        if draft_model == "ngram":  # vLLM's n-gram window, from speculative_config
+            ngram_min, ngram_max = lookup.get("prompt_lookup_min", ngram_min), lookup.get("prompt_lookup_max", ngram_max)
+        elif lookup:  # prompt lookup in front of the model drafter
+            if "prompt_lookup_min" not in lookup:
+                raise ValueError("speculative_config's prompt_lookup_max with a draft model needs prompt_lookup_min "
+                                 "(which puts prompt lookup in front of the model)")
+            if prompt_lookup_min not in (None, lookup["prompt_lookup_min"]):
+                raise ValueError(f"prompt_lookup_min={prompt_lookup_min} disagrees with speculative_config's "
+                                 f"{lookup['prompt_lookup_min']}")
+            prompt_lookup_min, ngram_max = lookup["prompt_lookup_min"], lookup.get("prompt_lookup_max", ngram_max)
         if draft_model is not None:
             check_int("num_speculative_tokens", num_speculative_tokens, 1, 32)
         if draft_confidence_threshold is not None and (draft_model is None or draft_model == "ngram"):
@@ -446,7 +458,9 @@ def output_text(s: Sequence, tokenizer: Tokenizer) -> str:
 
 def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_model, speculative_config: dict | None,
                    tensor_parallel_size: int) -> tuple:
-    """vLLM's ways of naming the drafter -> (draft_model, num_speculative_tokens; 4 by default)."""
+    """vLLM's ways of naming the drafter -> (draft_model, num_speculative_tokens (4 by default),
+    the prompt lookup window speculative_config gives: {"prompt_lookup_min": n, "prompt_lookup_max": n},
+    either key, or none)."""
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size must be 1 (minispec runs on one device), got {tensor_parallel_size!r}")
     given = [name for name, value in (("draft_model", draft_model), ("speculative_model", speculative_model),
@@ -458,9 +472,12 @@ def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_
     if speculative_config is not None:
         if not isinstance(speculative_config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
-        unknown = sorted(set(speculative_config) - {"method", "model", "num_speculative_tokens"})
+        window = ("prompt_lookup_min", "prompt_lookup_max")
+        unknown = sorted(set(speculative_config) - {"method", "model", "num_speculative_tokens", *window})
         if unknown:
-            raise ValueError(f"speculative_config keys not supported: {unknown} (use method, model, num_speculative_tokens)")
+            raise ValueError(f"speculative_config keys not supported: {unknown} "
+                             "(use method, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
+        lookup = {key: speculative_config[key] for key in window if speculative_config.get(key) is not None}
         method, model = speculative_config.get("method"), speculative_config.get("model")
         if method == "ngram" or (method is None and model == "ngram"):
             draft_model = "ngram"
@@ -477,7 +494,9 @@ def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_
         if num_speculative_tokens is not None and config_k is not None and config_k != num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} disagrees with speculative_config's {config_k}")
         num_speculative_tokens = num_speculative_tokens if config_k is None else config_k
-    return draft_model, 4 if num_speculative_tokens is None else num_speculative_tokens
+    else:
+        lookup = {}
+    return draft_model, 4 if num_speculative_tokens is None else num_speculative_tokens, lookup
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> None:

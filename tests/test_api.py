@@ -349,6 +349,13 @@ def test_vllm_speculative_config_is_accepted(tiny_llama, tiny_llama_draft):
     assert draft.generate(["hello world"], params)[0].token_ids == plain
     assert ngram.generate(["hello world"], params)[0].token_ids == plain
 
+    # vLLM's n-gram window keys; with a draft model, prompt lookup in front of it
+    window = LLM(model=str(tiny_llama), speculative_config={"method": "ngram", "prompt_lookup_max": 5, "prompt_lookup_min": 2})
+    assert (window.engine.drafter.max_n, window.engine.drafter.min_n) == (5, 2)
+    hybrid = LLM(model=str(tiny_llama), speculative_config={"model": str(tiny_llama_draft), "prompt_lookup_min": 2})
+    assert (hybrid.engine.drafter.lookup.min_n, hybrid.engine.drafter.lookup.max_n) == (2, 3)
+    assert hybrid.generate(["hello world"], params)[0].token_ids == plain
+
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tensor_parallel_size=2), "tensor_parallel_size must be 1"),
@@ -359,6 +366,9 @@ def test_vllm_speculative_config_is_accepted(tiny_llama, tiny_llama_draft):
     (dict(speculative_config={"num_speculative_tokens": 2}), "needs 'model'"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, num_speculative_tokens=3), "disagrees"),
     (dict(speculative_config=["ngram"]), "must be a dict"),
+    (dict(speculative_config={"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}), "min_n <= max_n"),
+    (dict(speculative_config={"model": "x", "prompt_lookup_max": 4}), "needs prompt_lookup_min"),
+    (dict(speculative_config={"model": "x", "prompt_lookup_min": 2}, prompt_lookup_min=3), "disagrees"),
 ])
 def test_vllm_spellings_are_checked(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
