@@ -36,16 +36,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second torc
 def bytes_per_token(drafter: str) -> int:
     """KV bytes per token of tiny_llama (2 layers, 2 KV heads, head_dim 16, fp32), plus its 1-layer draft."""
     target = 2 * 2 * 2 * 16 * 4
-    return target + (target // 2 if drafter in ("model", "eagle") else 0)
+    return target + (target // 2 if drafter.removesuffix("+lookup") in ("model", "eagle") else 0)
 
 
 @pytest.fixture(scope="module")
 def make_llm(tiny_llama, tiny_llama_draft, tiny_llama_eagle):
     """make_llm(drafter="none"|"ngram"|"model"|"eagle", pages=None, **LLM kwargs): pages sizes the KV
-    budget so the target pool gets exactly that many pages (None: plenty)."""
+    budget so the target pool gets exactly that many pages (None: plenty). "model+lookup" /
+    "eagle+lookup": prompt lookup of >= 2 tokens in front of the model."""
 
     def build(drafter: str = "none", pages: int | None = None, backend: str = "torch", **kwargs) -> LLM:
-        draft = {"none": None, "ngram": "ngram", "model": str(tiny_llama_draft), "eagle": str(tiny_llama_eagle)}[drafter]
+        if drafter.endswith("+lookup"):
+            kwargs["prompt_lookup_min"] = 2
+        draft = {"none": None, "ngram": "ngram", "model": str(tiny_llama_draft),
+                 "eagle": str(tiny_llama_eagle)}[drafter.removesuffix("+lookup")]
         gib = 0.01 if pages is None else (pages + 1.5) * PAGE_SIZE * bytes_per_token(drafter) / 2**30  # + scratch page
         llm = LLM(model=str(tiny_llama), draft_model=draft, num_speculative_tokens=K, dtype=torch.float32,
                   backend=backend, page_size=PAGE_SIZE, kv_cache_gib=gib, **kwargs)
@@ -115,7 +119,7 @@ def test_a_finished_request_frees_its_slot_for_a_waiting_one_at_once(make_llm):
     assert outputs == one_at_a_time(llm, PROMPTS[:3], params)
 
 
-@pytest.mark.parametrize("drafter", ["none", "model", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "model", "eagle", "eagle+lookup"])
 def test_preemption_when_the_pool_runs_dry_changes_no_output(make_llm, drafter):
     """A 12-page pool: the five requests need 3 to 12 pages each (36 in all), the longest alone
     fills it. Requests are preempted and recomputed, yet every one finishes with its
@@ -127,6 +131,8 @@ def test_preemption_when_the_pool_runs_dry_changes_no_output(make_llm, drafter):
         got = [o.token_ids for o in tight.generate(PROMPTS, params)]
         assert tight.last_metrics.num_preemptions > 0
         assert got == expected
+    if drafter.endswith("+lookup"):  # both halves drafted
+        assert tight.engine.drafter.lookup_drafts > 0 and tight.engine.drafter.model_drafts > 0
     assert all(r.cache.allocator.num_free == 12 for r, _ in tight.engine.runners), "pages leaked after the run"
     tight.generate(PROMPTS[1], greedy(3))
     assert tight.last_metrics.num_preemptions == 0, "preemptions are counted per generate call"
