@@ -27,7 +27,7 @@ from .llm import LLM, StreamEvent
 from .sampling import SamplingParams
 from .trace import RequestTrace, write_html, write_jsonl
 
-SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "weights" / "eagle-smollm2"  # the default target's best drafter
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "weights" / "eagle-smollm2"  # the default target's best drafter
 GREEN, DIM_STRUCK, RESET = "\x1b[32m", "\x1b[2;9m", "\x1b[0m"
 
 
@@ -72,7 +72,7 @@ def load_llm(args) -> LLM:
     target = Path(args.target) if args.target else default_target_dir()
     if not target.exists():
         raise CliError(f"--target {target}: no such file or directory")
-    draft = args.draft or (str(SHIPPED_DRAFT) if not args.target and SHIPPED_DRAFT.exists() else "ngram")
+    draft = args.draft or (str(DEFAULT_DRAFTER) if not args.target and DEFAULT_DRAFTER.exists() else "ngram")
     if draft not in ("ngram", "none") and not Path(draft).exists():
         raise CliError(f"--draft {draft}: no such file or directory (or use 'ngram' / 'none')")
     if args.lookup_min is not None and draft in ("ngram", "none"):
