@@ -57,7 +57,13 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_DRAFT = ROOT / "weights" / "draft-smollm2"
 DEFAULT_EAGLE = ROOT / "weights" / "eagle-smollm2"
 DEFAULT_PROMPTS = ROOT / "weights" / "prompts" / "bench.jsonl"
-DRAFTERS = ("draft", "eagle", "eagle+lookup", "adaptive", "ngram")  # the names rows carry in their `drafter` key
+# The names rows carry in their `drafter` key. "adaptive": the draft model with a confidence stop
+# (k up to --adaptive-k); "eagle-adaptive": the EAGLE head so; "+lookup": prompt lookup in front.
+MODEL_DRAFTERS = ("draft", "adaptive", "eagle", "eagle-adaptive")
+DRAFTERS = MODEL_DRAFTERS + tuple(f"{d}+lookup" for d in MODEL_DRAFTERS) + ("ngram",)
+COLORS = {"draft": "tab:blue", "adaptive": "tab:purple", "eagle": "tab:red", "eagle-adaptive": "tab:brown",
+          "ngram": "tab:green", "draft+lookup": "tab:cyan", "adaptive+lookup": "tab:pink", "eagle+lookup": "tab:orange",
+          "eagle-adaptive+lookup": "tab:olive"}
 START = time.perf_counter()
 
 
@@ -208,16 +214,18 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
     quantization: the preloaded models were loaded with it (and an EAGLE head is loaded with it)."""
     from minispec import LLM
 
+    base, lookup = drafter.removesuffix("+lookup"), drafter.endswith("+lookup")
+    confidence = {"adaptive": args.confidence, "eagle-adaptive": args.eagle_confidence}.get(base)
     llm = LLM(
         model=target,
         draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft, "eagle": str(args.eagle),
-                     "eagle+lookup": str(args.eagle)}[drafter],
+                     "eagle-adaptive": str(args.eagle)}[base],
         num_speculative_tokens=max(k, 1),
         max_num_seqs=batch,
         kv_cache_gib=args.kv_cache_gib,
         page_size=16,
-        draft_confidence_threshold=args.confidence if drafter == "adaptive" else None,
-        prompt_lookup_min=args.lookup_min if drafter == "eagle+lookup" else None,
+        draft_confidence_threshold=confidence,
+        prompt_lookup_min=args.lookup_min if lookup else None,
         quantization=quantization,
     )
 
@@ -228,14 +236,16 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
         m = llm.last_metrics
         return Run(m.num_generated, m.wall_s, [o.token_ids for o in outs], m)
 
-    name = {"none": "autoregressive", "ngram": f"ngram k={k}", "draft": f"draft k={k}", "eagle": f"eagle k={k}",
-            "eagle+lookup": f"eagle+lookup k={k}",
-            "adaptive": f"draft k<={k} conf{args.confidence:g}"}[drafter]
+    if base in ("none", "ngram"):
+        name = "autoregressive" if base == "none" else f"ngram k={k}"
+    else:  # e.g. "eagle k=4", "draft+lookup k=2", "eagle+lookup k<=8 conf0.3"
+        name = base.removesuffix("-adaptive").replace("adaptive", "draft") + ("+lookup" if lookup else "")
+        name += f" k<={k} conf{confidence:g}" if confidence else f" k={k}"
     if quantization:
         name = f"{quantization} {name}"
     llm.generate(warmup, dataclasses.replace(params, max_tokens=min(4, params.max_tokens)))
     note = None
-    if drafter == "eagle+lookup":  # how often each half drafted, over the timed rounds
+    if lookup:  # how often each half drafted, over the timed rounds
         hybrid = llm.engine.drafter
         hybrid.lookup_drafts = hybrid.model_drafts = 0
 
@@ -502,7 +512,8 @@ def load_prompts(path: Path, tokenizer, n: int) -> list[list[int]]:
 
 
 def print_table(rows: list[Row]) -> None:
-    head = (f"{'row':<22} {'mode':<7} {'bs':>3} {'speedup':>8} {'95% CI':>13} {'':>2} {'decode':>6} {'':>2} {'TPOT':>6} "
+    width = max([22] + [len(r.name) for r in rows])  # the row names' column
+    head = (f"{'row':<{width}} {'mode':<7} {'bs':>3} {'speedup':>8} {'95% CI':>13} {'':>2} {'decode':>6} {'':>2} {'TPOT':>6} "
             f"{'tok/s':>6} {'accept':>6} "
             f"{'tok/step':>8} {'verify':>6} {'draft':>6} {'pred':>5} {'peakMiB':>8}  note")
     print(head)
@@ -513,7 +524,7 @@ def print_table(rows: list[Row]) -> None:
         ci = f"[{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]" if r.speedup_ci and not baseline else "-"
         mark = "" if baseline or r.speedup_ci is None else ("" if r.distinguishable else "~1")
         decode_mark = "" if baseline or r.decode_speedup_ci is None or excludes_one(r.decode_speedup_ci) else "~1"
-        print(f"{r.name:<22} {r.mode:<7} {r.batch:>3} {fmt(r.speedup, '.2f') + ('x' if r.speedup else ''):>8} "
+        print(f"{r.name:<{width}} {r.mode:<7} {r.batch:>3} {fmt(r.speedup, '.2f') + ('x' if r.speedup else ''):>8} "
               f"{ci:>13} {mark:>2} {fmt(r.decode_speedup, '.2f') + ('x' if r.decode_speedup else ''):>6} {decode_mark:>2} "
               f"{fmt(r.tpot_ms, '.1f'):>6} {r.tok_s:>6.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
               f"{fmt(r.verify_cost, '.2f'):>6} {fmt(r.draft_cost, '.3f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
@@ -532,7 +543,7 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ours = [r for r in rows if r.drafter in DRAFTERS and r.speedup is not None]
     groups = sorted({(r.mode, r.batch) for r in ours}, key=lambda g: (g[0] != "greedy", g[1]))
-    colors = {"draft": "tab:blue", "eagle": "tab:red", "eagle+lookup": "tab:orange", "adaptive": "tab:purple", "ngram": "tab:green"}
+    colors = COLORS
     paths = []
 
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True, squeeze=False)
@@ -564,7 +575,7 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for r in ours:
-        if r.per_position and r.drafter != "adaptive":
+        if r.per_position and "adaptive" not in r.drafter:
             ax.plot(range(1, len(r.per_position) + 1), r.per_position, "o-", color=colors[r.drafter],
                     alpha=0.35 + 0.65 * (r.mode == "greedy"), label=f"{r.name}, {r.mode}, bs {r.batch}")
     ax.set_xlabel("draft position i")
@@ -619,7 +630,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a small check, well under a minute on CPU")
     ap.add_argument("--full", action="store_true", help="every drafter at every k, more rounds and tokens")
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
-    ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default: eagle,eagle+lookup,draft,ngram on CPU "
+    ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default: eagle,eagle-adaptive+lookup,draft,ngram on CPU "
                                        "(--quick: eagle,draft,ngram), all on GPU and with --full)")
     ap.add_argument("--ks", help="comma-separated draft lengths of the draft model (default: 2 on CPU, 1,2,4,6,8 on GPU and with --full)")
     ap.add_argument("--eagle", type=Path, default=DEFAULT_EAGLE,
@@ -627,9 +638,11 @@ def parse_args(argv=None):
     ap.add_argument("--eagle-ks", help="ks of the eagle drafter (default: 4 on the CPU default run, else --ks)")
     ap.add_argument("--ngram-k", type=int, default=4, help="draft length of the n-gram drafter")
     ap.add_argument("--lookup-min", type=int, default=3,
-                    help="eagle+lookup: prompt lookup drafts when the last >= this many tokens occurred before, the head otherwise")
+                    help="<drafter>+lookup: prompt lookup drafts when the last >= this many tokens occurred before, the drafter otherwise")
     ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive drafter: most tokens drafted per step")
     ap.add_argument("--confidence", type=float, default=0.4, help="adaptive drafter: stop after a token the draft gave p < this")
+    ap.add_argument("--eagle-confidence", type=float, default=0.3,
+                    help="eagle-adaptive: the same for the EAGLE head (0.3: the value an earlier session tried on the bench prompts, not tuned further)")
     ap.add_argument("--batch-sizes", help="comma-separated (default: 1,2 on CPU, 1,4 with --full, 1,16 on GPU)")
     ap.add_argument("--rounds", type=int, help="paired rounds per (mode, batch) (default: 6 on CPU, 10 on GPU and with --full; >= 6)")
     ap.add_argument("--max-tokens", type=int, help="new tokens per prompt (default: 12 on CPU, 32 with --full, 128 on GPU)")
@@ -656,10 +669,11 @@ def plan(args, gpu: bool) -> dict:
     if args.quick:
         defaults = dict(drafters="eagle,draft,ngram", ks="2", batches="1", rounds=6, tokens=8, modes="greedy")
     elif gpu_or_full:
-        defaults = dict(drafters=",".join(DRAFTERS), ks="1,2,4,6,8", batches="1,16" if gpu else "1,4",
+        defaults = dict(drafters="draft,adaptive,eagle,eagle-adaptive,eagle+lookup,eagle-adaptive+lookup,ngram",
+                        ks="1,2,4,6,8", batches="1,16" if gpu else "1,4",
                         rounds=10, tokens=128 if gpu else 32, modes="greedy,sampled")
     else:
-        defaults = dict(drafters="eagle,eagle+lookup,draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12,
+        defaults = dict(drafters="eagle,eagle-adaptive+lookup,draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12,
                         modes="greedy,sampled")
     drafters = (args.drafters or defaults["drafters"]).split(",")
     if not args.drafters and not (Path(args.eagle) / "config.json").exists():  # no EAGLE head at --eagle:
@@ -728,12 +742,12 @@ def main(argv=None) -> dict:
         log(dtype_note)
     matmul = getattr(target[0], "cpu_matmul", None)  # the CPU Linear entry point the loader timed fastest
     log(f"device={device} dtype={dtype_name(dtype)}{f' matmul={matmul}' if matmul else ''} target={target_path} draft={draft_path}")
-    draft = load_checkpoint(draft_path, dtype=dtype) if {"draft", "adaptive"} & set(p["drafters"]) else None
+    draft = load_checkpoint(draft_path, dtype=dtype) if {"draft", "adaptive"} & {d.removesuffix("+lookup") for d in p["drafters"]} else None
     quantized = None  # (target, draft) with quantized weights, fp32 everywhere else
     if args.quantization:
         quantized = (load_checkpoint(target_path, dtype=torch.float32, quantization=args.quantization),
                      draft and load_checkpoint(draft_path, dtype=torch.float32, quantization=args.quantization))
-    if {"eagle", "eagle+lookup"} & set(p["drafters"]):
+    if any(d.startswith("eagle") for d in p["drafters"]):
         from minispec.eagle import is_eagle_checkpoint
 
         if not is_eagle_checkpoint(args.eagle):
@@ -758,8 +772,8 @@ def main(argv=None) -> dict:
         slices = [[prompts[(r * bs + i) % len(prompts)] for i in range(bs)] for r in range(p["rounds"])]
         baseline = minispec_arm(target, draft, "none", 0, params, bs, args, device, prompts[0])
         specs = [(d, k) for d in p["drafters"] for k in
-                 {"draft": p["ks"], "eagle": p["eagle_ks"], "eagle+lookup": p["eagle_ks"], "adaptive": [args.adaptive_k],
-                  "ngram": [args.ngram_k]}[d]]
+                 {"draft": p["ks"], "eagle": p["eagle_ks"], "adaptive": [args.adaptive_k], "eagle-adaptive": [args.adaptive_k],
+                  "ngram": [args.ngram_k]}[d.removesuffix("+lookup")]]
         arms = [minispec_arm(target, draft, d, k, params, bs, args, device, prompts[0]) for d, k in specs]
         q_arms = [minispec_arm(*quantized, d, k, params, bs, args, device, prompts[0], args.quantization)
                   for d, k in [("none", 0)] + specs] if quantized else []

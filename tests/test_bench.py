@@ -82,12 +82,18 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
         ["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
          "--eagle", str(tiny_llama_eagle), "--eagle-ks", "3",
          "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--json", str(out), "--dtype", "float32",
-         "--modes", "greedy,sampled", "--batch-sizes", "1,2", "--drafters", "draft,eagle,eagle+lookup,adaptive,ngram"]
+         "--modes", "greedy,sampled", "--batch-sizes", "1,2",
+         "--drafters", "draft,eagle,eagle+lookup,adaptive,eagle-adaptive+lookup,ngram", "--adaptive-k", "5"]
     )
-    check_result(result, {"greedy", "sampled"}, {1, 2}, {"draft", "eagle", "eagle+lookup", "adaptive", "ngram"})
-    assert {r["k"] for r in result["rows"] if r["drafter"].startswith("eagle")} == {3}
-    for r in result["rows"]:  # the hybrid's rows say how often prompt lookup drafted instead of the head
-        assert re.fullmatch(r"lookup drafted \d+%", r["note"]) if r["drafter"] == "eagle+lookup" else r["note"] in ("", "peer")
+    drafters = {"draft", "eagle", "eagle+lookup", "adaptive", "eagle-adaptive+lookup", "ngram"}
+    check_result(result, {"greedy", "sampled"}, {1, 2}, drafters)
+    ks = {r["drafter"]: r["k"] for r in result["rows"]}
+    assert ks["eagle"] == ks["eagle+lookup"] == 3 and ks["adaptive"] == ks["eagle-adaptive+lookup"] == 5
+    names = {r["drafter"]: r["name"] for r in result["rows"]}
+    assert names["eagle-adaptive+lookup"] == "eagle+lookup k<=5 conf0.3" and names["eagle+lookup"] == "eagle+lookup k=3"
+    assert names["adaptive"] == "draft k<=5 conf0.4"
+    for r in result["rows"]:  # the hybrids' rows say how often prompt lookup drafted instead of the model
+        assert re.fullmatch(r"lookup drafted \d+%", r["note"]) if r["drafter"].endswith("+lookup") else r["note"] in ("", "peer")
     for r in result["rows"]:  # every minispec row: a decode speedup over the same rounds, and its latencies
         assert len(r["decode_ratios"]) == len(r["ratios"]) and r["decode_speedup_ci"] and r["tpot_ms"] > 0 and r["ttft_ms"] > 0
     check_plots(result, tmp_path / "new")

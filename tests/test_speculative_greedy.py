@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP
 
 FIXED = settings(derandomize=True, deadline=None, max_examples=25, suppress_health_check=list(HealthCheck))
 GREEDY = SamplingParams(temperature=0)
-DRAFTERS = ["model", "self", "ngram", "adaptive", "eagle", "eagle-adaptive", "model+lookup", "eagle+lookup"]
+DRAFTERS = ["model", "self", "ngram", "adaptive", "eagle", "eagle-adaptive", "model+lookup", "eagle+lookup",
+            "eagle-adaptive+lookup"]
 ADAPTIVE_THRESHOLD = 0.005  # tiny_llama_draft's confidences straddle it: draft lengths vary from 1 to k
 EAGLE_THRESHOLD = 0.01  # the same for conftest's tiny_llama_eagle (its draft vocabulary: 160 tokens)
 LOOKUP_MIN = 2  # "<drafter>+lookup": prompt lookup of >= 2 tokens first, the model drafter where it finds none
@@ -110,7 +111,7 @@ def test_greedy_speculative_equals_plain_greedy(llms, batch, k, drafter, max_tok
         assert out.finish_reason != "length" or len(out.token_ids) == max_tokens
 
 
-@pytest.mark.parametrize("drafter", ["model+lookup", "eagle+lookup"])
+@pytest.mark.parametrize("drafter", ["model+lookup", "eagle+lookup", "eagle-adaptive+lookup"])
 def test_lookup_first_greedy_equals_plain_greedy_where_lookup_fires(llms, drafter):
     """Prompts that repeat themselves (random prompts rarely do): both halves of the hybrid draft,
     and the output is still plain greedy decoding's."""
