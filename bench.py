@@ -239,7 +239,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
     if base in ("none", "ngram"):
         name = "autoregressive" if base == "none" else f"ngram k={k}"
     else:  # e.g. "eagle k=4", "draft+lookup k=2", "eagle+lookup k<=8 conf0.3"
-        name = base.removesuffix("-adaptive").replace("adaptive", "draft") + ("+lookup" if lookup else "")
+        name = {"draft": "draft", "adaptive": "draft", "eagle": "eagle", "eagle-adaptive": "eagle"}[base] + ("+lookup" if lookup else "")
         name += f" k<={k} conf{confidence:g}" if confidence else f" k={k}"
     if quantization:
         name = f"{quantization} {name}"
@@ -703,6 +703,9 @@ def plan(args, gpu: bool) -> dict:
         raise SystemExit("--ks, --batch-sizes and --max-tokens must be positive")
     if args.lookup_min < 1:
         raise SystemExit(f"--lookup-min must be positive, got {args.lookup_min}")
+    for name, value in (("--confidence", args.confidence), ("--eagle-confidence", args.eagle_confidence)):
+        if not 0 < value < 1:
+            raise SystemExit(f"{name} must be in (0, 1), got {value}")
     return p
 
 

@@ -154,6 +154,7 @@ def test_quick_bench_on_default_pair(tmp_path):
     (["--drafters", "eagle", "--eagle", "weights/draft-smollm2"], "not an EAGLE-3 checkpoint directory"),
     (["--json", "{tmp}"], "is a directory"),
     (["--lookup-min", "0"], "--lookup-min must be positive"),
+    (["--eagle-confidence", "1.5"], r"--eagle-confidence must be in \(0, 1\)"),
 ])
 def test_bad_options_are_named(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
