@@ -23,6 +23,7 @@ import torch
 
 from .drafters import NgramDrafter
 from .sequence import Sequence
+from .speculative import one_hot_q
 
 
 class LookupFirstDrafter:
@@ -73,10 +74,3 @@ class LookupFirstDrafter:
 
     def rollback(self, seqs: list[Sequence]) -> None:
         self.model_drafter.rollback(seqs)
-
-
-def one_hot_q(tokens: list[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """q of a deterministic proposal: [n, V], row i one-hot at tokens[i]."""
-    q = torch.zeros(len(tokens), vocab_size, device=device)
-    q[torch.arange(len(tokens), device=device), torch.tensor(tokens, device=device)] = 1.0
-    return q

@@ -162,7 +162,7 @@ def sample_verify(
     if draft_probs is None:  # a model-free drafter: q is one-hot at each drafted token
         draft_probs = torch.zeros_like(target_probs)
         for b, d in enumerate(draft_lists):
-            draft_probs[b, torch.arange(len(d)), torch.tensor(d, dtype=torch.int64)] = 1.0
+            draft_probs[b, : len(d)] = one_hot_q(d, V, device)
     else:
         draft_probs = draft_probs[:, : K + 1].to(device)
     tokens, num_accepted = rejection_sample(
@@ -173,6 +173,13 @@ def sample_verify(
         [s.generator for s in seqs],
     )
     return tokens.tolist(), num_accepted.tolist()
+
+
+def one_hot_q(tokens: list[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """q of a deterministic proposal: [n, V], row i one-hot at tokens[i]."""
+    q = torch.zeros(len(tokens), vocab_size, device=device)
+    q[torch.arange(len(tokens), device=device), torch.tensor(tokens, dtype=torch.int64, device=device)] = 1.0
+    return q
 
 
 def failed_sequences(finite: list[bool], num_draft: list[int]) -> dict[int, int]:
