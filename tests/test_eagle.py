@@ -24,6 +24,7 @@ import minispec.eagle
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint
 from minispec.eagle import EagleDrafter, init_eagle, is_eagle_checkpoint, load_eagle, save_eagle
 from minispec.sampling import warp_probs
+from proposals import recording_proposals
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
 
@@ -74,23 +75,9 @@ def fresh_proposals(target, eagle, tokens: list[int], drafts: list[int], params:
 def recorded_proposals(llm: LLM, prompts, params) -> list[tuple[list[int], list[int], torch.Tensor]]:
     """Run generate, recording every proposal: (the sequence's tokens, its drafts, q rows [n, V]);
     the EAGLE head's own, when prompt lookup stands in front of it."""
-    drafter = getattr(llm.engine.drafter, "model_drafter", llm.engine.drafter)
-    seen = []
-    original = drafter.propose
-
-    def propose(seqs, num_draft):
-        lists, probs = original(seqs, num_draft)
-        for b, (s, d) in enumerate(zip(seqs, lists)):
-            if d:
-                seen.append((list(s.tokens), list(d), probs[b, : len(d)].clone()))
-        return lists, probs
-
-    drafter.propose = propose
-    try:
+    with recording_proposals(getattr(llm.engine.drafter, "model_drafter", llm.engine.drafter)) as seen:
         llm.generate(prompts, params)
-    finally:
-        del drafter.propose
-    return seen
+    return [(tokens, drafts, q[: len(drafts)]) for _, tokens, _, drafts, q in seen if drafts]
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [100, 3, 77, 12, 9, 250, 31, 8], [2]]
@@ -133,18 +120,11 @@ def test_steps_drafted_by_prompt_lookup_leave_the_heads_proposals_exact(target, 
               prompt_lookup_min=1)
     hybrid = llm.engine.drafter
     hybrid.lookup.lookup = lambda tokens, k: tokens[-k:] if len(tokens) % 3 == 0 else []
+    with recording_proposals(hybrid) as steps:
+        n, worst = check_catch_up(target, eagle, llm)
     kinds: dict[int, list[str]] = {}  # request id -> who drafted at each step ("lookup" / "head" / "none")
-    original = hybrid.propose
-
-    def propose(seqs, num_draft):
-        lists, probs = original(seqs, num_draft)
-        for s, d in zip(seqs, lists):
-            kind = "lookup" if d and len(s.tokens) % 3 == 0 else "head" if d else "none"
-            kinds.setdefault(s.request_id, []).append(kind)
-        return lists, probs
-
-    hybrid.propose = propose
-    n, worst = check_catch_up(target, eagle, llm)
+    for request_id, tokens, _, drafts, _ in steps:
+        kinds.setdefault(request_id, []).append("lookup" if drafts and len(tokens) % 3 == 0 else "head" if drafts else "none")
     after_lookup = sum(1 for ks in kinds.values() for i in range(2, len(ks)) if ks[i] == "head" and ks[i - 1] == "lookup")
     assert after_lookup >= len(PROMPTS) and n >= 2 * len(PROMPTS) and worst < 1e-5
 

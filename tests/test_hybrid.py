@@ -9,6 +9,7 @@ import torch
 
 from minispec import LLM, SamplingParams
 from minispec.drafters import NgramDrafter
+from proposals import recording_proposals
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 9, 9, 9], [100, 3, 77, 12, 9, 250, 31, 8],
            [20, 21, 22, 20, 21], [60, 61, 60, 61, 60, 61]]
@@ -16,21 +17,9 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 9, 9, 9], [
 
 def recorded(llm: LLM, params) -> list[tuple[list[int], int, list[int], torch.Tensor | None]]:
     """Every proposal of a generate call: (the sequence's tokens, num_draft asked, drafts, its q rows or None)."""
-    drafter, seen = llm.engine.drafter, []
-    original = drafter.propose
-
-    def propose(seqs, num_draft):
-        lists, probs = original(seqs, num_draft)
-        for b, (s, n, d) in enumerate(zip(seqs, num_draft, lists)):
-            seen.append((list(s.tokens), n, list(d), None if probs is None else probs[b, : len(d) + 1].clone()))
-        return lists, probs
-
-    drafter.propose = propose
-    try:
+    with recording_proposals(llm.engine.drafter) as seen:
         llm.generate(PROMPTS, params)
-    finally:
-        del drafter.propose
-    return seen
+    return [(tokens, n, drafts, q) for _, tokens, n, drafts, q in seen]
 
 
 def test_lookup_drafts_where_the_context_repeats_and_the_model_elsewhere(tiny_llama, tiny_llama_draft):
