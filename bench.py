@@ -543,7 +543,6 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ours = [r for r in rows if r.drafter in DRAFTERS and r.speedup is not None]
     groups = sorted({(r.mode, r.batch) for r in ours}, key=lambda g: (g[0] != "greedy", g[1]))
-    colors = COLORS
     paths = []
 
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True, squeeze=False)
@@ -556,11 +555,11 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
             ks = [r.k for r in rs]
             lo = [r.speedup - r.speedup_ci[0] if r.speedup_ci else 0 for r in rs]
             hi = [r.speedup_ci[1] - r.speedup if r.speedup_ci else 0 for r in rs]
-            ax.errorbar(ks, [r.speedup for r in rs], yerr=[lo, hi], fmt="o-", capsize=4, color=colors[drafter],
+            ax.errorbar(ks, [r.speedup for r in rs], yerr=[lo, hi], fmt="o-", capsize=4, color=COLORS[drafter],
                         label=f"{drafter} (median, 95% CI)")
             pred = [(r.k, r.predicted_speedup) for r in rs if r.predicted_speedup is not None]
             if pred:
-                ax.plot(*zip(*pred), "x--", color=colors[drafter], alpha=0.6, label=f"{drafter}: Leviathan predicted")
+                ax.plot(*zip(*pred), "x--", color=COLORS[drafter], alpha=0.6, label=f"{drafter}: Leviathan predicted")
         ax.set_title(f"{mode}, batch {batch}")
         ax.set_xlabel("draft length k")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -576,7 +575,7 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for r in ours:
         if r.per_position and "adaptive" not in r.drafter:
-            ax.plot(range(1, len(r.per_position) + 1), r.per_position, "o-", color=colors[r.drafter],
+            ax.plot(range(1, len(r.per_position) + 1), r.per_position, "o-", color=COLORS[r.drafter],
                     alpha=0.35 + 0.65 * (r.mode == "greedy"), label=f"{r.name}, {r.mode}, bs {r.batch}")
     ax.set_xlabel("draft position i")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))

@@ -469,6 +469,7 @@ def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_
         raise ValueError(f"name the drafter once: got {' and '.join(given)}")
     if speculative_model is not None:
         draft_model = speculative_model
+    lookup = {}
     if speculative_config is not None:
         if not isinstance(speculative_config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
@@ -494,8 +495,6 @@ def vllm_spec_args(draft_model, num_speculative_tokens: int | None, speculative_
         if num_speculative_tokens is not None and config_k is not None and config_k != num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} disagrees with speculative_config's {config_k}")
         num_speculative_tokens = num_speculative_tokens if config_k is None else config_k
-    else:
-        lookup = {}
     return draft_model, 4 if num_speculative_tokens is None else num_speculative_tokens, lookup
 
 
