@@ -397,7 +397,7 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
         row.note = "peer"
         return row
     row.note = arm.note() if arm.note else ""
-    from minispec.metrics import RunMetrics
+    from minispec.runtime.metrics import RunMetrics
 
     total = RunMetrics()  # the rounds' totals added up
     for r in arm.runs:
@@ -728,9 +728,9 @@ def main(argv=None) -> dict:
     if args.target:
         target_path = Path(args.target)
     else:
-        from minispec.convert import default_target_dir
+        from minispec.io.paths import default_target
 
-        target_path = default_target_dir()
+        target_path = default_target()
     draft_path = Path(args.draft) if args.draft else DEFAULT_DRAFT
     dtype_note = ""
     if args.dtype != "auto":
@@ -750,7 +750,7 @@ def main(argv=None) -> dict:
         quantized = (load_checkpoint(target_path, dtype=torch.float32, quantization=args.quantization),
                      draft and load_checkpoint(draft_path, dtype=torch.float32, quantization=args.quantization))
     if any(d.startswith("eagle") for d in p["drafters"]):
-        from minispec.eagle import is_eagle_checkpoint
+        from minispec.io.eagle_checkpoint import is_eagle_checkpoint
 
         if not is_eagle_checkpoint(args.eagle):
             raise SystemExit(f"--eagle {args.eagle}: not an EAGLE-3 checkpoint directory (scripts/train_eagle.py "

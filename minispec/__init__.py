@@ -1,14 +1,18 @@
-"""minispec: exact speculative decoding for Llama-family models, written to be read."""
+"""minispec: exact speculative decoding for Llama-family models, written to be read.
 
-from .attention import AttentionBackend, BatchMetadata
-from .config import ModelConfig
-from .kv_cache import KVPoolExhausted
-from .llm import LLM, RequestOutput, StreamEvent
-from .loader import load_checkpoint
-from .model import Transformer
-from .quant import quantize_model
+Start with speculative.py; the README's reading order says what comes next."""
+
+from .io.checkpoint import load_checkpoint
+from .io.tokenizer import Tokenizer
+from .llm import LLM
+from .model.config import ModelConfig
+from .model.llama import Transformer
+from .model.metadata import BatchMetadata
+from .model.attention import AttentionBackend
+from .fast.int8 import quantize_model
+from .outputs import RequestOutput, StreamEvent
+from .runtime.kv_cache import KVPoolExhausted
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer
 
 __all__ = [
     "LLM",

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import jinja2
 
-from .kv_cache import KVPoolExhausted
-from .llm import LLM, StreamEvent
+from .io.paths import default_eagle_head, default_target
+from .llm import LLM
+from .outputs import StreamEvent
+from .runtime.kv_cache import KVPoolExhausted
 from .sampling import SamplingParams
 from .trace import RequestTrace, write_html, write_jsonl
-
-DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "weights" / "eagle-smollm2"  # the default target's best drafter
 GREEN, DIM_STRUCK, RESET = "\x1b[32m", "\x1b[2;9m", "\x1b[0m"
 
 
@@ -65,14 +65,13 @@ class CliError(Exception):
 
 
 def load_llm(args) -> LLM:
-    from .convert import default_target_dir
-
     if args.trace is not None and args.trace.suffix not in (".html", ".jsonl"):
         raise CliError(f"--trace {args.trace}: name a .html or .jsonl file")
-    target = Path(args.target) if args.target else default_target_dir()
+    target = Path(args.target) if args.target else default_target()
     if not target.exists():
         raise CliError(f"--target {target}: no such file or directory")
-    draft = args.draft or (str(DEFAULT_DRAFTER) if not args.target and DEFAULT_DRAFTER.exists() else "ngram")
+    # The shipped head fits the default target only: another target drafts by n-gram unless told.
+    draft = args.draft or (str(default_eagle_head()) if not args.target else "ngram")
     if draft not in ("ngram", "none") and not Path(draft).exists():
         raise CliError(f"--draft {draft}: no such file or directory (or use 'ngram' / 'none')")
     if args.lookup_min is not None and draft in ("ngram", "none"):

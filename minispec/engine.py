@@ -1,10 +1,14 @@
 """LLMEngine: requests in, tokens out, one batched step at a time.
 
 Each `step()` asks the scheduler for a batch (continuous batching: newly admitted prompts and
-running sequences together), runs one `speculative_step` on it (plain decoding when there is no
+running sequences together), runs one `speculative_step` on it (plain decoding with the no-op
 drafter) and returns the tokens each sequence emitted. Finished sequences give their pages back
 at once, so waiting requests join on the next step; when pages run out the scheduler preempts
-(see scheduler.py). A request that could never fit, even alone, is refused when it is added.
+(see runtime/scheduler.py). A request that could never fit, even alone, is refused when it is added.
+
+Preemption is the engine's business, and so is its one consequence for a drafter that reads the
+target's features (an EAGLE head): a recomputed sequence must hand its features over before it
+drafts again (`catch_up`).
 """
 
 from __future__ import annotations
@@ -12,14 +16,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .kv_cache import KVPoolExhausted
-from .metrics import RunMetrics
-from .runner import ModelRunner
+from .drafters.base import Drafter, NoDrafter
+from .io.tokenizer import Tokenizer
+from .runtime.kv_cache import KVPoolExhausted
+from .runtime.metrics import RunMetrics, StepTimes
+from .runtime.runner import Feed, ModelRunner
+from .runtime.scheduler import Scheduler
+from .runtime.sequence import Sequence
 from .sampling import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .speculative import StepTimes, speculative_step
-from .tokenizer import Tokenizer
+from .speculative import speculative_step
 
 
 @dataclass
@@ -36,15 +41,17 @@ class LLMEngine:
         self,
         target: ModelRunner,
         tokenizer: Tokenizer,
-        drafter=None,
+        drafter: Drafter | None = None,
         draft_runner: ModelRunner | None = None,
         num_speculative_tokens: int = 0,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
     ):
+        """k = num_speculative_tokens (0 without a drafter); draft_runner: the draft model's or
+        EAGLE head's runner, whose pool every sequence also needs pages in."""
         self.target = target
         self.tokenizer = tokenizer
-        self.drafter = drafter
+        self.drafter = drafter or NoDrafter()
         self.k = num_speculative_tokens if drafter is not None else 0
         runners = [(target, "target")] + ([(draft_runner, "draft")] if draft_runner is not None else [])
         self.runners = runners
@@ -107,6 +114,7 @@ class LLMEngine:
         if not seqs:
             return []
         before = [len(s.output_ids) for s in seqs]
+        self.catch_up(seqs)
         verdicts = speculative_step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
         now = time.perf_counter()  # the step's tokens are on the host: TTFT / TPOT stamps
         outputs = []
@@ -120,6 +128,23 @@ class LLMEngine:
                 self.scheduler.finish(s)
             outputs.append(StepOutput(s, s.output_ids[n:], done, drafted, num_accepted))
         return outputs
+
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """A drafter that reads target features drafts only for sequences whose features it has.
+        A new sequence drafts nothing in its first step: its prefill emits the first token and
+        hands over the prompt's features (vLLM's EAGLE flow). A preempted one (it has output
+        tokens, and no K/V cached after recomputation) is fed all but its newest token here
+        first, so that it drafts this very step, as it would have without the preemption (a seeded
+        request then draws the same random numbers)."""
+        layers = self.drafter.target_layers
+        lagging = [s for s in seqs if s.output_ids and s.target_table.num_cached < len(s) - 1] if layers else []
+        if not lagging:
+            return
+        with self.times.timing("target_s", self.target.device):
+            feeds = [Feed(s.target_table, s.tokens[s.target_table.num_cached : len(s) - 1]) for s in lagging]
+            starts = [s.target_table.num_cached for s in lagging]
+            _, hidden = self.target.forward(feeds, hidden_layers=layers)  # [sum(fed), len(layers) * H]
+            self.drafter.observe(lagging, starts, [len(f.tokens) for f in feeds], hidden)
 
     def run_metrics(self, seqs: list[Sequence], wall_s: float, since: StepTimes | None = None) -> RunMetrics:
         """Totals over seqs; draft / target times are the engine's since `since` (a copy of

@@ -13,10 +13,13 @@ For every running sequence whose last token is x_L:
   4. Roll back. The target cached K/V for [x_L, d_1..d_n]; positions past the accepted drafts
      are truncated (no copy). The drafter truncates its own cache the same way.
 
+`speculative_step` below is these four steps; the rule of step 3 follows it (`rejection_sample`),
+then the helpers (greedy verification, non-finite logits, logprobs).
+
 p and q are both warped by `warp_probs` (temperature, top-k, top-p) with the request's params.
 Temperature 0 makes both one-hot, and the same rule becomes greedy verification: accept while
 d_i == argmax p_i, then emit argmax p at the first mismatch. Plain autoregressive decoding is this
-step with no drafter (n = 0): the target samples one token from p_1.
+step with the no-op drafter (n = 0): the target samples one token from p_1.
 
 Randomness: every draw (the drafter's samples, the n acceptance uniforms, the final token) comes
 from the request's own torch.Generator, in fp64, in a fixed order, so a seeded request emits the
@@ -32,14 +35,58 @@ Notation: we never write bare p/q in code; `target_probs` and `draft_probs` name
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from .runner import Feed, ModelRunner
+from .drafters.base import Drafter, Proposal, one_hot_q
+from .runtime.metrics import StepTimes
+from .runtime.runner import Feed, ModelRunner
+from .runtime.sequence import Sequence
 from .sampling import finite_rows, sample, warp_probs
-from .sequence import Sequence
+
+
+def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
+                     emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[tuple[list[int], int]]:
+    """Advance every sequence by one draft-verify-accept step (plain decoding with `NoDrafter`).
+    Returns, per sequence, the tokens drafted for it and how many the target accepted.
+
+    `emit(seq, token) -> bool` appends a token and says whether seq finished.
+    Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1.
+    """
+    # 1. Draft: never more than the request may still emit (the final token is free).
+    with times.timing("draft_s", target.device):
+        proposal = drafter.propose(seqs, [min(k, s.remaining - 1) for s in seqs])
+
+    with times.timing("target_s", target.device):
+        # 2. Verify: ONE target forward feeds each sequence its uncached tokens plus its drafts and
+        # returns logits for the last n+1 positions [sum(n_b + 1), V] (and the target's features
+        # at every fed position, for a drafter that reads them).
+        feeds = [Feed(s.target_table, s.tokens[s.target_table.num_cached :] + d, len(d) + 1)
+                 for s, d in zip(seqs, proposal.tokens)]
+        starts = [s.target_table.num_cached for s in seqs]
+        logits, hidden = verify_forward(target, feeds, drafter.target_layers)
+        greedy = all(s.params.greedy for s in seqs)
+        logits, proposal, failures, best = guard_nonfinite(logits, proposal, seqs, greedy)
+
+        # 3. Accept / reject.
+        if greedy:
+            tokens, num_accepted = greedy_verify(logits, proposal.tokens, best)
+        else:
+            tokens, num_accepted = sample_verify(logits, seqs, proposal)
+    emit_accepted(seqs, tokens, num_accepted, proposal.tokens, logits, failures, emit)
+
+    # 4. Roll back: keep the K/V of accepted tokens (the newest token is fed next step); the
+    # drafter keeps the target's features of those same positions and forgets the rest.
+    for s in seqs:
+        s.target_table.truncate(len(s) - 1, target.cache.allocator)
+    if hidden is not None:
+        drafter.observe(seqs, starts, [len(f.tokens) for f in feeds], hidden)
+    drafter.rollback(seqs)
+    return list(zip(proposal.tokens, num_accepted))
+
+
+# --- 3. The accept / reject rule ----------------------------------------------------------------
 
 
 def accept_probability(target_prob: torch.Tensor, draft_prob: torch.Tensor) -> torch.Tensor:
@@ -103,19 +150,38 @@ def rejection_sample(
     return tokens, num_accepted
 
 
-def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int]) -> list:
-    """For sequences that asked for logprobs: per verified position, ({top id: logprob}, the
-    position's full log_softmax row) from the raw logits [sum(n_b + 1), V]; None for the others."""
-    out, row = [], 0
-    for s, n in zip(seqs, num_draft):
-        if s.params.logprobs is None:
-            out.append(None)
-        else:
-            lp = logits[row : row + n + 1].float().log_softmax(-1).cpu()  # [n + 1, V]
-            values, ids = lp.topk(min(s.params.logprobs, lp.shape[-1]), dim=-1)
-            out.append([(dict(zip(i.tolist(), v.tolist())), r) for i, v, r in zip(ids, values, lp)])
-        row += n + 1
-    return out
+def sample_verify(logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal) -> tuple[list[list[int]], list[int]]:
+    """Warp the flat logits [sum(n_b + 1), V] with each request's params, lay them out as
+    [B, K+1, V] next to the draft's q (one-hot at each drafted token where the proposal has no
+    probs) and apply `rejection_sample`. Returns (tokens per sequence, num_accepted per sequence)."""
+    device, draft_lists, draft_probs = logits.device, proposal.tokens, proposal.probs
+    num_draft = [len(d) for d in draft_lists]
+    params = [s.params for s, n in zip(seqs, num_draft) for _ in range(n + 1)]
+    flat_target_probs = warp_probs(logits, params)  # [sum(n_b + 1), V]
+
+    K, V = max(num_draft), flat_target_probs.shape[-1]
+    B = len(seqs)
+    target_probs = flat_target_probs.new_zeros(B, K + 1, V)  # [B, K+1, V]
+    draft_tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
+    row = 0
+    for b, d in enumerate(draft_lists):
+        target_probs[b, : len(d) + 1] = flat_target_probs[row : row + len(d) + 1]
+        draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        row += len(d) + 1
+    if draft_probs is None:  # q is one-hot at each drafted token
+        draft_probs = torch.zeros_like(target_probs)
+        for b, d in enumerate(draft_lists):
+            draft_probs[b, : len(d)] = one_hot_q(d, V, device)
+    else:
+        draft_probs = draft_probs[:, : K + 1].to(device)
+    tokens, num_accepted = rejection_sample(
+        draft_tokens,
+        torch.tensor(num_draft, device=device),
+        draft_probs,
+        target_probs,
+        [s.generator for s in seqs],
+    )
+    return tokens.tolist(), num_accepted.tolist()
 
 
 def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]], best: list[int] | None = None
@@ -139,47 +205,55 @@ def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]], best: list
     return tokens, num_accepted
 
 
-def sample_verify(
-    logits: torch.Tensor, seqs: list[Sequence], draft_lists: list[list[int]], draft_probs: torch.Tensor | None
-) -> tuple[list[list[int]], list[int]]:
-    """Warp the flat logits [sum(n_b + 1), V] with each request's params, lay them out as
-    [B, K+1, V] next to the draft's q (one-hot at each drafted token for a model-free drafter)
-    and apply `rejection_sample`. Returns (tokens per sequence, num_accepted per sequence)."""
-    device = logits.device
-    num_draft = [len(d) for d in draft_lists]
-    params = [s.params for s, n in zip(seqs, num_draft) for _ in range(n + 1)]
-    flat_target_probs = warp_probs(logits, params)  # [sum(n_b + 1), V]
-
-    K, V = max(num_draft), flat_target_probs.shape[-1]
-    B = len(seqs)
-    target_probs = flat_target_probs.new_zeros(B, K + 1, V)  # [B, K+1, V]
-    draft_tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
-    row = 0
-    for b, d in enumerate(draft_lists):
-        target_probs[b, : len(d) + 1] = flat_target_probs[row : row + len(d) + 1]
-        draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-        row += len(d) + 1
-    if draft_probs is None:  # a model-free drafter: q is one-hot at each drafted token
-        draft_probs = torch.zeros_like(target_probs)
-        for b, d in enumerate(draft_lists):
-            draft_probs[b, : len(d)] = one_hot_q(d, V, device)
-    else:
-        draft_probs = draft_probs[:, : K + 1].to(device)
-    tokens, num_accepted = rejection_sample(
-        draft_tokens,
-        torch.tensor(num_draft, device=device),
-        draft_probs,
-        target_probs,
-        [s.generator for s in seqs],
-    )
-    return tokens.tolist(), num_accepted.tolist()
+# --- The step's helpers ---------------------------------------------------------------------------
 
 
-def one_hot_q(tokens: list[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """q of a deterministic proposal: [n, V], row i one-hot at tokens[i]."""
-    q = torch.zeros(len(tokens), vocab_size, device=device)
-    q[torch.arange(len(tokens), device=device), torch.tensor(tokens, dtype=torch.int64, device=device)] = 1.0
-    return q
+def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's forward: logits [sum(num_logits), V], and the inputs of `layers` at every fed
+    position [sum(fed), len(layers) * H] when a drafter reads them (else None)."""
+    if layers:
+        return target.forward(feeds, hidden_layers=layers)
+    return target.forward(feeds), None
+
+
+def emit_accepted(seqs: list[Sequence], tokens: list[list[int]], num_accepted: list[int], drafts: list[list[int]],
+                  logits: torch.Tensor, failures: dict[int, int], emit: Callable[[Sequence, int], bool]) -> None:
+    """Emit each sequence's accepted run plus one token, stopping early at EOS / stop strings /
+    max_tokens, with requested logprobs (emitted token j of sequence b was sampled at its flat
+    logits row j). A sequence in `failures` whose verification reached its non-finite row emits
+    its accepted drafts and finishes with finish_reason "error" (see `guard_nonfinite`)."""
+    top = top_logprobs(logits, seqs, [len(d) for d in drafts])
+    for b, (s, toks, n_acc, n_draft, rows) in enumerate(zip(seqs, tokens, num_accepted, map(len, drafts), top)):
+        fails = b in failures and n_acc == n_draft  # the final token would come from a non-finite row
+        s.metrics.record(n_draft, n_acc)
+        for j, t in enumerate(toks[: n_acc + (0 if fails else 1)]):
+            if rows is not None:
+                s.logprobs.append({**rows[j][0], t: rows[j][1][t].item()})
+            if emit(s, t):
+                break
+        if fails and s.finish_reason is None:
+            s.finish_reason = "error"
+            s.error = f"the target's logits are not finite (NaN or inf) for the token at position {failures[b]}"
+
+
+def guard_nonfinite(logits: torch.Tensor, proposal: Proposal, seqs: list[Sequence], greedy: bool
+                    ) -> tuple[torch.Tensor, Proposal, dict[int, int], list[int] | None]:
+    """Non-finite target logits (a broken checkpoint, an overflow). Row r of a sequence is used
+    only if its first r drafts are all accepted, so its first non-finite row ends its verification:
+    later rows and drafts are dropped. Should the verification reach that row, the request emits
+    its accepted drafts and fails where plain decoding would have met the same logits; otherwise
+    nothing changes (the rejection happened at a finite row). One host copy: which rows are finite
+    and, when every request is greedy, their argmax. Returns (logits, proposal, {sequence b: the
+    token position of its non-finite row}, the argmax per row or None)."""
+    finite = finite_rows(logits)  # [sum(n_b + 1)]
+    finite, best = torch.stack([finite.long(), logits.argmax(-1)]).tolist() if greedy else (finite.tolist(), None)
+    num_draft = [len(d) for d in proposal.tokens]
+    broken = failed_sequences(finite, num_draft)
+    failures = {b: seqs[b].target_table.num_cached - num_draft[b] + r for b, r in broken.items()}  # token positions
+    if broken:
+        logits, proposal = cut_at_nonfinite(logits, proposal, broken)
+        best = None  # rows were dropped: greedy_verify takes the argmax again
+    return logits, proposal, failures, best
 
 
 def failed_sequences(finite: list[bool], num_draft: list[int]) -> dict[int, int]:
@@ -194,14 +268,12 @@ def failed_sequences(finite: list[bool], num_draft: list[int]) -> dict[int, int]
     return broken
 
 
-def cut_at_nonfinite(
-    logits: torch.Tensor, draft_lists: list[list[int]], draft_probs: torch.Tensor | None, broken: dict[int, int]
-) -> tuple[torch.Tensor, list[list[int]], torch.Tensor | None]:
+def cut_at_nonfinite(logits: torch.Tensor, proposal: Proposal, broken: dict[int, int]) -> tuple[torch.Tensor, Proposal]:
     """For each sequence b with first non-finite row r = broken[b]: keep its first r drafts and
     rows 0..r of the flat logits [sum(n_b + 1), V], row r zeroed (finite, so the verification
     runs; what it samples there is discarded), and zero its draft_probs [B, K+1, V] from r on."""
     keep, zero, lists, row = [], [], [], 0
-    for b, drafts in enumerate(draft_lists):
+    for b, drafts in enumerate(proposal.tokens):
         r = broken.get(b, len(drafts))
         if b in broken:
             zero.append(len(keep) + r)
@@ -210,122 +282,24 @@ def cut_at_nonfinite(
         row += len(drafts) + 1
     logits = logits[torch.tensor(keep, device=logits.device)]
     logits[zero] = 0.0
+    draft_probs = proposal.probs
     if draft_probs is not None:
         draft_probs = draft_probs.clone()
         for b, r in broken.items():
             draft_probs[b, r:] = 0.0
-    return logits, lists, draft_probs
+    return logits, Proposal(lists, draft_probs)
 
 
-@dataclass
-class StepTimes:
-    draft_s: float = 0.0
-    target_s: float = 0.0
-
-
-def speculative_step(
-    seqs: list[Sequence],
-    target: ModelRunner,
-    drafter,
-    k: int,
-    emit,
-    times: StepTimes,
-) -> list[tuple[list[int], int]]:
-    """Advance every sequence by one draft-verify-accept step. Returns, per sequence, the tokens
-    drafted for it and how many of them the target accepted (what a viewer colours).
-
-    `drafter` is None (plain decoding) or has `propose(seqs, num_draft) -> (draft_tokens, draft_probs)`
-    and `rollback(seqs)` (a feature drafter also has `target_layers` and `observe`: see eagle.py);
-    `emit(seq, token) -> bool` appends a token and says whether seq finished.
-    Precondition (kept by the engine): seq.target.num_cached <= len(seq) - 1.
-    """
-    device = target.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    layers = getattr(drafter, "target_layers", None)
-
-    # 0. A feature drafter drafts only for sequences whose target features it has. A new one
-    # drafts nothing in its first step: the prompt's prefill emits the first token and hands over
-    # the prompt's features (the tokens per forward of vLLM's EAGLE, which drafts at the end of
-    # that step). A preempted one (it has output tokens; a new one has none cached), recomputed,
-    # has its tokens but the newest prefilled first, so that it drafts this very step, as it
-    # would have without the preemption (a seeded request draws the same random numbers).
-    lagging = [s for s in seqs if s.output_ids and s.target.num_cached < len(s) - 1] if layers is not None else []
-    if lagging:
-        t = time.perf_counter()
-        feeds = [Feed(s.target, s.tokens[s.target.num_cached : len(s) - 1]) for s in lagging]
-        starts = [s.target.num_cached for s in lagging]
-        _, hidden = target.forward(feeds, hidden_layers=layers)  # [sum(fed), 3H]
-        drafter.observe(lagging, starts, [len(f.tokens) for f in feeds], hidden)
-        sync()
-        times.target_s += time.perf_counter() - t
-
-    # 1. Draft: never draft more than the request may still emit (the final token is free).
-    num_draft = [min(k, s.remaining - 1) if drafter is not None else 0 for s in seqs]
-    t0 = time.perf_counter()
-    if drafter is not None and max(num_draft) > 0:
-        draft_lists, draft_probs = drafter.propose(seqs, num_draft)  # lists of ids; [B, K+1, V] or None
-        num_draft = [len(d) for d in draft_lists]
-    else:
-        draft_lists, draft_probs = [[] for _ in seqs], None
-    sync()
-    t1 = time.perf_counter()
-
-    # 2. Verify: feed each sequence its uncached tokens plus its drafts; logits for the last n+1.
-    # A feature drafter (one with `target_layers`) also gets the target's hidden states there.
-    feeds = [Feed(s.target, s.tokens[s.target.num_cached :] + d, len(d) + 1) for s, d in zip(seqs, draft_lists)]
-    starts = [s.target.num_cached for s in seqs]
-    if layers is None:
-        logits, hidden = target.forward(feeds), None  # [sum(n_b + 1), V]
-    else:
-        logits, hidden = target.forward(feeds, hidden_layers=layers)  # [sum(n_b + 1), V], [sum(fed), 3H]
-
-    # Non-finite target logits (a broken checkpoint, an overflow). Row r of a sequence is used only
-    # if its first r drafts are all accepted, so its first non-finite row ends its verification:
-    # later rows and drafts are dropped. Should the verification reach that row, the request
-    # emits its accepted drafts and finishes with finish_reason "error" where plain decoding would
-    # have met the same logits; otherwise nothing changes (the rejection happened at a finite row).
-    # One host copy: which rows are finite and, when every request is greedy, their argmax.
-    greedy = all(s.params.greedy for s in seqs)
-    finite = finite_rows(logits)  # [sum(n_b + 1)]
-    finite, best = torch.stack([finite.long(), logits.argmax(-1)]).tolist() if greedy else (finite.tolist(), None)
-    broken = failed_sequences(finite, num_draft)
-    failing_at = {b: seqs[b].target.num_cached - num_draft[b] + r for b, r in broken.items()}  # token positions
-    if broken:
-        logits, draft_lists, draft_probs = cut_at_nonfinite(logits, draft_lists, draft_probs, broken)
-        num_draft = [len(d) for d in draft_lists]
-        best = None  # rows were dropped: greedy_verify takes the argmax again
-
-    # 3. Accept / reject.
-    if greedy:
-        tokens, num_accepted = greedy_verify(logits, draft_lists, best)
-    else:
-        tokens, num_accepted = sample_verify(logits, seqs, draft_lists, draft_probs)
-    sync()
-    t2 = time.perf_counter()
-    times.draft_s += t1 - t0
-    times.target_s += t2 - t1
-
-    # Emit the accepted run plus one token, stopping early at EOS / stop strings / max_tokens.
-    # Requested logprobs: emitted token j of sequence b was sampled at flat logits row row_b + j.
-    top = top_logprobs(logits, seqs, num_draft)
-    for b, (s, toks, n_acc, n_draft, rows) in enumerate(zip(seqs, tokens, num_accepted, num_draft, top)):
-        fails = b in broken and n_acc == n_draft  # the final token would come from a non-finite row
-        s.metrics.record(n_draft, n_acc)
-        for j, t in enumerate(toks[: n_acc + (0 if fails else 1)]):
-            if rows is not None:
-                s.logprobs.append({**rows[j][0], t: rows[j][1][t].item()})
-            if emit(s, t):
-                break
-        if fails and s.finish_reason is None:
-            s.finish_reason = "error"
-            s.error = f"the target's logits are not finite (NaN or inf) for the token at position {failing_at[b]}"
-
-    # 4. Roll back: keep the K/V of accepted tokens; the newest token is fed next step. A feature
-    # drafter keeps the target's features of those same positions.
-    for s in seqs:
-        s.target.truncate(len(s) - 1, target.cache.allocator)
-    if hidden is not None:
-        drafter.observe(seqs, starts, [len(f.tokens) for f in feeds], hidden)
-    if drafter is not None:
-        drafter.rollback(seqs)
-    return list(zip(draft_lists, num_accepted))
+def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int]) -> list:
+    """For sequences that asked for logprobs: per verified position, ({top id: logprob}, the
+    position's full log_softmax row) from the raw logits [sum(n_b + 1), V]; None for the others."""
+    out, row = [], 0
+    for s, n in zip(seqs, num_draft):
+        if s.params.logprobs is None:
+            out.append(None)
+        else:
+            lp = logits[row : row + n + 1].float().log_softmax(-1).cpu()  # [n + 1, V]
+            values, ids = lp.topk(min(s.params.logprobs, lp.shape[-1]), dim=-1)
+            out.append([(dict(zip(i.tolist(), v.tolist())), r) for i, v, r in zip(ids, values, lp)])
+        row += n + 1
+    return out

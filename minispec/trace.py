@@ -14,8 +14,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .llm import StreamEvent
-from .tokenizer import Tokenizer
+from .io.tokenizer import Tokenizer
+from .outputs import StreamEvent
 
 
 @dataclass

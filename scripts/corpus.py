@@ -82,9 +82,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def default_target(args) -> None:
     """args.target: the converted default target when not given."""
     if args.target is None:
-        from minispec.convert import default_target_dir
+        from minispec.io.paths import default_target
 
-        args.target = default_target_dir()
+        args.target = default_target()
 
 
 def load_prompts(args, target) -> tuple[list[dict], list[dict], list[dict], dict]:

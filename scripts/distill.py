@@ -54,7 +54,7 @@ from corpus import (  # noqa: E402
 )
 
 from minispec import BatchMetadata, ModelConfig, Transformer, load_checkpoint  # noqa: E402
-from minispec.model import apply_rope, rope_tables  # noqa: E402
+from minispec.model.llama import apply_rope, rope_tables  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

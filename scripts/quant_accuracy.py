@@ -34,9 +34,9 @@ def main(argv=None) -> dict:
     if args.target:
         target = Path(args.target)
     else:
-        from minispec.convert import default_target_dir
+        from minispec.io.paths import default_target
 
-        target = default_target_dir()
+        target = default_target()
     fp32 = load_checkpoint(target, dtype="float32")
     int8 = load_checkpoint(target, dtype="float32", quantization="int8")
     prompts = bench.load_prompts(bench.DEFAULT_PROMPTS, fp32[1], args.prompts)

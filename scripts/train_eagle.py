@@ -69,8 +69,9 @@ from corpus import REPO_ROOT, default_target, eval_prompts, evaluate_drafts, gen
 from make_prompts import read_jsonl  # noqa: E402
 
 from minispec import BatchMetadata, load_checkpoint  # noqa: E402
-from minispec.eagle import EagleModel, default_aux_layers, init_eagle, load_eagle, save_eagle  # noqa: E402
-from minispec.model import Transformer, apply_rope, rope_tables  # noqa: E402
+from minispec.io.eagle_checkpoint import load_eagle, save_eagle  # noqa: E402
+from minispec.model.eagle import EagleModel, default_aux_layers, init_eagle  # noqa: E402
+from minispec.model.llama import Transformer, apply_rope, rope_tables  # noqa: E402
 
 # --- 2. features --------------------------------------------------------------------------------
 

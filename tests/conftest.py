@@ -138,7 +138,8 @@ def tiny_llama_eagle(tiny_llama, tmp_path_factory) -> Path:
     the target's layers 0, 1, 2 (2 = the last layer's output) and drafts from the even token ids
     (half the vocabulary, so the target often puts mass outside the draft's)."""
     from minispec import load_checkpoint
-    from minispec.eagle import init_eagle, save_eagle
+    from minispec.io.eagle_checkpoint import save_eagle
+    from minispec.model.eagle import init_eagle
 
     target, _ = load_checkpoint(tiny_llama, dtype="float32", device="cpu")
     eagle = init_eagle(target, torch.arange(0, target.cfg.vocab_size, 2), aux_layers=(0, 1, 2), seed=3)

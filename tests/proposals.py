@@ -13,10 +13,11 @@ def recording_proposals(drafter):
     original = drafter.propose
 
     def propose(seqs, num_draft):
-        lists, probs = original(seqs, num_draft)
-        for b, (s, n, d) in enumerate(zip(seqs, num_draft, lists)):
+        proposal = original(seqs, num_draft)
+        probs = proposal.probs
+        for b, (s, n, d) in enumerate(zip(seqs, num_draft, proposal.tokens)):
             seen.append((s.request_id, list(s.tokens), n, list(d), None if probs is None else probs[b, : len(d) + 1].clone()))
-        return lists, probs
+        return proposal
 
     drafter.propose = propose
     try:

@@ -189,7 +189,7 @@ def test_paired_rounds_cancel_a_linear_drift():
     fast get a ratio of exactly 2 in every round, because each round's baseline runs before and
     after its arms (drift-free rows timed one after another would say otherwise); the same for
     the decode ratio (TPOT), and an arm without metrics (a peer) gets none."""
-    from minispec.metrics import RunMetrics
+    from minispec.runtime.metrics import RunMetrics
 
     clock = [0.0]
 

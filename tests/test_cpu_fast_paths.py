@@ -1,9 +1,9 @@
 """The engine's fast paths compute what the reference paths compute.
 
-* `model.Linear` with a weight-major product for 2..16 rows, or with oneDNN's prepacked weight
-  (bf16), equals `F.linear`, and whole forwards give the same logits either way (fp32: also the
-  same greedy tokens of a speculative run); the loader keeps whichever entry point it timed
-  fastest on this CPU;
+* the CPU variants of `nn.Linear` (fast/cpu_linear.py: a weight-major product for 1..16 rows,
+  oneDNN's prepacked weight for bf16, an fp32 upcast for many rows) equal `F.linear`, and whole
+  forwards give the same logits either way (fp32: also the same greedy tokens of a speculative
+  run); the loader swaps in whichever variant it timed fastest on this CPU;
 * the torch attention backend builds its batch indices (`paged_attention.ref_plan`) once per
   forward and shares them across layers, with the same output as building them per layer;
 * greedy verification (`greedy_verify`: one argmax, no sampling) equals `rejection_sample` on the
@@ -21,10 +21,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint
-from minispec import loader
-from minispec.eagle import load_eagle
-from minispec.loader import UPCAST_ROWS, WEIGHT_MAJOR_ROWS, native_cpu_bf16
-from minispec.model import Linear, set_cpu_matmul
+from minispec.fast import cpu_linear
+from minispec.fast.cpu_linear import (
+    UPCAST_ROWS,
+    WEIGHT_MAJOR_ROWS,
+    PrepackedLinear,
+    UpcastLinear,
+    WeightMajorLinear,
+    as_variant,
+    native_cpu_bf16,
+    set_cpu_matmul,
+)
+from minispec.io.eagle_checkpoint import load_eagle
 from minispec.sampling import warp_probs
 from minispec.speculative import greedy_verify, rejection_sample
 
@@ -44,8 +52,8 @@ def test_weight_major_linear_equals_f_linear(rows, out, bias, threads, seed):
 
 
 def check_linear(rows: int, out: int, bias: bool) -> None:
-    layer = Linear(48, out, bias=bias)
-    layer.weight_major_rows = 16
+    layer = as_variant(torch.nn.Linear(48, out, bias=bias), "weight_major")
+    assert isinstance(layer, WeightMajorLinear) and WEIGHT_MAJOR_ROWS == 16
     x = torch.randn(rows, 48)  # [M, in]
     y = layer(x)  # [M, out]
     assert y.shape == (rows, out) and y.is_contiguous()
@@ -60,12 +68,12 @@ def test_upcast_linear_equals_fp32_math_rounded(rows, bias, seed):
     """bf16 layers fed many rows compute in fp32 and round once: exactly F.linear in fp32 on the
     bf16 values, rounded to bf16."""
     torch.manual_seed(seed)
-    layer = Linear(48, 80, bias=bias).to(torch.bfloat16)
-    layer.upcast_rows = 16
+    layer = as_variant(torch.nn.Linear(48, 80, bias=bias).to(torch.bfloat16), "upcast")
+    assert isinstance(layer, UpcastLinear)
     x = torch.randn(rows, 48).to(torch.bfloat16)  # [M, in]
     y = layer(x)
     assert y.dtype == torch.bfloat16
-    if rows > 16:
+    if rows > UPCAST_ROWS:
         b = None if layer.bias is None else layer.bias.float()
         assert torch.equal(y, F.linear(x.float(), layer.weight.float(), b).to(torch.bfloat16))
     else:
@@ -88,21 +96,22 @@ def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
         timed.append(names)
         return {name: seconds[name] for name in names}
 
-    monkeypatch.setattr(loader, "time_cpu_matmuls", fake_time)
-    plan = lambda model: {(m.weight_major_rows, m.upcast_rows, m.prepacked) for m in model.modules() if isinstance(m, Linear)}  # noqa: E731
+    monkeypatch.setattr(cpu_linear, "time_cpu_matmuls", fake_time)
+    plan = lambda model: {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}  # noqa: E731
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-    assert fp32.cpu_matmul == "linear" and plan(fp32) == {(0, 0, False)} and timed == []  # too small to time
-    monkeypatch.setattr(loader, "TIMED_BYTES", 0)
+    assert fp32.cpu_matmul == "linear" and plan(fp32) == {torch.nn.Linear} and timed == []  # too small to time
+    monkeypatch.setattr(cpu_linear, "TIMED_BYTES", 0)
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
     assert timed == [("linear", "weight_major")] and fp32.cpu_matmul == "weight_major"
-    assert plan(fp32) == {(WEIGHT_MAJOR_ROWS, 0, False)}
+    assert plan(fp32) == {WeightMajorLinear}
+    assert fp32.lm_head.weight is fp32.embed_tokens.weight or not fp32.cfg.tie_word_embeddings  # tying survives the swap
     seconds["weight_major"] = 1.99  # faster, but by less than MIN_GAIN: F.linear stays
     assert load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")[0].cpu_matmul == "linear"
     bf16, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
-    assert plan(bf16) == ({(0, 0, True)} if native_cpu_bf16() else {(0, UPCAST_ROWS, False)})
+    assert plan(bf16) == ({PrepackedLinear} if native_cpu_bf16() else {UpcastLinear})
     monkeypatch.setenv("MINISPEC_CPU_MATMUL", "weight_major")
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-    assert fp32.cpu_matmul == "weight_major" and plan(fp32) == {(WEIGHT_MAJOR_ROWS, 0, False)}
+    assert fp32.cpu_matmul == "weight_major" and plan(fp32) == {WeightMajorLinear}
     with pytest.warns(UserWarning, match="does not apply to torch.bfloat16"):
         load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
     monkeypatch.setenv("MINISPEC_CPU_MATMUL", "weight-major")
@@ -113,7 +122,7 @@ def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
 def test_the_timer_times_each_candidate_and_leaves_random_streams_alone(tiny_llama):
     model, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
     torch.manual_seed(7)
-    seconds = loader.time_cpu_matmuls(model, ("linear", "weight_major"), repeats=1)
+    seconds = cpu_linear.time_cpu_matmuls(model, ("linear", "weight_major"), repeats=1)
     assert set(seconds) == {"linear", "weight_major"} and all(0 < t < 10 for t in seconds.values())
     after = torch.rand(3)
     torch.manual_seed(7)
@@ -124,13 +133,11 @@ def test_the_timer_times_each_candidate_and_leaves_random_streams_alone(tiny_lla
 def test_the_timer_packs_each_weight_once(tiny_llama, monkeypatch):
     """Timing F.linear and prepacked in turns must not time the packing: each weight is packed
     once, in the warm-up pass, however many repeats follow."""
-    from minispec import model as model_module
-
     model, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
-    packed, pack = [], model_module.pack_weight
-    monkeypatch.setattr(model_module, "pack_weight", lambda w: packed.append(w) or pack(w))
-    loader.time_cpu_matmuls(model, ("linear", "prepacked"), repeats=3)
-    assert len(packed) == len({id(m.weight) for m in model.modules() if isinstance(m, Linear)})
+    packed, pack = [], cpu_linear.pack_weight
+    monkeypatch.setattr(cpu_linear, "pack_weight", lambda w: packed.append(w) or pack(w))
+    cpu_linear.time_cpu_matmuls(model, ("linear", "prepacked"), repeats=3)
+    assert len(packed) == len({id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)})
 
 
 def test_eagle_head_takes_its_targets_cpu_matmul(tiny_llama, tiny_llama_eagle, monkeypatch):
@@ -139,7 +146,7 @@ def test_eagle_head_takes_its_targets_cpu_matmul(tiny_llama, tiny_llama_eagle, m
     monkeypatch.delenv("MINISPEC_CPU_MATMUL")
     head = load_eagle(tiny_llama_eagle, target)
     assert target.cpu_matmul == head.cpu_matmul == "weight_major"
-    assert all(m.weight_major_rows == WEIGHT_MAJOR_ROWS for m in head.modules() if isinstance(m, Linear))
+    assert all(isinstance(m, WeightMajorLinear) for m in head.modules() if isinstance(m, torch.nn.Linear))
 
 
 @needs_native_bf16
@@ -150,8 +157,7 @@ def test_prepacked_linear_equals_f_linear(rows, bias, seed):
     in another order), for 2-d and 3-d inputs and a non-contiguous one; a weight changed in place,
     replaced or cast is packed again, never used stale; with gradients wanted F.linear runs."""
     torch.manual_seed(seed)
-    layer = Linear(48, 80, bias=bias).to(torch.bfloat16)
-    layer.prepacked = True
+    layer = as_variant(torch.nn.Linear(48, 80, bias=bias).to(torch.bfloat16), "prepacked")
 
     def check(x):
         with torch.inference_mode():
@@ -184,9 +190,9 @@ def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
     the F.linear ones to fp32 rounding, and so do the greedy tokens of a speculative run."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs, logits = [], []
-    for rows in (WEIGHT_MAJOR_ROWS, 0):
+    for variant in ("weight_major", "linear"):
         model, tok = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-        set_cpu_matmul(model, weight_major_rows=rows)
+        set_cpu_matmul(model, variant)
         llm = LLM(model=(model, tok), draft_model="ngram", num_speculative_tokens=4, kv_cache_gib=0.01)
         outputs.append(llm.generate(["the quick brown fox jumps"], params)[0].token_ids)
         ids = torch.tensor(tok.encode("hello world, this is a test of"))
@@ -204,9 +210,10 @@ def test_bf16_logits_do_not_depend_on_prepacking(tiny_llama):
     logits = []
     for prepacked in (True, False):
         model, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
-        set_cpu_matmul(model, prepacked=prepacked)
+        set_cpu_matmul(model, "prepacked" if prepacked else "linear")
         logits.append(model(ids, BatchMetadata.for_prompts([len(ids)])))  # [T, V] fp32
-        assert all(m._packed is not None for m in model.modules() if isinstance(m, Linear)) == prepacked
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(getattr(m, "_packed", None) is not None for m in linears) == prepacked
     torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=0.02)
 
 

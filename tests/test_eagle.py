@@ -20,9 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import minispec.eagle
+import minispec.io.eagle_checkpoint
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint
-from minispec.eagle import EagleDrafter, init_eagle, is_eagle_checkpoint, load_eagle, save_eagle
+from minispec.drafters.eagle import EagleDrafter
+from minispec.io.eagle_checkpoint import is_eagle_checkpoint, load_eagle, save_eagle
+from minispec.model.eagle import init_eagle
 from minispec.sampling import warp_probs
 from proposals import recording_proposals
 
@@ -139,12 +141,12 @@ def test_a_drafter_without_the_catch_up_fails_the_same_check(target, eagle, monk
         original(self, seqs, starts, num_fed, hidden)
         for s in seqs:
             p = s.draft_state
-            if p is not None and p.rows.shape[0] > 1 and s.draft.num_cached > 0:
+            if p is not None and p.rows.shape[0] > 1 and s.draft_table.num_cached > 0:
                 p.rows, p.start = p.rows[-1:], p.end - 1
 
     monkeypatch.setattr(EagleDrafter, "observe", observe_last_only)
     monkeypatch.setattr(EagleDrafter, "rollback", lambda self, seqs: [
-        s.draft.truncate(s.draft_state.start, self.runner.cache.allocator) for s in seqs if s.draft_state is not None])
+        s.draft_table.truncate(s.draft_state.start, self.runner.cache.allocator) for s in seqs if s.draft_state is not None])
     llm = LLM(model=target, draft_model=eagle, num_speculative_tokens=3, kv_cache_gib=0.01, page_size=4)
     n, worst = check_catch_up(target, eagle, llm)
     assert n > 0 and worst > 1e-3
@@ -289,7 +291,7 @@ def test_init_eagle_maps_its_vocabulary_both_ways(target):
     assert e.draft_to_target(torch.arange(4)).tolist() == [1, 4, 9, 200]
     assert e.t2d.nonzero().flatten().tolist() == [1, 4, 9, 200]
     assert dataclasses.asdict(e.config)["aux_layers"] == (0, 1, 2)
-    assert minispec.eagle.hf_config(e.config)["draft_vocab_size"] == 4
+    assert minispec.io.eagle_checkpoint.hf_config(e.config)["draft_vocab_size"] == 4
 
 
 def test_stream_logprobs_and_stop_strings_with_the_feature_drafter(target, eagle):

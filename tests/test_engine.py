@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from minispec import LLM, BatchMetadata, KVPoolExhausted, SamplingParams, load_checkpoint
-from minispec.kv_cache import BlockTable, KVCache
-from minispec.runner import Feed, ModelRunner
+from minispec.runtime.kv_cache import BlockTable, KVCache
+from minispec.runtime.runner import Feed, ModelRunner
 
 PAGE_SIZE = 4
 K = 3  # speculative tokens
@@ -179,8 +179,8 @@ def test_progress_line_and_kv_pool_report_go_to_stderr(make_llm, capsys):
 
 
 def test_runner_with_shuffled_pages_matches_a_cache_free_forward(tiny_llama):
-    """Prefill, decode, multi-token verification, rollback and a fork (copy-on-write) through
-    scattered, interleaved pages give the logits of one forward over the whole sequence."""
+    """Prefill, decode, multi-token verification and rollback through scattered, interleaved pages
+    give the logits of one forward over the whole sequence."""
     torch.manual_seed(0)
     model, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu", backend="torch")
     vocab = model.cfg.vocab_size
@@ -222,14 +222,9 @@ def test_runner_with_shuffled_pages_matches_a_cache_free_forward(tiny_llama):
     check(feed(0, [8, 8]), feed(1, [2]))  # the stale rows are overwritten
     assert len(tables[0].pages) == 4
 
-    tables.append(tables[0].fork(allocator))  # shares all 4 pages, the last one half full
-    tokens.append(list(tokens[0]))
-    check(feed(0, [3, 1], 2), feed(2, [7, 7, 7], 3))  # both write into the shared page
-    assert tables[0].pages[:3] == tables[2].pages[:3] and tables[0].pages[3] != tables[2].pages[3]
-
     tables.append(BlockTable(PAGE_SIZE))  # a new prompt in the same batch as decodes (paged path)
     tokens.append([])
-    check(feed(3, torch.randint(vocab, (6,)).tolist(), 6), feed(1, [3]), feed(2, [0]))
+    check(feed(2, torch.randint(vocab, (6,)).tolist(), 6), feed(1, [3]), feed(0, [0]))
     for table in tables:
         table.free(allocator)
     assert allocator.num_free == 40

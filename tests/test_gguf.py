@@ -28,10 +28,11 @@ from gguf import GGMLQuantizationType
 from tiny_gguf import CHAT_TEMPLATE, SPECIAL_TOKENS, llama_cpp_permute, random_hf_state, train_tokenizer, write_gguf
 from tokenizers import Tokenizer as HFTokenizer
 
-from minispec.attention import BatchMetadata
-from minispec.convert import convert_gguf, default_target_dir, main, smollm2_gguf_path
-from minispec.gguf_loader import read_gguf, unpermute_rows
-from minispec.loader import load_checkpoint
+from minispec.model.metadata import BatchMetadata
+from minispec.io.convert import convert_gguf, main
+from minispec.io.paths import default_target, smollm2_gguf_path
+from minispec.io.gguf import read_gguf, unpermute_rows
+from minispec.io.checkpoint import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest: 2 OpenMP threads thrash on a shared 2-core box
@@ -208,7 +209,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
 def test_default_target_dir_is_the_converted_smollm2(smollm2):
     """The cached bf16 conversion loads through the HF path; its logits are the GGUF's up to bf16 rounding."""
     model, tok, _, _ = smollm2
-    converted, converted_tok = load_checkpoint(default_target_dir(), dtype=torch.float32, device="cpu", backend="torch")
+    converted, converted_tok = load_checkpoint(default_target(), dtype=torch.float32, device="cpu", backend="torch")
     ids = tok.encode(REAL_PROMPTS[1])
     assert converted_tok.encode(REAL_PROMPTS[1]) == ids
     assert converted_tok.chat_template == tok.chat_template and converted_tok.eos_token_ids == tok.eos_token_ids

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from minispec import LLM, SamplingParams
-from minispec.drafters import NgramDrafter
+from minispec.drafters.ngram import NgramDrafter
 from proposals import recording_proposals
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 9, 9, 9], [100, 3, 77, 12, 9, 250, 31, 8],

@@ -1,13 +1,13 @@
 """The page allocator, block tables and the KV pool, tested as a state machine.
 
-Invariants a paged KV cache must keep whatever the sequence of appends, rollbacks, forks and
-frees (hypothesis drives random sequences of them):
-  * every page is either free or owned, never both: free + owned = total, no page is leaked;
-  * a page owned by several tables is shared, and its ref count equals its number of owners;
+Invariants a paged KV cache must keep whatever the sequence of appends, rollbacks and frees
+(hypothesis drives random sequences of them):
+  * every page is either free or owned by exactly one table: free + owned = total, no page is
+    leaked, and the allocator's in-use marks agree;
   * a table holds exactly ceil(len / page_size) pages after a rollback (truncate);
   * slots() maps positions into the table's own pages, distinct slot per position;
-  * what a table reads back at its positions is what it wrote there, even when a forked twin
-    wrote different tokens after the fork (copy-on-write of shared pages).
+  * what a table reads back at its positions is what it wrote there, whatever the other tables
+    wrote.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minispec.config import ModelConfig
-from minispec.kv_cache import BlockTable, KVCache, KVPoolExhausted, PageAllocator
+from minispec.model.config import ModelConfig
+from minispec.runtime.kv_cache import BlockTable, KVCache, KVPoolExhausted, PageAllocator
 
 NUM_PAGES = 10
 
@@ -50,7 +50,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tables)
     @rule(data=st.data(), n=st.integers(1, 9))
     def append(self, data, n):
-        """Reserve room for n more tokens, take private copies of shared pages, write, advance."""
+        """Reserve room for n more tokens, write, advance."""
         i = data.draw(st.integers(0, len(self.tables) - 1))
         table = self.tables[i]
         start = table.num_cached
@@ -61,18 +61,9 @@ class PagedCacheMachine(RuleBasedStateMachine):
             assert table.pages == pages_before and self.allocator.num_free == free_before, "reserve is all-or-nothing"
             assert table.pages_for(start + n) - len(pages_before) > free_before
             return
-        try:
-            copies = table.copy_on_write(start, start + n, self.allocator)
-        except KVPoolExhausted:
-            table.truncate(start, self.allocator)  # give the reservation back, as a preempted request would
-            return
-        ps = self.page_size
-        for src, dst in copies:
-            self.pool[dst * ps : (dst + 1) * ps] = self.pool[src * ps : (src + 1) * ps]
         tokens = list(range(self.next_token, self.next_token + n))
         self.next_token += n
         for slot, token in zip(table.slots(start, start + n), tokens):
-            assert self.allocator.refs[slot // ps] == 1, "writing into a page another table still reads"
             self.pool[slot] = token
         table.num_cached += n
         self.contents[i] += tokens
@@ -101,22 +92,13 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
-    def fork(self, data):
-        i = data.draw(st.integers(0, len(self.tables) - 1))
-        child = self.tables[i].fork(self.allocator)
-        assert child.pages == self.tables[i].pages and child.num_cached == self.tables[i].num_cached
-        self.tables.append(child)
-        self.contents.append(list(self.contents[i]))
-
-    @precondition(lambda self: self.tables)
-    @rule(data=st.data())
     def free(self, data):
         i = data.draw(st.integers(0, len(self.tables) - 1))
         self.tables.pop(i).free(self.allocator)
         self.contents.pop(i)
 
     @invariant()
-    def every_page_is_free_or_owned_with_matching_ref_count(self):
+    def every_page_is_free_or_owned_by_one_table(self):
         owners = [0] * NUM_PAGES
         for table in self.tables:
             assert len(set(table.pages)) == len(table.pages), "a table holds a page twice"
@@ -125,7 +107,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
         assert len(set(self.allocator.free)) == len(self.allocator.free), "a page is on the free list twice"
         free = set(self.allocator.free)
         for page in range(NUM_PAGES):
-            assert self.allocator.refs[page] == owners[page], f"page {page}: ref count != number of owners"
+            assert owners[page] <= 1, f"page {page} is owned by {owners[page]} tables"
+            assert self.allocator.in_use[page] == (owners[page] == 1), f"page {page}: in-use mark != ownership"
             assert (page in free) == (owners[page] == 0), f"page {page} is leaked or owned while free"
         assert self.allocator.num_free + sum(o > 0 for o in owners) == NUM_PAGES
 
@@ -158,14 +141,13 @@ PagedCacheMachine.TestCase.settings = settings(
 TestPagedCache = PagedCacheMachine.TestCase
 
 
-def test_allocator_refuses_double_release_and_sharing_a_free_page():
+def test_allocator_refuses_double_release():
     allocator = PageAllocator(2)
     page = allocator.allocate()
     allocator.release(page)
-    with pytest.raises(ValueError, match="released"):
+    with pytest.raises(ValueError, match="released but it is not allocated"):
         allocator.release(page)
-    with pytest.raises(ValueError, match="not allocated"):
-        allocator.share(page)
+    assert allocator.num_free == 2
 
 
 def test_allocate_from_an_empty_pool_names_the_kv_pool():
@@ -207,12 +189,3 @@ def test_pool_shape_and_size_follow_the_budget():
     assert capped.num_pages == 5
     with pytest.raises(ValueError, match="smaller than one page"):
         KVCache.from_budget(cfg, 2 * page_bytes - 1, 4, torch.float32, torch.device("cpu"))
-
-
-def test_copy_pages_copies_keys_and_values_in_every_layer():
-    cache = KVCache(_cfg(), 4, 2, torch.float32, torch.device("cpu"))
-    cache.pool.copy_(torch.randn_like(cache.pool))
-    before = cache.pool.clone()
-    cache.copy_pages([(0, 3), (1, 2)])
-    assert torch.equal(cache.pool[:, :, 3], before[:, :, 0]) and torch.equal(cache.pool[:, :, 2], before[:, :, 1])
-    assert torch.equal(cache.pool[:, :, :2], before[:, :, :2])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from minispec.metrics import RequestMetrics, RunMetrics
+from minispec.runtime.metrics import RequestMetrics, RunMetrics
 
 
 def test_rates_follow_their_definitions():

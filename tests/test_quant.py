@@ -22,16 +22,16 @@ from hypothesis import strategies as st
 from minispec_kernels.reference import masked_attention
 
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint, quantize_model
-from minispec.invariant_attention import invariant_attention, invariant_plan
-from minispec.model import Linear
-from minispec.quant import (
+from minispec.model.invariant_attention import invariant_attention, invariant_plan
+from torch.nn import Linear
+from minispec.fast.int8 import (
     STEP,
     Int8Linear,
     fbgemm_available,
     int8_linear_reference,
     quantize_weight,
 )
-from minispec.smoothquant import CALIBRATION_TEXT, smooth
+from minispec.fast.smoothquant import CALIBRATION_TEXT, smooth
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIXED = settings(derandomize=True, deadline=None, max_examples=30, suppress_health_check=list(HealthCheck))
@@ -126,7 +126,7 @@ def test_invariant_attention_gives_the_same_bits_in_any_chunking(monkeypatch):
     """Two prompts (41 and 70 rows: groups of up to 32 rows of one prompt share its keys), and a paged
     verification of 5 rows across a bucket edge, batched with a 1-row decode: the output is the
     same bit for bit whether the products run a group at a time or one row at a time."""
-    from minispec import invariant_attention as ia
+    from minispec.model import invariant_attention as ia
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(111, h, 16, generator=g) for h in (6, 2, 2))
@@ -277,7 +277,7 @@ def test_a_non_finite_row_stays_in_its_row():
 
 
 def test_quantizing_twice_or_smoothing_without_data_is_refused(tiny_llama, int8_target, tmp_path, tiny_llama_eagle):
-    from minispec.eagle import load_eagle, save_eagle
+    from minispec.io.eagle_checkpoint import load_eagle, save_eagle
 
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(int8_target[0])
@@ -314,12 +314,12 @@ def test_other_layouts_and_dtypes_quantize_and_stay_exact(checkpoint_factory, ar
 def test_the_twin_path_runs_the_same_model_and_stays_exact(tiny_llama, int8_target, monkeypatch):
     """Where the fbgemm kernel is missing (CUDA, other CPUs) the torch twin runs: same logits up to
     float rounding, and still batch-invariant (greedy speculative == greedy plain)."""
-    import minispec.quant
+    import minispec.fast.int8
 
     model, tok = int8_target
     ids = torch.arange(3, 40)
     kernel = model(ids, BatchMetadata.for_prompts([len(ids)]))
-    monkeypatch.setattr(minispec.quant, "fbgemm_available", lambda device: False)
+    monkeypatch.setattr(minispec.fast.int8, "fbgemm_available", lambda device: False)
     twin_model, _ = load_checkpoint(tiny_llama, dtype="float32", quantization="int8")
     assert twin_model.lm_head._packed is None
     twin = twin_model(ids, BatchMetadata.for_prompts([len(ids)]))

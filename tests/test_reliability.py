@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from minispec import LLM, SamplingParams, load_checkpoint
+from minispec.drafters import Drafter, Proposal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -252,17 +253,14 @@ def test_a_request_with_non_finite_target_logits_fails_alone(tiny_llama, tiny_ll
     assert [o.token_ids for o in llm.generate(ids, params)] == expected  # pages that held NaN, reused
 
 
-class ProposeAlways:
+class ProposeAlways(Drafter):
     """A drafter that always proposes the same tokens (one-hot q, like the n-gram drafter)."""
 
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
     def propose(self, seqs, num_draft):
-        return [self.tokens[:n] for n in num_draft], None
-
-    def rollback(self, seqs):
-        pass
+        return Proposal([self.tokens[:n] for n in num_draft])
 
 
 class ScriptedTarget:
@@ -270,7 +268,7 @@ class ScriptedTarget:
     row (a context containing the first draft) is NaN when `nan_after_draft`."""
 
     def __init__(self, vocab: int, best: int, nan_after_draft: bool):
-        from minispec.kv_cache import PageAllocator
+        from minispec.runtime.kv_cache import PageAllocator
 
         self.vocab, self.best, self.nan_after_draft = vocab, best, nan_after_draft
         self.device = torch.device("cpu")
@@ -295,8 +293,9 @@ def test_non_finite_rows_past_the_first_rejection_change_nothing(temperature):
     used to end with "error": any non-finite verified row failed it). When the draft IS accepted
     (the target prefers 9 too), the next token would come from a NaN row: the request emits the
     accepted draft and ends there with "error", as plain decoding would after sampling 9."""
-    from minispec.sequence import Sequence
-    from minispec.speculative import StepTimes, speculative_step
+    from minispec.runtime.sequence import Sequence
+    from minispec.runtime.metrics import StepTimes
+    from minispec.speculative import speculative_step
 
     def run(best: int):
         seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16, "cpu")
@@ -507,7 +506,7 @@ def test_random_interleavings_of_calls_keep_the_llm_whole(tiny_llama, tiny_llama
         run_state_machine_as_test,
     )
 
-    from minispec.kv_cache import KVCache
+    from minispec.runtime.kv_cache import KVCache
 
     page_size = 4
     models = [load_checkpoint(p, dtype=torch.float32, device="cpu", backend="torch") for p in (tiny_llama, tiny_llama_draft)]

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minispec import LLM, SamplingParams, load_checkpoint, quantize_model
-from minispec.eagle import load_eagle
+from minispec.io.eagle_checkpoint import load_eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
 

@@ -36,13 +36,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import minispec.drafters
-import minispec.eagle
-import minispec.hybrid
+import minispec.drafters.base
+import minispec.drafters.lookup
 import minispec.speculative
 from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
-from minispec.eagle import init_eagle
-from minispec.quant import quantize_model
+from minispec.fast.int8 import quantize_model
+from minispec.model.eagle import init_eagle
 from minispec.sampling import sample, warp_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
@@ -401,18 +400,18 @@ def eagle_ignores_d2t(monkeypatch):
         target_ids = sample(probs, generators)
         return torch.searchsorted(EAGLE_VOCAB.to(target_ids.device), target_ids)
 
-    monkeypatch.setattr(minispec.eagle, "sample", sample_draft_id)
+    monkeypatch.setattr(minispec.drafters.base, "sample", sample_draft_id)
 
 
 def lookup_reports_no_q(monkeypatch):
     """(f) the hybrid drafter leaves q at 0 for its looked-up tokens (not one-hot): the verifier
     then accepts every one of them."""
-    monkeypatch.setattr(minispec.hybrid, "one_hot_q", lambda tokens, vocab_size, device: torch.zeros(len(tokens), vocab_size))
+    monkeypatch.setattr(minispec.drafters.lookup, "one_hot_q", lambda tokens, vocab_size, device: torch.zeros(len(tokens), vocab_size))
 
 
 MUTANTS = [("near", no_residual), ("near", always_accept), ("near", bonus_off_by_one),
-           ("near", target_ignores_temperature), ("near", reports_another_q(minispec.drafters)),
-           ("eagle", no_residual), ("eagle", reports_another_q(minispec.eagle)), ("eagle", eagle_ignores_d2t),
+           ("near", target_ignores_temperature), ("near", reports_another_q(minispec.drafters.base)),
+           ("eagle", no_residual), ("eagle", reports_another_q(minispec.drafters.base)), ("eagle", eagle_ignores_d2t),
            ("near+lookup", lookup_reports_no_q)]
 
 
@@ -428,6 +427,6 @@ def test_statistic_rejects_planted_bugs(models, monkeypatch, drafter, mutant):
 def test_a_draft_that_ignores_temperature_consistently_is_still_exact(models, monkeypatch):
     """Control, not a bug: the draft samples and reports the same (untempered) q; exactness
     holds for any q, only the acceptance rate changes."""
-    monkeypatch.setattr(minispec.drafters, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
+    monkeypatch.setattr(minispec.drafters.base, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
     pval, _ = p_value(models, "near", MUTANT_K, MUTANT_PARAMS, MUTANT_M["near"])
     assert pval > ALPHA

@@ -92,7 +92,7 @@ def test_pipeline_end_to_end_with_the_hf_generator(checkpoint_factory, tiny_llam
     """prompts -> transformers-written corpus -> features -> two vocabulary sizes on a share ->
     the chosen size on all -> bf16 head minispec loads -> training.json; then --card-only adds the
     validation replay and the held-out evaluation and writes the card from them."""
-    from minispec.eagle import load_eagle
+    from minispec.io.eagle_checkpoint import load_eagle
 
     te = script("train_eagle")
     tiny_llama = checkpoint_factory("llama", seed=0, num_hidden_layers=6)  # default EAGLE layers 2, 3, 3

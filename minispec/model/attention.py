@@ -1,69 +1,23 @@
-"""The one interface between the model and attention: batch metadata plus a backend.
+"""The one interface between the model and attention: a backend called with `BatchMetadata`.
 
-The model's forward takes a flat batch: the new tokens of several sequences packed one after
-another (`[T]`), as paged attention needs them. `BatchMetadata` says where each sequence's
-tokens start, how long its whole context is, and where its K/V live in the page pool. A backend
-(`torch` reference or `triton` kernels, from `minispec_kernels`: the top-level `kernels/` folder) writes the new K/V
-into the pool and attends. Nothing is global: the metadata is passed into every forward.
+A backend (`torch` reference or `triton` kernels, from `minispec_kernels`: the top-level
+`kernels/` folder) writes the new K/V into the page pool and attends. Nothing is global: the
+metadata (metadata.py) is passed into every forward.
 
 Backend choice: `triton` on CUDA, `torch` elsewhere; `MINISPEC_BACKEND=triton|torch` or the
 `backend=` argument overrides it (tests run the Triton kernels on CPU under TRITON_INTERPRET=1).
 `invariant` (invariant_attention.py) computes each query row alone, bitwise the same in any
-batch: what a model with quantized activations needs (quant.py switches any backend to it).
+batch: what a model with quantized activations needs (fast/int8.py switches any backend to it).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class BatchMetadata:
-    """Where the T packed new tokens of B sequences sit.
-
-    positions:       [T] int64, position of each new token in its sequence
-    query_start_loc: [B+1] int32, sequence b's new tokens are rows query_start_loc[b]:query_start_loc[b+1]
-    seq_lens:        [B] int32, context length of each sequence INCLUDING its new tokens
-    max_query_len, max_seq_len: host ints (launch sizes; no device sync needed)
-    slot_mapping:    [T] int64, pool slot (page * page_size + offset) for each new token's K/V, or None
-    block_tables:    [B, max_pages] int32 page ids, or None when there is no KV cache
-    logits_indices:  [N] int64 rows whose logits are wanted (None: all T rows)
-    is_prefill:      True when every sequence starts at position 0 (no cached context), so
-                     attention can run on the contiguous new K/V alone
-    ref_plan:        the torch backend's index tensors for this batch (`paged_attention.RefPlan`),
-                     built by the first layer and reused by the others: they depend on the
-                     metadata alone
-    """
-
-    positions: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-    slot_mapping: torch.Tensor | None = None
-    block_tables: torch.Tensor | None = None
-    logits_indices: torch.Tensor | None = None
-    is_prefill: bool = False
-    ref_plan: object | None = None
-
-    @classmethod
-    def for_prompts(cls, lengths: list[int], device: torch.device | str = "cpu") -> "BatchMetadata":
-        """Metadata for a cache-free forward over whole prompts (parity tests, scoring)."""
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [T]
-        return cls(
-            positions=positions,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),  # [B+1]
-            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),  # [B]
-            max_query_len=max(lengths),
-            max_seq_len=max(lengths),
-            is_prefill=True,
-        )
+from .invariant_attention import InvariantPlan, invariant_attention, invariant_plan
+from .metadata import BatchMetadata
 
 
 class AttentionBackend:
@@ -87,12 +41,6 @@ class AttentionBackend:
     def _invariant(self, q, k, v, kv_cache, meta: BatchMetadata, sm_scale, sliding_window) -> torch.Tensor:
         """The batch-invariant backend (invariant_attention.py): over this forward's own K/V for a
         prefill, else over the page pool; the key slots are built once per forward."""
-        from .invariant_attention import (
-            InvariantPlan,
-            invariant_attention,
-            invariant_plan,
-        )
-
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the invariant attention backend cannot be captured in a CUDA graph (it plans in Python)")
         if meta.is_prefill:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import BatchMetadata
+from .metadata import BatchMetadata
 
 BUCKET = 32  # keys per row are padded to a multiple of this
 CHUNK_FLOATS = 1 << 22  # at most this many floats in one [rows, Hq, L, D] product

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..model.config import as_id_list
+
 
 class Tokenizer:
     def __init__(
@@ -69,14 +71,6 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
         )
-
-
-def as_id_list(value, what: str) -> list[int]:
-    """An eos_token_id field (absent, one id or a list of ids) -> a list of ids."""
-    ids = [] if value is None else [value] if not isinstance(value, list) else value
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"{what} must be a token id or a list of them, got {value!r}")
-    return list(ids)
 
 
 def _read_json(path: Path) -> dict:

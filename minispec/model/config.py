@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tokenizer import as_id_list
 
 # architecture name in config.json -> model family
 ARCHITECTURES = {
@@ -86,65 +85,18 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Build from a parsed `config.json`. Raises ValueError naming what is wrong or unsupported."""
-        archs = hf.get("architectures") or []
-        known = [a for a in archs if a in ARCHITECTURES]
-        if not known:
-            raise ValueError(
-                f"unknown architecture {archs or hf.get('model_type')!r}; "
-                f"minispec supports {sorted(ARCHITECTURES)}"
-            )
-        family = ARCHITECTURES[known[0]]
+        family = hf_family(hf)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in hf:
                 raise ValueError(f"config.json is missing required field {key!r}")
+            positive_int(hf, key)
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-
-        # RoPE: transformers 5 nests theta and scaling in rope_parameters.
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0):
-            raise ValueError(f"config.json rope_theta must be a positive number, got {theta!r}")
-        theta = float(theta)
-        scaling = rope or hf.get("rope_scaling") or None
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
-            if scaling["rope_type"] == "default":
-                scaling = None
-        if hf.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
-
-        sliding_window = hf.get("sliding_window")
-        if family == "qwen2":
-            # Qwen2 checkpoints carry a sliding_window value but only use it when asked to.
-            if hf.get("use_sliding_window", False):
-                raise ValueError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
-            sliding_window = None
-        if family == "llama":
-            sliding_window = None
-
         dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         if dtype_name not in DTYPES:
             raise ValueError(f"checkpoint dtype {dtype_name!r} is not supported ({sorted(DTYPES)})")
-
-        def positive_int(key: str, default=None) -> int:
-            value = hf.get(key, default)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"config.json field {key!r} must be a positive int, got {value!r}")
-            return value
-
-        def number(key: str, default: float) -> float:
-            value = hf.get(key, default)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
-                raise ValueError(f"config.json field {key!r} must be a positive number, got {value!r}")
-            return float(value)
-
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            positive_int(key)
-        eos_ids = as_id_list(hf.get("eos_token_id"), "config.json eos_token_id")
+        theta, scaling = hf_rope(hf)
         num_heads = hf["num_attention_heads"]
-        head_dim = positive_int("head_dim") if hf.get("head_dim") is not None else hf["hidden_size"] // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             architecture=family,
@@ -153,21 +105,77 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=positive_int("num_key_value_heads") if hf.get("num_key_value_heads") is not None else num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=number("rms_norm_eps", 1e-6),
+            num_kv_heads=positive_int(hf, "num_key_value_heads") if hf.get("num_key_value_heads") is not None else num_heads,
+            head_dim=positive_int(hf, "head_dim") if hf.get("head_dim") is not None else hf["hidden_size"] // num_heads,
+            rms_norm_eps=positive_number(hf, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=positive_int("max_position_embeddings", 4096),
+            max_position_embeddings=positive_int(hf, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=sliding_window,
+            sliding_window=hf_sliding_window(hf, family),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             dtype=DTYPES[dtype_name],
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=as_id_list(hf.get("eos_token_id"), "config.json eos_token_id"),
         )
+
+
+def hf_family(hf: dict) -> str:
+    """The model family of a config.json's first known architecture."""
+    archs = hf.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise ValueError(f"unknown architecture {archs or hf.get('model_type')!r}; minispec supports {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[known[0]]
+
+
+def hf_rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from either config style: transformers 5 nests both in
+    rope_parameters; older checkpoints have top-level rope_theta and rope_scaling."""
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0):
+        raise ValueError(f"config.json rope_theta must be a positive number, got {theta!r}")
+    scaling = rope or hf.get("rope_scaling") or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+        if scaling["rope_type"] == "default":
+            scaling = None
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    return float(theta), scaling
+
+
+def hf_sliding_window(hf: dict, family: str) -> int | None:
+    """Mistral's window; Llama has none, and Qwen2 checkpoints carry a value they use only when asked to."""
+    if family == "qwen2" and hf.get("use_sliding_window", False):
+        raise ValueError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
+    return hf.get("sliding_window") if family == "mistral" else None
+
+
+def positive_int(hf: dict, key: str, default=None) -> int:
+    value = hf.get(key, default)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"config.json field {key!r} must be a positive int, got {value!r}")
+    return value
+
+
+def positive_number(hf: dict, key: str, default: float) -> float:
+    value = hf.get(key, default)
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise ValueError(f"config.json field {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def as_id_list(value, what: str) -> list[int]:
+    """An eos_token_id field (absent, one id or a list of ids) -> a list of ids."""
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{what} must be a token id or a list of them, got {value!r}")
+    return list(ids)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

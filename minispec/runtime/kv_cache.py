@@ -6,10 +6,8 @@ A sequence's token at position t lives in page `block_table[t // page_size]`, ro
 draft tokens is `truncate(n)`: positions >= n are forgotten and pages no longer needed go back to
 the free list. Nothing is copied: stale K/V rows in a kept page are simply overwritten later.
 
-Pages carry reference counts so that a table can be `fork`ed (both tables then own every page).
-A shared page must not be written: before writing positions, `copy_on_write` gives the table
-private copies of the shared pages those positions fall in (the caller copies the K/V rows).
-Caveat: there is no prefix cache (no sharing of identical prompt pages by hash).
+Every page has one owner at a time. Caveat: there is no prefix cache (no sharing of identical
+prompt pages between sequences, which would need reference counts and copy-on-write).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ModelConfig
+from ..model.config import ModelConfig
 
 
 class KVPoolExhausted(RuntimeError):
@@ -26,17 +24,14 @@ class KVPoolExhausted(RuntimeError):
 
 
 class PageAllocator:
-    """A free list of page ids with reference counts (a page may be shared by forked tables).
-
-    Invariant: a page is on the free list exactly when its reference count is 0.
-    """
+    """A free list of page ids. Invariant: a page is on the free list exactly when no table owns it."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
-        self.refs = [0] * num_pages
+        self.in_use = [False] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -46,22 +41,15 @@ class PageAllocator:
         if not self.free:
             raise KVPoolExhausted(f"KV pool exhausted: all {self.num_pages} pages are in use")
         page = self.free.pop()
-        self.refs[page] = 1
+        self.in_use[page] = True
         return page
 
-    def share(self, page: int) -> None:
-        """One more owner for an allocated page."""
-        if self.refs[page] <= 0:
-            raise ValueError(f"page {page} is not allocated; only allocated pages can be shared")
-        self.refs[page] += 1
-
     def release(self, page: int) -> None:
-        """One owner fewer; the page is free again when none is left."""
-        if self.refs[page] <= 0:
-            raise ValueError(f"page {page} released more often than it was allocated or shared")
-        self.refs[page] -= 1
-        if self.refs[page] == 0:
-            self.free.append(page)
+        """The page is free again (releasing a free page is a bug in the caller: refused)."""
+        if not self.in_use[page]:
+            raise ValueError(f"page {page} released but it is not allocated")
+        self.in_use[page] = False
+        self.free.append(page)
 
 
 @dataclass
@@ -104,33 +92,6 @@ class BlockTable:
         while len(self.pages) > keep:
             allocator.release(self.pages.pop())
 
-    def fork(self, allocator: PageAllocator) -> "BlockTable":
-        """A copy sharing every page (ref counts + 1). Before either table writes into a shared
-        page it must call `copy_on_write`."""
-        for page in self.pages:
-            allocator.share(page)
-        return BlockTable(self.page_size, list(self.pages), self.num_cached)
-
-    def copy_on_write(self, start: int, end: int, allocator: PageAllocator) -> list[tuple[int, int]]:
-        """Give this table private pages for positions start..end-1 where they are shared.
-
-        Returns (src, dst) page pairs whose K/V the caller must copy (see `KVCache.copy_pages`).
-        All-or-nothing: raises KVPoolExhausted before changing anything if pages run short."""
-        ps = self.page_size
-        shared = [i for i in range(start // ps, min(self.pages_for(end), len(self.pages)))
-                  if allocator.refs[self.pages[i]] > 1]
-        if len(shared) > allocator.num_free:
-            raise KVPoolExhausted(
-                f"KV pool exhausted: copy-on-write needs {len(shared)} pages, {allocator.num_free} free"
-            )
-        copies = []
-        for i in shared:
-            src, dst = self.pages[i], allocator.allocate()
-            allocator.release(src)  # still owned by the other table(s)
-            self.pages[i] = dst
-            copies.append((src, dst))
-        return copies
-
     def free(self, allocator: PageAllocator) -> None:
         for page in self.pages:
             allocator.release(page)
@@ -153,7 +114,7 @@ class KVCache:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         # One page more than the allocator hands out: the scratch page, which no sequence owns, where
-        # the padding rows of a static-shape step write their K/V (see graphs.py).
+        # the padding rows of a static-shape step write their K/V (see static_shapes.py).
         shape = (cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: attention multiplies masked-out rows by 0, and 0 * NaN garbage is NaN.
         self.pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, pages + 1, page_size, Hkv, D]
@@ -202,9 +163,3 @@ class KVCache:
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]."""
         return self._layers
-
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy the K/V of page src into page dst, in every layer, for each (src, dst)."""
-        if copies:
-            src, dst = (torch.tensor(c, device=self.pool.device) for c in zip(*copies))  # [n], [n]
-            self.pool[:, :, dst] = self.pool[:, :, src]  # [L, 2, n, page_size, Hkv, D]

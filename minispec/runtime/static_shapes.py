@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import BatchMetadata
-from .runner import logit_rows, token_layout
+from ..model.metadata import BatchMetadata
+from .layout import logit_rows, token_layout
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -60,7 +60,7 @@ class Scheduler:
         stay with a running seq (they are used or truncated later); a waiting seq gives them back."""
         try:
             for runner, which in self.runners:
-                runner.reserve(getattr(seq, which), self.step_tokens(seq))
+                runner.reserve(seq.table(which), self.step_tokens(seq))
         except KVPoolExhausted:
             if seq.status is Status.WAITING:
                 self._free(seq)
@@ -69,7 +69,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         for runner, which in self.runners:
-            getattr(seq, which).free(runner.cache.allocator)
+            seq.table(which).free(runner.cache.allocator)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

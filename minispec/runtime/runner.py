@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .attention import BatchMetadata
+from ..model.metadata import BatchMetadata
 from .kv_cache import BlockTable, KVCache
+from .layout import logit_rows, token_layout
+from .static_shapes import StaticShapes
 
 
 @dataclass
@@ -36,14 +38,12 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
         self.max_positions = model.cfg.max_position_embeddings
-        self.static = None  # graphs.StaticShapes once `use_static_shapes` is called
+        self.static: StaticShapes | None = None  # set by `use_static_shapes`
 
     def use_static_shapes(self, query_len: int, max_batch: int, cuda_graphs: bool = False, **model_args) -> None:
         """Run feeds of up to query_len tokens for up to max_batch sequences with static shapes
-        (graphs.py); with cuda_graphs, capture each shape now (falling back to eager on failure).
-        model_args: what every forward of this runner passes (they are baked into a graph)."""
-        from .graphs import StaticShapes
-
+        (static_shapes.py); with cuda_graphs, capture each shape now (falling back to eager on
+        failure). model_args: what every forward of this runner passes (baked into a graph)."""
         self.static = StaticShapes(self, query_len, max_batch)
         if cuda_graphs:
             self.static.capture(model_args)
@@ -67,7 +67,6 @@ class ModelRunner:
             if n == 0 or not 0 < f.num_logits <= n:
                 raise ValueError(f"bad feed: {n} tokens, {f.num_logits} logits")
             f.table.reserve(start + n, allocator)
-            self.cache.copy_pages(f.table.copy_on_write(start, start + n, allocator))
         if self.static is not None and self.static.fits(feeds):  # decode / verification / draft steps
             out = self.static.forward(feeds, **model_args)
         else:
@@ -109,21 +108,3 @@ class ModelRunner:
             is_prefill=not any(cached),
         )
         return self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
-
-
-def token_layout(q_lens: np.ndarray, cached: np.ndarray, tables: np.ndarray, page_size: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where the packed new tokens of B sequences go: starts [B+1] (sequence b's rows are
-    starts[b]:starts[b+1]), and per token its position [T] and its pool slot [T] (page from the
-    sequence's block table row in tables [B, P], times page_size, plus the offset in the page).
-    q_lens, cached: [B] new and already cached tokens per sequence."""
-    starts = np.concatenate([[0], np.cumsum(q_lens)])  # [B+1]
-    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)  # [T]
-    positions = np.arange(starts[-1]) - starts[seq_of_token] + cached[seq_of_token]  # [T]
-    slots = tables[seq_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size  # [T]
-    return starts, positions, slots
-
-
-def logit_rows(feeds: list[Feed], starts: np.ndarray) -> list[int]:
-    """The rows whose logits each feed wants: its last num_logits rows, in feed order."""
-    return [row for f, end in zip(feeds, starts[1:].tolist()) for row in range(end - f.num_logits, end)]

@@ -1,0 +1,162 @@
+"""How an `LLM`'s engine is built from its options: load the target and the drafter's model, split
+the KV budget into one paged pool per model, choose the drafter, and lay out static shapes (CUDA
+graphs) where they apply.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from .drafters.base import Drafter
+from .drafters.draft_model import ModelDrafter
+from .drafters.eagle import EagleDrafter
+from .drafters.lookup import LookupFirstDrafter
+from .drafters.ngram import NgramDrafter
+from .engine import LLMEngine
+from .fast.int8 import quantize_model
+from .io.checkpoint import load_checkpoint
+from .io.eagle_checkpoint import is_eagle_checkpoint, load_eagle
+from .io.tokenizer import Tokenizer
+from .model.attention import AttentionBackend
+from .model.eagle import EagleModel
+from .model.llama import Transformer
+from .options import EngineOptions
+from .runtime.kv_cache import KVCache
+from .runtime.runner import ModelRunner
+
+
+def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
+    """The engine and the target's tokenizer, as the options say."""
+    backend = AttentionBackend(o.backend)
+    target, tokenizer = load_model(o.model, o, o.device, backend)
+    draft = load_draft(o, target, tokenizer, backend)
+    models = [target] + ([draft] if draft is not None else [])
+    caches = kv_caches(o, models)
+    runners = [ModelRunner(m, c) for m, c in zip(models, caches)]
+    max_len = context_length(o, target)
+    for r in runners:
+        r.max_positions = min(r.max_positions, max_len)
+    drafter = make_drafter(o, target, runners[1] if draft is not None else None)
+    graphs = use_cuda_graphs(o, models)
+    engine = LLMEngine(runners[0], tokenizer, drafter, runners[1] if draft is not None else None,
+                       o.num_speculative_tokens, o.max_num_seqs, o.max_num_batched_tokens)
+    if o.static_shapes if o.static_shapes is not None else graphs:
+        layers = engine.drafter.target_layers
+        runners[0].use_static_shapes(engine.k + 1, o.max_num_seqs, graphs, **({"hidden_layers": layers} if layers else {}))
+        if draft is not None and not isinstance(draft, EagleModel):
+            # A draft model's steps feed 1 token (2 after a fully accepted step; more after steps
+            # prompt lookup drafted, which run eagerly: static shapes fit the common case).
+            runners[1].use_static_shapes(2, o.max_num_seqs, graphs)
+    if o.verbose:
+        for name, c in zip(("target", "draft"), caches):
+            print(f"[minispec] {name} KV cache: {c.num_pages} pages x {o.page_size} tokens ({c.nbytes / 2**30:.3f} GiB, "
+                  f"{c.num_pages * o.page_size} tokens), backend={target.backend.name}", file=sys.stderr)
+    return engine, tokenizer
+
+
+def load_model(model, o: EngineOptions, device, backend: AttentionBackend) -> tuple[Transformer, Tokenizer]:
+    """A checkpoint path loaded, or a built (model, tokenizer) pair checked."""
+    if isinstance(model, tuple):
+        return check_built(model[0], o.quantization, "a model"), model[1]
+    return load_checkpoint(model, dtype=o.dtype, device=device, backend=backend, quantization=o.quantization)
+
+
+def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, backend: AttentionBackend
+               ) -> Transformer | EagleModel | None:
+    """The drafter's model: an EAGLE head for this target, a draft model sharing its tokenizer, or
+    None (plain decoding, the n-gram drafter)."""
+    draft_model = o.draft_model
+    if not o.uses_model_drafter:
+        return None
+    if isinstance(draft_model, EagleModel):  # built for this target (see io/eagle_checkpoint.build_eagle)
+        return check_built(draft_model, o.quantization, "draft_model")
+    if isinstance(draft_model, (str, Path)) and is_eagle_checkpoint(draft_model):
+        return quantize_model(load_eagle(draft_model, target), o.quantization)
+    draft, draft_tokenizer = load_model(draft_model, o, target.device, backend)
+    check_same_vocab(tokenizer, draft_tokenizer, target, draft)
+    return draft
+
+
+def make_drafter(o: EngineOptions, target: Transformer, draft_runner: ModelRunner | None) -> Drafter | None:
+    """The drafter the options name (None: plain decoding), with prompt lookup in front if asked."""
+    if draft_runner is not None and isinstance(draft_runner.model, EagleModel):
+        drafter = EagleDrafter(draft_runner, o.draft_confidence_threshold)
+    elif draft_runner is not None:
+        drafter = ModelDrafter(draft_runner, o.draft_confidence_threshold, target.cfg.vocab_size)
+    elif o.uses_ngram:
+        return NgramDrafter(o.ngram_max, o.ngram_min)
+    else:
+        return None
+    return drafter if o.prompt_lookup_min is None else LookupFirstDrafter(drafter, o.prompt_lookup_min, o.ngram_max)
+
+
+def context_length(o: EngineOptions, target: Transformer) -> int:
+    """The longest sequence (prompt + output): the target's context, or max_model_len if shorter."""
+    return min(target.cfg.max_position_embeddings, o.max_model_len or target.cfg.max_position_embeddings)
+
+
+def kv_caches(o: EngineOptions, models: list) -> list[KVCache]:
+    """One paged pool per model, the budget split in proportion to each model's KV bytes per token,
+    and no more pages than max_num_seqs full-length sequences could ever use."""
+    device = models[0].device
+    budget = kv_budget(o.kv_cache_gib, o.gpu_memory_utilization, device)
+    per_token = [KVCache.bytes_per_page(m.cfg, 1, m.dtype) for m in models]
+    max_pages = o.max_num_seqs * -(-context_length(o, models[0]) // o.page_size)
+    return [KVCache.from_budget(m.cfg, int(budget * b / sum(per_token)), o.page_size, m.dtype, device, max_pages)
+            for m, b in zip(models, per_token)]
+
+
+def kv_budget(kv_cache_gib: float | None, utilization: float, device: torch.device) -> int:
+    """Bytes for all KV pools: kv_cache_gib, else a share of the free GPU memory, else 1 GiB on CPU."""
+    if kv_cache_gib is not None:
+        return int(kv_cache_gib * 2**30)
+    if device.type == "cuda":
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * utilization)
+    return 2**30
+
+
+def use_cuda_graphs(o: EngineOptions, models: list) -> bool:
+    """Graphs by default on CUDA; never for a quantized model (its batch-invariant attention plans
+    each forward in Python: a graph would freeze one plan)."""
+    on_cuda = models[0].device.type == "cuda"
+    if o.cuda_graphs and not on_cuda:
+        raise ValueError("cuda_graphs=True needs a CUDA device (static_shapes=True runs the same layout eagerly)")
+    graphs = on_cuda if o.cuda_graphs is None else bool(o.cuda_graphs)
+    if graphs and any(m.backend.name == "invariant" for m in models):
+        if o.cuda_graphs:
+            raise ValueError("cuda_graphs=True cannot run a quantized model (its batch-invariant attention "
+                             "plans each forward in Python); use static_shapes=True or leave cuda_graphs unset")
+        return False
+    return graphs
+
+
+def check_built(model, quantization: str | None, what: str):
+    """A model passed already built: it must carry the quantization asked for (never applied in place)."""
+    have = model.quantization
+    if quantization is not None and have != quantization:
+        raise ValueError(f"quantization={quantization!r} but {what} was passed already built with "
+                         f"{have or 'full-precision'} weights: load it with quantization={quantization!r} "
+                         "(load_checkpoint, fast.int8.quantize_model) or pass its path")
+    return model
+
+
+def check_same_vocab(target_tok: Tokenizer, draft_tok: Tokenizer, target: Transformer, draft: Transformer) -> None:
+    """Speculative sampling compares p and q token by token: both models must share one
+    tokenizer. Their embeddings may be padded to different sizes (Qwen2.5-0.5B: 151936 rows,
+    Qwen2.5-7B: 152064) as long as both cover the tokenizer's whole vocabulary."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = sorted(set(tv.items()) ^ set(dv.items()))[:3]
+        raise ValueError(f"draft tokenizer differs from the target's (e.g. {diff}); they must be identical")
+    needed = max(tv.values(), default=-1) + 1  # ids the tokenizer can produce
+    if min(target.cfg.vocab_size, draft.cfg.vocab_size) < needed:
+        raise ValueError(
+            f"draft model vocab_size {draft.cfg.vocab_size} and target vocab_size {target.cfg.vocab_size}: both must "
+            f"cover the tokenizer's {needed} ids (the draft must use the target's tokenizer)"
+        )

@@ -1,0 +1,162 @@
+"""The drafter interface, the drafter of plain decoding, and the one autoregressive draft loop.
+
+A drafter proposes, for each sequence b of a step, up to num_draft[b] tokens and the draft
+distribution q each was drawn from. `speculative_step` calls exactly these methods, in order:
+
+    propose(seqs, num_draft) -> Proposal       before the target's verification
+    observe(seqs, starts, num_fed, hidden)     after it, the target's features of the positions it
+                                               was fed (only for a drafter with `target_layers`)
+    rollback(seqs)                             after it: forget what the target rejected
+
+`target_layers` names the target layers whose input residual stream the drafter reads (an
+EAGLE-3 head); for every other drafter it is empty and the target computes no features.
+
+A new drafter is one file: a `Drafter` subclass, or an `AutoregressiveDrafter` subclass when a
+model drafts token by token (it then supplies the forwards; the sampling loop is shared here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.runner import ModelRunner
+from ..runtime.sequence import Sequence
+from ..sampling import finite_rows, sample, warp_probs
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposes for a batch of B sequences.
+
+    tokens: per sequence, the drafted ids (n_b <= num_draft[b] of them).
+    probs:  [B, K+1, V] (K = max n_b, V the target's vocabulary): row b holds q at each drafted
+            position and zeros after. None means q is one-hot at each drafted token: a model-free
+            drafter, or a batch of greedy requests only (where every q is one-hot)."""
+
+    tokens: list[list[int]]
+    probs: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, batch: int) -> "Proposal":
+        return cls([[] for _ in range(batch)])
+
+
+class Drafter:
+    """The interface (see the module docstring); the defaults suit a drafter with no state."""
+
+    target_layers: tuple[int, ...] = ()
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> Proposal:
+        raise NotImplementedError
+
+    def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:
+        """hidden: [sum(num_fed), len(target_layers) * H], the target's features for the positions
+        it was just fed (sequence b: starts[b] .. starts[b] + num_fed[b] - 1)."""
+
+    def rollback(self, seqs: list[Sequence]) -> None:
+        """Forget draft state past each sequence's accepted tokens."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding: nothing is drafted, so each step emits the target's own token."""
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> Proposal:
+        return Proposal.empty(len(seqs))
+
+
+class AutoregressiveDrafter(Drafter):
+    """A model that drafts one token per forward: the first forward catches up on what the draft
+    has not seen, each later one feeds the token just drafted. Subclasses give the forwards; this
+    loop samples each token from the request's warped q with the request's own generator.
+
+    With a confidence threshold it drafts adaptively: a sequence stops after a token the drafter
+    itself gave probability < threshold (softmax at temperature 1), so k is only an upper bound
+    (the dynamic draft length of HF's assisted generation). Exactness is unaffected: the decision
+    to stop depends only on what was already drafted (so does stopping at a row whose logits are
+    not finite, drawing no random number for it: a broken draft lowers acceptance, never exactness).
+    """
+
+    runner: ModelRunner
+    vocab_size: int  # the target's: the width of q
+    draft_ids: torch.Tensor | None = None  # target id of each logit column (None: the columns are target ids)
+
+    def __init__(self, confidence_threshold: float | None = None):
+        if confidence_threshold is not None and not 0 < confidence_threshold < 1:
+            raise ValueError(f"draft confidence_threshold must be in (0, 1), got {confidence_threshold}")
+        self.confidence_threshold = confidence_threshold
+
+    def draftable(self, seq: Sequence, n: int) -> int:
+        """How many of the n tokens asked for seq can be drafted now."""
+        raise NotImplementedError
+
+    def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, object]:
+        """Catch up sequences `active` and return (logits [len(active), V_d] of their next token, carry)."""
+        raise NotImplementedError
+
+    def next_forward(self, seqs: list[Sequence], active: list[int], tokens: list[list[int]], carry: object
+                     ) -> tuple[torch.Tensor, object]:
+        """Feed each active sequence its last drafted token; carry: the previous forward's, at those rows."""
+        raise NotImplementedError
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> Proposal:
+        num_draft = [self.draftable(s, n) if n > 0 else 0 for s, n in zip(seqs, num_draft)]
+        active = [b for b, n in enumerate(num_draft) if n > 0]
+        if not active:
+            return Proposal.empty(len(seqs))
+        B, K = len(seqs), max(num_draft)
+        greedy = all(s.params.greedy for s in seqs)  # then every q is one-hot: no warp, no probs tensor
+        proposal = Proposal([[] for _ in seqs], None if greedy else torch.zeros(B, K + 1, self.vocab_size, device=self.runner.device))
+        logits, carry = self.first_forward(seqs, active)  # [len(active), V_d]
+        for i in range(K):
+            ids, usable, confident, q = self.draw(seqs, active, logits, greedy)
+            for row, (b, t) in enumerate(zip(active, ids)):
+                if usable[row]:
+                    proposal.tokens[b].append(t)
+                    if not greedy:
+                        columns = slice(None) if self.draft_ids is None else self.draft_ids
+                        proposal.probs[b, i, columns] = q[row]  # 0 outside the draft's vocabulary
+            keep = [row for row, b in enumerate(active) if confident[row] and usable[row] and num_draft[b] > i + 1]
+            if not keep:
+                break
+            active = [active[row] for row in keep]
+            carry = carry[keep] if isinstance(carry, torch.Tensor) else carry
+            logits, carry = self.next_forward(seqs, active, proposal.tokens, carry)
+        return proposal
+
+    def draw(self, seqs: list[Sequence], active: list[int], logits: torch.Tensor, greedy: bool
+             ) -> tuple[list[int], list[bool], list[bool], torch.Tensor | None]:
+        """One draft token per active row from logits [n, V_d]: (target ids, usable rows, rows
+        confident enough to go on, q [n, V_d] or None when greedy), with one host copy."""
+        logits, ok = drop_nonfinite(logits)  # [n, V_d], [n]
+        q = None
+        if greedy:
+            drawn = logits.argmax(-1)  # [n]
+        else:  # unusable rows draw no random number, so the host needs `ok` before sampling
+            q = warp_probs(logits, [seqs[b].params for b in active])  # [n, V_d]
+            drawn = sample(q, [seqs[b].generator if u else None for b, u in zip(active, ok.tolist())])  # [n]
+        confident = None
+        if self.confidence_threshold is not None:
+            own = logits.float().softmax(-1).gather(-1, drawn[:, None]).squeeze(-1)  # [n]
+            confident = own >= self.confidence_threshold
+        ids = drawn if self.draft_ids is None else self.draft_ids[drawn]  # [n] target ids
+        host = torch.stack([ids, ok.long()] + ([confident.long()] if confident is not None else [])).tolist()
+        confident_rows = [bool(x) for x in host[2]] if confident is not None else [True] * len(host[0])
+        return host[0], [bool(x) for x in host[1]], confident_rows, q
+
+
+def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft whose logits are not finite proposes nothing from that row on (it can only lower
+    acceptance; the target's verification keeps the output exact). Returns the logits with such
+    rows zeroed (so warping and sampling them stays in range; the caller drops what they give)
+    and which rows are usable. logits: [n, V] -> ([n, V], [n] bool), no host copy."""
+    ok = finite_rows(logits)  # [n]
+    return torch.where(ok[:, None], logits, 0.0), ok
+
+
+def one_hot_q(tokens: list[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """q of a deterministic proposal: [n, V], row i one-hot at tokens[i]."""
+    q = torch.zeros(len(tokens), vocab_size, device=device)
+    q[torch.arange(len(tokens), device=device), torch.tensor(tokens, dtype=torch.int64, device=device)] = 1.0
+    return q

@@ -1,0 +1,51 @@
+"""A draft model: a small model of the same class as the target, with its own weights, config and
+paged KV cache, drafting token by token (the loop is `AutoregressiveDrafter.propose`).
+
+The draft's first forward of a step catches up on the tokens it has not cached (the whole prompt
+at first, then the 1 or 2 tokens the last step accepted past its drafts); each later forward feeds
+the token it just drafted. Its q lives on the target's vocabulary: a draft whose embedding is
+padded to another size (the same tokenizer) has its extra columns dropped and missing ones get
+q = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.runner import Feed, ModelRunner
+from ..runtime.sequence import Sequence
+from .base import AutoregressiveDrafter
+
+
+class ModelDrafter(AutoregressiveDrafter):
+    def __init__(self, runner: ModelRunner, confidence_threshold: float | None = None, vocab_size: int | None = None):
+        """vocab_size: the target's, when the draft's embedding is padded to another size."""
+        super().__init__(confidence_threshold)
+        self.runner = runner
+        self.vocab_size = vocab_size or runner.model.cfg.vocab_size
+
+    def draftable(self, seq: Sequence, n: int) -> int:
+        """The i-th draft token is sampled after feeding position len(seq) - 2 + i: the draft's context bounds n."""
+        return max(0, min(n, self.runner.max_positions - len(seq) + 1))
+
+    def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, None]:
+        return self.logits([Feed(seqs[b].draft_table, seqs[b].tokens[seqs[b].draft_table.num_cached :]) for b in active]), None
+
+    def next_forward(self, seqs: list[Sequence], active: list[int], tokens: list[list[int]], carry: None
+                     ) -> tuple[torch.Tensor, None]:
+        return self.logits([Feed(seqs[b].draft_table, [tokens[b][-1]]) for b in active]), None
+
+    def logits(self, feeds: list[Feed]) -> torch.Tensor:
+        """Draft logits on the target's vocabulary [n, V]."""
+        logits = self.runner.forward(feeds)  # [n, V_draft]
+        V, Vd = self.vocab_size, logits.shape[-1]
+        if Vd > V:
+            return logits[:, :V]
+        if Vd < V:
+            return torch.cat([logits, logits.new_full((logits.shape[0], V - Vd), float("-inf"))], dim=-1)
+        return logits
+
+    def rollback(self, seqs: list[Sequence]) -> None:
+        """Forget draft K/V past the accepted tokens (the newest token is fed next step)."""
+        for s in seqs:
+            s.draft_table.truncate(len(s) - 1, self.runner.cache.allocator)

@@ -1,0 +1,224 @@
+"""CPU matmul variants of `nn.Linear`, swapped in after loading (skip this file on a first read).
+
+The model is written on plain `nn.Linear` (y = x W^T + b, W [out, in]). On a CPU the library's
+default path is not always the fastest for the few rows of a decode (1) or a verification (k+1),
+and which variant helps depends on the CPU, so the loader times the ones that apply on the
+model's own weights and swaps every `nn.Linear` for the winner (`use_cpu_fast_paths`), as
+`fast/int8.py` swaps in int8 layers. All compute the same math:
+
+* `PrepackedLinear` (bf16 on a CPU with native bf16 matmuls): oneDNN's blocked copy of W is made
+  once instead of on every call. The copy doubles the memory of the linear weights; inference
+  only (with gradients wanted, F.linear runs).
+* `WeightMajorLinear` (fp32): for 1..WEIGHT_MAJOR_ROWS rows, the product with W as the left
+  operand, its rows split into one block per thread. Where the default path runs one row on one
+  thread and repacks W for a few rows, this uses every core for one row and streams W once for a
+  few; where the default path already uses every core well, it is slower, hence the timing.
+* `UpcastLinear` (bf16 / fp16 on a CPU without native bf16 matmuls): more than UPCAST_ROWS rows
+  are computed in fp32 from an fp32 copy of W made per call, since emulated bf16 GEMMs are slow
+  for many rows (a prefill) while the copy costs one pass over W.
+
+Measured figures are in docs/cpu-performance.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_MAJOR_ROWS = 16  # fp32 on CPU: linear layers fed 1..16 rows compute W-major
+UPCAST_ROWS = 4  # bf16 / fp16 on a CPU without native bf16: linear layers fed more rows compute in fp32
+CPU_MATMULS = ("linear", "weight_major", "prepacked", "upcast")  # the entry points, by name
+TIMED_BYTES = 32 << 20  # models with less linear weight keep F.linear: their weights sit in the caches, timing misleads
+MIN_GAIN = 0.05  # another entry point replaces F.linear only if it is at least this much faster
+
+
+class WeightMajorLinear(nn.Linear):
+    """nn.Linear computing 1..WEIGHT_MAJOR_ROWS rows of a 2-d input by `weight_major`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and 1 <= x.shape[0] <= WEIGHT_MAJOR_ROWS:
+            return weight_major(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class UpcastLinear(nn.Linear):
+    """nn.Linear computing more than UPCAST_ROWS rows of a 2-d input in fp32, rounded once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] > UPCAST_ROWS:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+class PrepackedLinear(nn.Linear):
+    """nn.Linear through oneDNN's packed copy of W (`packed_weight`), for inference in W's dtype."""
+
+    _packed: tuple | None = None  # (the weight it was made from, (its version, data_ptr, dtype), oneDNN's copy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == self.weight.dtype and not (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):  # oneDNN's op has no backward
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight out (an opaque tensor; remade on first use)."""
+        state = dict(super().__getstate__())  # a copy: the live module keeps its packed weight
+        state["_packed"] = None
+        return state
+
+    def _apply(self, fn, recurse=True):
+        """Moved or cast (`.to`, `.float()`: W's data is swapped in place): the packed copy is dropped."""
+        self._packed = None
+        return super()._apply(fn, recurse)
+
+    def packed_weight(self) -> torch.Tensor:
+        """oneDNN's blocked (opaque) copy of W [out, in], made on first use and made again whenever
+        W is replaced, moved, cast or changed in place through autograd-visible ops (its version
+        counter moves). Writes through `weight.data` bypass the version counter: after one, call
+        `set_cpu_matmul` again (a new module, no copy)."""
+        weight = self.weight
+        key = (weight._version, weight.data_ptr(), weight.dtype)
+        if self._packed is None or self._packed[0] is not weight or self._packed[1] != key:
+            self._packed = (weight, key, pack_weight(weight))
+        return self._packed[2]
+
+
+VARIANTS = {"linear": nn.Linear, "weight_major": WeightMajorLinear, "prepacked": PrepackedLinear, "upcast": UpcastLinear}
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] -> oneDNN's blocked copy for `torch.ops.mkldnn._linear_pointwise` (any row count)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] @ weight [out, in]^T (+ bias) computed as weight @ x^T, with weight's rows split
+    into P = torch.get_num_threads() blocks that one batched matmul runs in parallel:
+    [P, out/P, in] @ [P, in, M] -> [P, out/P, M] -> [M, out]. Falls back to one block when P does
+    not divide out (and to F.linear for one row, whose single block is a matrix-vector product)."""
+    out_features, in_features = weight.shape
+    rows, parts = x.shape[0], torch.get_num_threads()
+    if parts > 1 and out_features % parts == 0:
+        blocks = weight.view(parts, out_features // parts, in_features)  # [P, out/P, in]
+        y = torch.bmm(blocks, x.t().expand(parts, in_features, rows)).view(out_features, rows).t()  # [M, out]
+    elif rows > 1:
+        y = (weight @ x.t()).t()  # [M, out] (a transposed view of [out, M])
+    else:
+        return F.linear(x, weight, bias)
+    return (y if bias is None else y + bias).contiguous()
+
+
+def as_variant(linear: nn.Linear, name: str) -> nn.Linear:
+    """A module of the named variant sharing `linear`'s weight and bias Parameters (so tied
+    weights stay tied); `linear` itself when it already is one."""
+    cls = VARIANTS[name]
+    if type(linear) is cls:
+        return linear
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    module.in_features, module.out_features = linear.in_features, linear.out_features
+    module.register_parameter("weight", linear.weight)
+    module.register_parameter("bias", linear.bias)
+    return module.train(linear.training)
+
+
+def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, module) for every nn.Linear (any variant) in model."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
+
+
+def set_cpu_matmul(model: nn.Module, name: str) -> None:
+    """Swap every nn.Linear of `model` for the named variant (CPU_MATMULS), in place."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown CPU matmul {name!r}: use one of {', '.join(CPU_MATMULS)}")
+    for parent, attr, child in linear_slots(model):
+        setattr(parent, attr, as_variant(child, name))
+    model.cpu_matmul = name
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (AVX512-BF16 or AMX, through oneDNN)."""
+    flags = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(f is not None and f() for f in flags)
+
+
+def cpu_matmul_candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """The variants that apply to this dtype on this CPU, F.linear first."""
+    if dtype == torch.float32:
+        return ("linear", "weight_major")
+    if not native_cpu_bf16():
+        return ("upcast",)  # emulated bf16 / fp16: prefill in fp32 (emulated GEMMs are slow for many rows)
+    return ("linear", "prepacked") if dtype == torch.bfloat16 else ("linear",)
+
+
+def time_cpu_matmuls(model: nn.Module, names: tuple[str, ...], rows: tuple[int, ...] = (1, 5),
+                     repeats: int = 3) -> dict[str, float]:
+    """Seconds per variant: one pass of x @ W^T over ALL of model's linear weights at each row
+    count in `rows` (a decode, a k=4 verification), the best of `repeats` passes, summed over
+    `rows`. All weights in turn, as a forward streams them (one weight timed in a loop stays in
+    the cache and misleads); the variants take turns within each repeat, so a drift of the
+    machine's speed hits them alike. The variant modules are built beside the model (which is not
+    changed) and kept in `model._timed_variants`, so that a packed copy made while timing serves
+    the first forward."""
+    linears = [child for _, _, child in linear_slots(model)]
+    variants = {name: [as_variant(m, name) for m in linears] for name in names}
+    gen = torch.Generator().manual_seed(0)  # the caller's random streams are left alone
+    best = {(name, n): float("inf") for name in names for n in rows}
+    with torch.inference_mode():
+        inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=gen).to(m.weight.dtype) for m in linears}
+                  for n in rows}  # [n, in] per input width
+        for repeat in range(repeats + 1):  # the first pass warms up (and packs)
+            for name in names:
+                for n in rows:
+                    start = time.perf_counter()
+                    for m in variants[name]:
+                        m(inputs[n][m.in_features])
+                    if repeat:
+                        best[name, n] = min(best[name, n], time.perf_counter() - start)
+    model._timed_variants = variants
+    return {name: sum(best[name, n] for n in rows) for name in names}
+
+
+def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.device, prefer: str | None = None) -> str | None:
+    """On CPU, swap every nn.Linear of `model` for the variant that is fastest HERE: `prefer` if it
+    applies to this dtype (an EAGLE head passes its target's: one layer's weights are too few to
+    time), else $MINISPEC_CPU_MATMUL if it applies (a warning says when it does not), else the
+    candidates timed by `time_cpu_matmuls`, where another variant replaces F.linear only if it is
+    at least MIN_GAIN faster (so that near-ties do not flip between runs); a model with under
+    TIMED_BYTES of linear weight keeps F.linear untimed. Returns the choice (None off CPU), also
+    kept as `model.cpu_matmul`."""
+    if device.type != "cpu":
+        return None
+    env = os.environ.get("MINISPEC_CPU_MATMUL") or None
+    if env is not None and env not in CPU_MATMULS:
+        raise ValueError(f"MINISPEC_CPU_MATMUL={env!r}: use one of {', '.join(CPU_MATMULS)}")
+    candidates = cpu_matmul_candidates(dtype)
+    if env is not None and env not in candidates and prefer not in candidates:
+        warnings.warn(f"MINISPEC_CPU_MATMUL={env!r} does not apply to {dtype} on this CPU "
+                      f"(there: {', '.join(candidates)}); choosing among those", stacklevel=2)
+    choice = next((c for c in (prefer, env) if c in candidates), None)
+    if choice is None:
+        choice = candidates[0]
+        weights = {id(m.weight): m.weight for _, _, m in linear_slots(model)}.values()
+        if len(candidates) > 1 and sum(w.numel() * w.element_size() for w in weights) >= TIMED_BYTES:
+            seconds = time_cpu_matmuls(model, candidates)
+            fastest = min(candidates, key=seconds.get)
+            if seconds[fastest] * (1 + MIN_GAIN) < seconds[choice]:
+                choice = fastest
+    timed = model.__dict__.pop("_timed_variants", {}).get(choice)
+    if timed is not None:  # the timer's modules (and their packed copies) go in as they are
+        for (parent, attr, _), module in zip(linear_slots(model), timed):
+            setattr(parent, attr, module)
+        model.cpu_matmul = choice
+    else:
+        set_cpu_matmul(model, choice)
+    return choice

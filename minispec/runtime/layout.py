@@ -1,0 +1,27 @@
+"""Where the packed new tokens of a forward go: rows, positions and pool slots.
+
+Shared by the dynamic-shape forward (runner.py) and the static-shape one (static_shapes.py), so
+both lay a batch out the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def token_layout(q_lens: np.ndarray, cached: np.ndarray, tables: np.ndarray, page_size: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the packed new tokens of B sequences go: starts [B+1] (sequence b's rows are
+    starts[b]:starts[b+1]), and per token its position [T] and its pool slot [T] (page from the
+    sequence's block table row in tables [B, P], times page_size, plus the offset in the page).
+    q_lens, cached: [B] new and already cached tokens per sequence."""
+    starts = np.concatenate([[0], np.cumsum(q_lens)])  # [B+1]
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)  # [T]
+    positions = np.arange(starts[-1]) - starts[seq_of_token] + cached[seq_of_token]  # [T]
+    slots = tables[seq_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size  # [T]
+    return starts, positions, slots
+
+
+def logit_rows(feeds: list, starts: np.ndarray) -> list[int]:
+    """The rows whose logits each feed wants: its last num_logits rows, in feed order."""
+    return [row for f, end in zip(feeds, starts[1:].tolist()) for row in range(end - f.num_logits, end)]
