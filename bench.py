@@ -715,7 +715,8 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--json {args.json}: is a directory; give the path of a file to write")
         args.json.parent.mkdir(parents=True, exist_ok=True)
     if args.kernels:
-        from minispec_kernels.bench_kernels import main as kernels_main
+        sys.path.insert(0, str(ROOT / "tools"))
+        from bench_kernels import main as kernels_main
 
         raise SystemExit(kernels_main([]))  # non-zero if a kernel disagreed with its reference
     from minispec import SamplingParams, load_checkpoint
@@ -753,7 +754,7 @@ def main(argv=None) -> dict:
         from minispec.io.eagle_checkpoint import is_eagle_checkpoint
 
         if not is_eagle_checkpoint(args.eagle):
-            raise SystemExit(f"--eagle {args.eagle}: not an EAGLE-3 checkpoint directory (scripts/train_eagle.py "
+            raise SystemExit(f"--eagle {args.eagle}: not an EAGLE-3 checkpoint directory (training/train_eagle.py "
                              "writes one); pass another or leave eagle out of --drafters")
     num_prompts = p["rounds"] * max(p["batches"])
     prompts = load_prompts(args.prompts, target[1], num_prompts)

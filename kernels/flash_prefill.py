@@ -113,7 +113,7 @@ def default_prefill_tiles(head_dim: int) -> tuple[int, int]:
 
     Conservative sizes that fit the shared memory of any recent NVIDIA GPU with the default
     pipelining; no autotuning, so every run launches the same kernel. With NUM_WARPS they compile
-    without register spills on sm_80 / sm_90 (kernels/aot.py; 64 x 64 tiles with 4 warps spilled
+    without register spills on sm_80 / sm_90 (tools/aot.py; 64 x 64 tiles with 4 warps spilled
     on sm_80 at D = 128: 255 registers + 8 bytes).
     """
     return (64, 64) if head_dim <= 64 else (64, 32)

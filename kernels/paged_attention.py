@@ -197,7 +197,7 @@ def default_paged_tiles(head_dim: int, max_query_len: int, group: int) -> tuple[
     BLOCK_M never drops below the padded group, so one program always holds all query heads of a
     kv head. BLOCK_N is 64 keys, except 32 for the 64-row tiles at D = 128 and at D = 256: the
     choice that compiles without register spills on sm_80 and sm_90 for the supported models
-    (kernels/aot.py; tests/test_aot.py checks every default launch). 64 keys there spilled on
+    (tools/aot.py; tests/test_aot.py checks every default launch). 64 keys there spilled on
     sm_80 (D = 128, 4 query heads per kv head, a k = 4 verification: 255 registers + 8 bytes).
     """
     group_pad = triton.next_power_of_2(group)

@@ -1,7 +1,7 @@
 """The Triton kernels compiled for real GPUs that are not here (sm_80: A100, sm_90: H100/H200).
 
 The interpreter the other kernel tests use accepts code the GPU compiler may reject or compile
-badly. Here every launch the engine makes for the supported models (kernels/aot.py:
+badly. Here every launch the engine makes for the supported models (tools/aot.py:
 `default_configs`: bf16 and fp16, head dims 64 and 128, 1 to 7 query heads per kv head, decode, a
 k = 4 verification, a split decode, prefill, KV writes) is compiled ahead of time in a separate
 process with TRITON_INTERPRET=0, with the launchers' own tiles and num_warps, and its cubin's
@@ -25,6 +25,8 @@ import pytest
 import triton
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+TOOLS = Path(__file__).resolve().parents[1] / "tools"  # the AOT check is a tool, not part of the package
+sys.path.insert(0, str(TOOLS))
 pytestmark = pytest.mark.skipif(not (BIN / "ptxas").exists() or not (BIN / "cuobjdump").exists(),
                                 reason="this Triton build bundles no ptxas / cuobjdump")
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
@@ -40,14 +42,15 @@ def run_compiler(script: str) -> list:
 def results() -> list[dict]:
     return run_compiler(
         "import dataclasses, json\n"
-        "from minispec_kernels.aot import check_all, default_configs\n"
+        "import sys; sys.path.insert(0, %r)\n" % str(TOOLS)
+        + "from aot import check_all, default_configs\n"
         "rs = check_all(default_configs(), (80, 90), jobs=2)\n"
         "print(json.dumps([dict(dataclasses.asdict(r), spills=r.spills) for r in rs]))\n")
 
 
 def test_every_default_launch_compiles_for_sm80_and_sm90(results):
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from minispec_kernels.aot import default_configs
+    from aot import default_configs
 
     expected = {(c.label(), arch) for c in default_configs() for arch in (80, 90)}
     assert {(r["config"], r["arch"]) for r in results} == expected
@@ -73,7 +76,8 @@ def test_the_check_sees_a_spill():
     D = 128 with 4 query heads per kv head (64 keys) spills on sm_80."""
     [stack] = run_compiler(
         "import json\n"
-        "from minispec_kernels.aot import Config, compile_launch, launches\n"
+        "import sys; sys.path.insert(0, %r)\n" % str(TOOLS)
+        + "from aot import Config, compile_launch, launches\n"
         "config = Config('paged_attention', 'bfloat16', 128, 4, 5, 1)\n"
         "fn, kwargs = launches(config)[0]\n"
         "r = compile_launch(fn, dict(kwargs, BLOCK_N=64), 80, config)\n"

@@ -1,4 +1,4 @@
-"""Smoke tests of scripts/distill.py (the default draft's training pipeline) on a tiny model.
+"""Smoke tests of training/distill.py (the default draft's training pipeline) on a tiny model.
 
 What they pin down: the bench and training prompt sets never share a subject (nor do the
 prompts the target writes itself: no 5-word run in common with a bench prompt); the draft's
@@ -25,7 +25,7 @@ import minispec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "training"
 
 
 def _load(name: str):

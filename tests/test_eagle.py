@@ -317,13 +317,13 @@ def test_stream_logprobs_and_stop_strings_with_the_feature_drafter(target, eagle
 
 
 def test_the_training_forward_is_the_drafting_forward(target, eagle):
-    """scripts/train_eagle.py's unrolled training-time test computes, at step i and index t, the
+    """training/train_eagle.py's unrolled training-time test computes, at step i and index t, the
     logits the drafter computes at inference for the chained draft position t+i fed the true
     tokens (the fresh cache-free reference above): training and drafting cannot drift apart."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "train_eagle.py"
+    path = Path(__file__).resolve().parents[1] / "training" / "train_eagle.py"
     spec = importlib.util.spec_from_file_location("train_eagle", path)
     train_eagle = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_eagle)

@@ -125,7 +125,7 @@ def test_the_padding_never_touches_a_sequences_pages(tiny_llama):
     assert static.engine.target.cache.pool[:, :, pages].abs().sum() > 0  # the scratch page was written
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/gpu_check.sh runs this)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (tools/gpu_check.sh runs this)")
 @pytest.mark.parametrize("drafter", ["none", "draft", "eagle"])
 def test_cuda_graphs_replay_what_eager_computes(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter):
     args = dict(model=str(tiny_llama), kv_cache_gib=0.01, max_num_seqs=8,

@@ -1,4 +1,4 @@
-"""The lookup-first drafter (minispec/hybrid.py), step by step: which half drafts, and the q it
+"""The lookup-first drafter (minispec/drafters/lookup.py), step by step: which half drafts, and the q it
 reports. (Its exactness runs with the others: greedy identity and seeded batch invariance in
 test_speculative_greedy.py, the output law and a planted bug in test_speculative_statistical.py,
 the EAGLE head's catch-up after looked-up steps in test_eagle.py.)"""

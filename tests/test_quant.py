@@ -1,4 +1,4 @@
-"""Int8 weights with dynamic per-row activation scales (minispec/quant.py) and the batch-invariant
+"""Int8 weights with dynamic per-row activation scales (minispec/fast/int8.py) and the batch-invariant
 attention a quantized model runs with (minispec/invariant_attention.py).
 
 Invariants taught here:

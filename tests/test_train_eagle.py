@@ -1,4 +1,4 @@
-"""scripts/train_eagle.py and the GPU corpus path of scripts/corpus.py: the teacher-forced
+"""training/train_eagle.py and the GPU corpus path of training/corpus.py: the teacher-forced
 acceptance estimate counts what greedy speculative decoding would accept, and transformers'
 batched generate (left padding, several batches) writes exactly the target's greedy answers."""
 
@@ -14,7 +14,7 @@ import torch
 
 from minispec import LLM, SamplingParams, load_checkpoint
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "training"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -120,7 +120,7 @@ def test_pipeline_end_to_end_with_the_hf_generator(checkpoint_factory, tiny_llam
     eagle = info["eval"]["drafts"]["eagle (this head)"]
     assert f"| eagle (this head) | {eagle['mean_accepted_per_step']:.2f} |" in card
     assert f"**{info['val_replay']['accepted_per_step']:.2f}**" in card
-    assert f"python scripts/train_eagle.py {' '.join(first)}\n" in card  # the commands that made it, then the CPU step
+    assert f"python training/train_eagle.py {' '.join(first)}\n" in card  # the commands that made it, then the CPU step
     assert f"--card-only --target {tiny_llama} --out {out} --cache-dir {tmp_path / 'cache' / 'corpus'}" in card
 
 

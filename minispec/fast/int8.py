@@ -21,7 +21,7 @@ for how that kernel is made to run the per-row scheme.
 
 Activations take 129 levels (about 7 bits, not 8): on x86 CPUs without VNNI the int8 kernels add
 pairs of u8 x s8 products in saturating 16-bit lanes, and |xq| <= 64 (stored as xq + 64 <= 128)
-keeps that sum exact: 2 * 128 * 127 < 2^15 (PyTorch's `reduce_range`). Accuracy against the fp32 model is measured by `scripts/quant_accuracy.py`
+keeps that sum exact: 2 * 128 * 127 < 2^15 (PyTorch's `reduce_range`). Accuracy against the fp32 model is measured by `tools/quant_accuracy.py`
 (figures in docs/int8.md).
 
 Two implementations of that one definition:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one command that checks minispec on a GPU machine, writing every result under $OUT.
 #
-#   scripts/gpu_check.sh             # on the GPU machine (one GPU, its own torch + triton, no internet)
-#   scripts/gpu_check.sh --dry-run   # on a CPU machine: every step but the GPU ones, on tiny sizes
+#   tools/gpu_check.sh             # on the GPU machine (one GPU, its own torch + triton, no internet)
+#   tools/gpu_check.sh --dry-run   # on a CPU machine: every step but the GPU ones, on tiny sizes
 #
 # Steps: record the environment; install what is missing from wheels carried in .gpu-wheels/
-# (made beforehand, with internet, by `scripts/gpu_check.sh --fetch-wheels`; never from an index);
+# (made beforehand, with internet, by `tools/gpu_check.sh --fetch-wheels`; never from an index);
 # the kernel tests on the GPU against their torch references (bf16 included); `bench.py --kernels`;
 # the engine's tests (CUDA graphs vs eager included); then bench.py on a random-init pair of realistic size built on the
 # spot (the real target does not fit the carry limit: acceptance comes from the CPU runs, step
@@ -31,7 +31,7 @@ case "${1:-}" in
         done
         du -sh "$WHEELS"; exit 0 ;;
     "") ;;
-    *) echo "usage: scripts/gpu_check.sh [--dry-run | --fetch-wheels]" >&2; exit 2 ;;
+    *) echo "usage: tools/gpu_check.sh [--dry-run | --fetch-wheels]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
 FAILED=()
@@ -78,7 +78,7 @@ else
         tests/test_reliability.py tests/test_graphs.py -p no:cacheprovider
     SIZE=1b; BENCH=(--batch-sizes 1,16 --ks 2,4 --drafters draft,ngram --rounds 6 --max-tokens 128 --no-peers)
 fi
-step random-pair python scripts/random_pair.py "$OUT/pair" --size "$SIZE"
+step random-pair python tools/random_pair.py "$OUT/pair" --size "$SIZE"
 step bench python bench.py --target "$OUT/pair/target" --draft "$OUT/pair/draft" "${BENCH[@]}" \
     --json "$OUT/bench.json" --out "$OUT/plots"
 

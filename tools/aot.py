@@ -11,7 +11,7 @@ per thread: register spills when > 0), static SHARED, and Triton's dynamic share
 against the architecture's limit. Results are cached per (kernel sources, Triton version, config).
 
 Needs a process with TRITON_INTERPRET=0 set before Triton is imported (the interpreter is chosen at
-import): `TRITON_INTERPRET=0 python -m minispec_kernels.aot [--all] [--arch 80,90]` prints the table.
+import): `TRITON_INTERPRET=0 python tools/aot.py [--all] [--arch 80,90]` prints the table.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ class _Recorder:
 
 def launches(config: Config) -> list[tuple]:
     """(kernel, launch kwargs) that the launcher makes for config, on CPU tensors."""
-    from . import flash_prefill as fp
-    from . import kv_write as kw
-    from . import paged_attention as pa
+    from minispec_kernels import flash_prefill as fp
+    from minispec_kernels import kv_write as kw
+    from minispec_kernels import paged_attention as pa
 
     module = {"paged_attention": pa, "flash_prefill": fp, "write_kv": kw}[config.launcher]
     names = [n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")]
@@ -179,9 +179,12 @@ def compile_launch(fn, kwargs: dict, arch: int, config: Config) -> Result:
 def source_hash() -> str:
     import triton
 
+    import minispec_kernels.paged_attention
+
+    kernels = Path(minispec_kernels.paged_attention.__file__).parent
     h = hashlib.sha256(triton.__version__.encode())
-    for name in KERNEL_FILES + ("aot.py",):  # (how this file compiles changes the results too)
-        h.update((Path(__file__).parent / name).read_bytes())
+    for path in [kernels / name for name in KERNEL_FILES] + [Path(__file__)]:  # (how this file compiles changes the results too)
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 

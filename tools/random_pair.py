@@ -5,7 +5,7 @@ Both use the shipped draft's tokenizer (weights/draft-smollm2, 49,152 tokens), s
 prompts and the n-gram drafter work unchanged. Random weights make acceptance meaningless (take it
 from the CPU runs on the real pair); step times, verification cost and kernel behaviour are real.
 
-    python scripts/random_pair.py OUT_DIR [--size 1b|tiny] [--device cuda]
+    python tools/random_pair.py OUT_DIR [--size 1b|tiny] [--device cuda]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""How far int8 weights (minispec/quant.py) move the target's logits from its fp32 ones.
+"""How far int8 weights (minispec/fast/int8.py) move the target's logits from its fp32 ones.
 
-    python scripts/quant_accuracy.py [--target DIR_OR_GGUF] [--prompts N] [--tokens M]
+    python tools/quant_accuracy.py [--target DIR_OR_GGUF] [--prompts N] [--tokens M]
 
 The fp32 target writes greedy answers to the bench prompts; both models then score every answer
 token teacher-forced (one cache-free forward per prompt), and over those positions we report the

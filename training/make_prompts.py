@@ -11,7 +11,7 @@ bible/data/kjv.jsonl.
 Disjointness: every subject (topic, coding task, passage) is used by exactly one of the two sets,
 so no bench prompt shares its subject with a training prompt, not only its text.
 
-CLI: python scripts/make_prompts.py [--out-dir weights/prompts] [--num-train 512] [--seed 0]
+CLI: python training/make_prompts.py [--out-dir weights/prompts] [--num-train 512] [--seed 0]
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Pipeline (progress lines throughout; every size is a flag; defaults = a CPU run, the GPU
 command below = the run in the model card):
 
-1. corpus    the target's answers to the training prompts (scripts/corpus.py; the rows
-             scripts/distill.py uses, read from the same cache, generated where missing;
+1. corpus    the target's answers to the training prompts (training/corpus.py; the rows
+             training/distill.py uses, read from the same cache, generated where missing;
              --generator hf: transformers' batched generate writes prompts and answers, a GPU's
              fast path).
 2. features  one teacher-forced forward of the target (fp32) per sequence, keeping at every
@@ -30,10 +30,10 @@ command below = the run in the model card):
              (--skip-eval on a GPU box, then --card-only on the CPU that benches it).
 6. save      bf16 safetensors in the official EAGLE-3 layout, training.json and a model card.
 
-Run: python scripts/train_eagle.py --threads 2     (CPU: sizes 4096 and 8192 compared on 25% of the
+Run: python training/train_eagle.py --threads 2     (CPU: sizes 4096 and 8192 compared on 25% of the
                                                     data, 25/50% growth points, the chosen size on all)
      ... --cached-only                              (train on the corpus rows already cached)
-     python scripts/train_eagle.py --device cuda --threads 8 --generator hf \
+     python training/train_eagle.py --device cuda --threads 8 --generator hf \
          --cache-dir weights/cache/eagle-gpu/corpus --self-prompts-file weights/cache/eagle-gpu/self.jsonl \
          --num-self-prompts 12288 --gen-batch-size 1024 --max-tokens 256 --generate-budget-s 120 \
          --batch-tokens 16384 --feature-chunk-tokens 8192 --epochs 10 --train-budget-s 100 --max-len 512 \
@@ -43,8 +43,8 @@ Run: python scripts/train_eagle.py --threads 2     (CPU: sizes 4096 and 8192 com
                                                     self-prompts, appended; the deadline skips what does not fit):
                                                     the cached answers are kept, 120 s more are written, and
                                                     everything is trained again (about 8 minutes): the shipped head
-     python scripts/train_eagle.py --card-only --cache-dir weights/cache/eagle-gpu/corpus   (then, on CPU)
-     python scripts/train_eagle.py --num-generate 8 --max-tokens 16 --epochs 1 --out /tmp/e   (smoke)
+     python training/train_eagle.py --card-only --cache-dir weights/cache/eagle-gpu/corpus   (then, on CPU)
+     python training/train_eagle.py --num-generate 8 --max-tokens 16 --epochs 1 --out /tmp/e   (smoke)
 """
 
 from __future__ import annotations
@@ -451,7 +451,7 @@ def write_card(out: Path, info: dict) -> None:
                    f"target step, per-position acceptance {', '.join(f'{x:.2f}' for x in replay['per_position'])} "
                    f"(P(n > i | n >= i)).\n" if replay else "")
     if info["generator"] == "hf":
-        data = (f"{info['num_rows']} target answers written for this head (`scripts/corpus.py --generator hf`: "
+        data = (f"{info['num_rows']} target answers written for this head (`training/corpus.py --generator hf`: "
                 f"`transformers`' batched generate on {info['device_name']}, fp32): {info['answers_per_prompt']} answer{'s' if info['answers_per_prompt'] > 1 else ''} per "
                 f"prompt (the first greedy for a share {info['greedy_fraction']:g} of the prompts, the rest sampled at "
                 f"temperature {info['temperature']:g}, plain sampling), at most {info['max_tokens']} tokens, to "
@@ -459,16 +459,16 @@ def write_card(out: Path, info: dict) -> None:
                 f"template (Magpie: {sp['asked']} asked at temperature {info['self_prompt_temperature']:g}, kept when "
                 f"closed by EOS, new, and sharing no 5-word run with a bench prompt)")
     else:
-        data = (f"{info['num_rows']} target answers from the shared corpus (`scripts/corpus.py`: the same cached rows "
-                f"`scripts/distill.py` trains on; greedy and temperature-0.8 answers to `weights/prompts/train.jsonl` "
+        data = (f"{info['num_rows']} target answers from the shared corpus (`training/corpus.py`: the same cached rows "
+                f"`training/distill.py` trains on; greedy and temperature-0.8 answers to `weights/prompts/train.jsonl` "
                 f"and self-written prompts, none sharing a subject with the bench prompts)")
     # the earlier runs over the same corpus cache (its runs.json: the corpus they wrote is part of
     # this run's), this run, then the CPU step that evaluated it with this run's paths
-    commands = "\n".join(f"python scripts/train_eagle.py {' '.join(a)}" for a in [*info.get("earlier_runs", []), info["argv"]])
+    commands = "\n".join(f"python training/train_eagle.py {' '.join(a)}" for a in [*info.get("earlier_runs", []), info["argv"]])
     if replay or ev:
         argv = info["argv"]
         paths = [f"{flag} {argv[argv.index(flag) + 1]}" for flag in ("--target", "--out", "--cache-dir") if flag in argv]
-        commands += "\n" + " ".join(["python scripts/train_eagle.py --card-only", *paths]) + "   # on the CPU"
+        commands += "\n" + " ".join(["python training/train_eagle.py --card-only", *paths]) + "   # on the CPU"
     text = f"""---
 license: apache-2.0
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct

@@ -1,6 +1,6 @@
 """Check the Triton kernels on a GPU against their torch twins, then time them next to SDPA.
 
-    python -m minispec_kernels.bench_kernels [--check-only]      (bench.py --kernels calls main())
+    python tools/bench_kernels.py [--check-only]      (bench.py --kernels calls main())
 
 1. Correctness in bf16 and fp16: flash_prefill, paged_attention (decode, k+1 verification and
    prefill chunks in one batch; split-KV forced on and off) and write_kv, printing the max abs
