@@ -98,8 +98,8 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=device)  # [N]
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)  # [N]
     if bool((top_k < V).any()) or bool((top_p < 1).any()):
-        # The cut-off is found among the most likely CANDIDATES[0] tokens (a partial sort; a full
-        # sort of 49k logits costs ~2.5 ms a row on CPU, a top-64 0.05 ms); rows whose cut-off may
+        # The cut-off is found among the most likely CANDIDATES[0] tokens (a partial sort: a full
+        # sort of a large vocabulary costs far more than a top-64); rows whose cut-off may
         # lie beyond them are redone with the next count, the last time over the whole
         # vocabulary, so the result is the same whichever count decides.
         counts = [c for c in CANDIDATES if c < V] + [V]

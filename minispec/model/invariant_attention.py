@@ -6,10 +6,10 @@ Why it exists. The reference backend attends with batched matmuls and a softmax 
 longest context, and CPU GEMM kernels round a row differently for different matrix shapes (a
 row's scores from a [3, 15] product differ in the last bit from the same row in a [15, 19]
 product). In fp32 that is ~1e-7 and greedy decoding does not notice. A model whose activations
-are quantized (quant.py) does: a 1-ulp change can move a value across a rounding boundary of its
+are quantized (fast/int8.py) does: a 1-ulp change can move a value across a rounding boundary of its
 int8 grid, which changes it by a whole step, and through 30 layers the logits move by up to ~1
-(measured on SmolLM2-135M: greedy speculative decoding parted from plain decoding at gaps of
-0.18-0.82). So an int8 target gets this backend (quant.quantize_model switches to it, on any
+(enough for greedy speculative decoding to part from plain decoding where the top two logits are
+close). So an int8 target gets this backend (fast.int8.quantize_model switches to it, on any
 device: the Triton kernels choose tiles and splits by batch shape; on CUDA this path is correct,
 not fast, and has not been run on a GPU).
 
@@ -19,13 +19,13 @@ scores are sum over D of q * k, its softmax runs over L, its output is sum over 
 each an elementwise product and a sum over the last, contiguous axis, which torch reduces in one
 fixed order per output element (and splits over threads by output, never inside one). Not
 matmuls: CPU GEMMs round a row differently depending on the other rows, on the matrix sizes and
-even on the operands' memory alignment (measured: the same [3, 64] x [64, 32] product, batch 1
-vs 2, differed). Rows with the same L are computed together, grouped by sequence: a group's
+even on the operands' memory alignment (the same [3, 64] x [64, 32] product differs between
+batch 1 and 2). Rows with the same L are computed together, grouped by sequence: a group's
 keys and values are gathered once and broadcast over its rows (a verification's k+1 rows, or up
 to BUCKET rows of a prompt, share them), which changes no product or sum of a row: a key hidden
 from it adds a zero term (probability 0 times a finite value; a NaN or inf value of a LATER row's
-key would make this row NaN too, as in the torch reference backend: zeroing those terms cost
-30-60% of the attention here). Cost: a gather and a few ops per
+key would make this row NaN too, as in the torch reference backend: zeroing those terms would
+cost a large share of the attention). Cost: a gather and a few ops per
 distinct (L, rows per sequence) per layer (a decode or a verification: 1-2; a prefill of T tokens:
 T / BUCKET), and products of R x Hq x L x D floats, chunked.
 """
