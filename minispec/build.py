@@ -18,7 +18,7 @@ from .drafters.ngram import NgramDrafter
 from .engine import LLMEngine
 from .fast.int8 import quantize_model
 from .io.checkpoint import load_checkpoint
-from .io.eagle_checkpoint import is_eagle_checkpoint, load_eagle
+from .io.eagle_checkpoint import check_head_fits, is_eagle_checkpoint, load_eagle
 from .io.tokenizer import Tokenizer
 from .model.attention import AttentionBackend
 from .model.eagle import EagleModel
@@ -32,6 +32,12 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     """The engine and the target's tokenizer, as the options say."""
     backend = AttentionBackend(o.backend)
     target, tokenizer = load_model(o.model, o, o.device, backend)
+    if o.tokenizer is not None:
+        tokenizer = Tokenizer.from_dir(Path(o.tokenizer))
+        needed = max(tokenizer.get_vocab().values(), default=-1) + 1
+        if needed > target.cfg.vocab_size:
+            raise ValueError(f"tokenizer {o.tokenizer} has ids up to {needed - 1}; the target's vocab_size is "
+                             f"{target.cfg.vocab_size}")
     draft = load_draft(o, target, tokenizer, backend)
     models = [target] + ([draft] if draft is not None else [])
     caches = kv_caches(o, models)
@@ -42,7 +48,7 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     drafter = make_drafter(o, target, runners[1] if draft is not None else None)
     graphs = use_cuda_graphs(o, models)
     engine = LLMEngine(runners[0], tokenizer, drafter, runners[1] if draft is not None else None,
-                       o.num_speculative_tokens, o.max_num_seqs, o.max_num_batched_tokens)
+                       o.num_speculative_tokens, o.max_num_seqs, o.max_num_batched_tokens, o.seed)
     if o.static_shapes if o.static_shapes is not None else graphs:
         layers = engine.drafter.target_layers
         runners[0].use_static_shapes(engine.k + 1, o.max_num_seqs, graphs, **({"hidden_layers": layers} if layers else {}))
@@ -71,7 +77,8 @@ def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, back
     draft_model = o.draft_model
     if not o.uses_model_drafter:
         return None
-    if isinstance(draft_model, EagleModel):  # built for this target (see io/eagle_checkpoint.build_eagle)
+    if isinstance(draft_model, EagleModel):  # built for this target? (see io/eagle_checkpoint.build_eagle)
+        check_head_fits(draft_model, target)
         return check_built(draft_model, o.quantization, "draft_model")
     if isinstance(draft_model, (str, Path)) and is_eagle_checkpoint(draft_model):
         return quantize_model(load_eagle(draft_model, target), o.quantization)
@@ -94,8 +101,11 @@ def make_drafter(o: EngineOptions, target: Transformer, draft_runner: ModelRunne
 
 
 def context_length(o: EngineOptions, target: Transformer) -> int:
-    """The longest sequence (prompt + output): the target's context, or max_model_len if shorter."""
-    return min(target.cfg.max_position_embeddings, o.max_model_len or target.cfg.max_position_embeddings)
+    """The longest sequence (prompt + output): the target's context, or max_model_len (never longer)."""
+    if o.max_model_len is not None and o.max_model_len > target.cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {o.max_model_len} is longer than the target's context "
+                         f"(max_position_embeddings {target.cfg.max_position_embeddings})")
+    return o.max_model_len or target.cfg.max_position_embeddings
 
 
 def kv_caches(o: EngineOptions, models: list) -> list[KVCache]:

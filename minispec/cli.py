@@ -164,7 +164,11 @@ def generate(llm: LLM, args, color: bool) -> list[RequestTrace]:
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():
             raise CliError(f"--prompts {args.prompts_file}: no such file")
-        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        try:
+            text = args.prompts_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CliError(f"--prompts {args.prompts_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise CliError("no prompt: give one or more prompts, or --prompts FILE")
     sampling_params(args)  # bad values fail here, before anything runs

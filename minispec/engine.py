@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from .drafters.base import Drafter, NoDrafter
 from .io.tokenizer import Tokenizer
 from .runtime.kv_cache import KVPoolExhausted
@@ -46,9 +48,11 @@ class LLMEngine:
         num_speculative_tokens: int = 0,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
+        seed: int | None = None,
     ):
         """k = num_speculative_tokens (0 without a drafter); draft_runner: the draft model's or
-        EAGLE head's runner, whose pool every sequence also needs pages in."""
+        EAGLE head's runner, whose pool every sequence also needs pages in; seed: requests without
+        their own seed draw one from a generator seeded with it (else from torch's global one)."""
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDrafter()
@@ -59,6 +63,7 @@ class LLMEngine:
         self.eos_ids = target.model.cfg.eos_token_ids
         self.max_model_len = target.max_positions
         self.times = StepTimes()
+        self.seeds = torch.Generator().manual_seed(seed) if seed is not None else None
         self._next_id = 0
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -92,7 +97,7 @@ class LLMEngine:
         """Queue several requests: all of them, or (if any is refused) none."""
         for prompt_ids, params in requests:
             self.check_request(prompt_ids, params)
-        seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.target.device)
+        seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.target.device, self.seed_for(params))
                 for i, (ids, params) in enumerate(requests)]
         self._next_id += len(seqs)
         now = time.perf_counter()
@@ -100,6 +105,12 @@ class LLMEngine:
             seq.metrics.arrival_s = now
             self.scheduler.add(seq)
         return seqs
+
+    def seed_for(self, params: SamplingParams) -> int:
+        """The request's own seed, else one drawn from the engine's seed generator (or torch's)."""
+        if params.seed is not None:
+            return params.seed
+        return int(torch.randint(0, 2**62, (), generator=self.seeds).item())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -153,5 +164,5 @@ class LLMEngine:
         m = RunMetrics(draft_s=self.times.draft_s - since.draft_s, target_s=self.times.target_s - since.target_s, wall_s=wall_s)
         for s in seqs:
             m.add(s.metrics, len(s.output_ids))
-        m.num_preemptions = sum(self.scheduler.preemptions[s.request_id] for s in seqs)
+        m.num_preemptions = sum(s.num_preemptions for s in seqs)
         return m

@@ -14,6 +14,7 @@ queued request and hands each call its own tokens), so concurrent calls interlea
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
 import sys
@@ -27,7 +28,7 @@ from .engine import StepOutput
 from .io.tokenizer import Tokenizer
 from .model.eagle import EagleModel
 from .options import EngineOptions, Model
-from .outputs import RequestOutput, StreamEvent
+from .outputs import CompletionOutput, Logprob, RequestOutput, StreamEvent
 from .runtime.metrics import RunMetrics, StepTimes
 from .runtime.sequence import Sequence
 from .sampling import SamplingParams
@@ -52,7 +53,10 @@ class LLM:
         """One prompt -> token ids: text, token ids (ints in the vocabulary), or vLLM's
         {"prompt": text} / {"prompt_token_ids": ids} dicts."""
         if isinstance(prompt, dict):
-            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            unsupported = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unsupported:
+                raise ValueError(f"prompt dict keys not supported: {unsupported} (minispec takes 'prompt' or 'prompt_token_ids')")
+            keys = set(prompt)
             if len(keys) != 1:
                 raise ValueError(f"a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
             prompt = prompt[keys.pop()]
@@ -80,6 +84,8 @@ class LLM:
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got {type(p).__name__}")
+        params = [copy.deepcopy(p) for p in params]  # each request its own: changing the caller's object later changes nothing
+        for p in params:
             p.validate()  # again: fields may have been changed since construction
         ids = [self._prompt_ids(p) for p in prompts]
         for i, p in zip(ids, params):
@@ -87,12 +93,25 @@ class LLM:
         return list(zip(ids, params))
 
     def _start(self, requests: list[tuple[list[int], SamplingParams]], with_text: bool) -> _Call:
-        """Queue all of a call's requests (or none: see LLMEngine.add_requests)."""
+        """Queue all of a call's requests (or none: see LLMEngine.add_requests) and own them. An
+        interrupt between the two leaves requests that no call owns: they are aborted here, and
+        any left by a harder stop are aborted before the next step (`_abort_orphans`)."""
         with self._lock:
-            call = _Call(self.engine.add_requests(requests), with_text, self.engine.times)
-            for s in call.seqs:
-                self._owners[s.request_id] = call
+            try:
+                call = _Call(self.engine.add_requests(requests), with_text, self.engine.times)
+                for s in call.seqs:
+                    self._owners[s.request_id] = call
+            except BaseException:
+                self._abort_orphans()
+                raise
         return call
+
+    def _abort_orphans(self) -> None:
+        """Abort queued or running requests that no call owns (their pages are freed)."""
+        scheduler = self.engine.scheduler
+        for seq in list(scheduler.running) + list(scheduler.waiting):
+            if seq.request_id not in self._owners:
+                scheduler.abort(seq)
 
     def _events(self, call: _Call) -> Iterator[StreamEvent]:
         """The call's events in order. Each engine step advances every queued request, whoever
@@ -113,20 +132,22 @@ class LLM:
     def _step(self) -> None:
         """One engine step (lock held); outputs go to the calls that own them. Streams collected
         meanwhile are closed after it. Should the step raise, every request in the engine ends
-        with finish_reason "error" (their pages freed, their owners told), then it re-raises."""
+        with finish_reason "error" (their pages freed, their owners told), then it re-raises. That
+        includes a KeyboardInterrupt: a step stopped half-way (drafts verified, not yet rolled back;
+        tokens emitted for some sequences, not others) leaves no state worth keeping."""
         self._stepping = True
         try:
             try:
-                outputs = self.engine.step()
-            except Exception as e:
-                self._fail_all(f"{type(e).__name__}: {e}")
+                self._abort_orphans()
+                for out in self.engine.step():
+                    call = self._owners.get(out.seq.request_id)
+                    if call is not None and (out.new_token_ids or out.finished):
+                        call.add_event(out, self.tokenizer)
+                    if out.finished:
+                        self._owners.pop(out.seq.request_id, None)
+            except BaseException as e:
+                self._fail_all(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
                 raise
-            for out in outputs:
-                call = self._owners.get(out.seq.request_id)
-                if call is not None and (out.new_token_ids or out.finished):
-                    call.add_event(out, self.tokenizer)
-                if out.finished:
-                    self._owners.pop(out.seq.request_id, None)
         finally:
             self._stepping = False
             closed, self._closed_while_stepping = self._closed_while_stepping, []
@@ -191,9 +212,11 @@ class LLM:
         return [self._output(i, s, text) for i, (s, text) in enumerate(zip(call.seqs, texts))]
 
     def _output(self, index: int, s: Sequence, prompt: str | None = None) -> RequestOutput:
-        logprobs = list(s.logprobs) if s.params.logprobs is not None else None
-        return RequestOutput(index, s.prompt_ids, list(s.output_ids), output_text(s, self.tokenizer), s.finish_reason,
-                             s.metrics, logprobs, prompt, s.error)
+        logprobs = decoded(list(s.logprobs), self.tokenizer) if s.params.logprobs is not None else None
+        cumulative = sum(entry[t].logprob for t, entry in zip(s.output_ids, logprobs)) if logprobs is not None else None
+        completion = CompletionOutput(0, output_text(s, self.tokenizer), list(s.output_ids), cumulative, logprobs,
+                                      s.finish_reason, s.stop_reason)
+        return RequestOutput(str(s.request_id), prompt, list(s.prompt_ids), None, [completion], s.finished, s.metrics, s.error)
 
 
 class _Call:
@@ -211,18 +234,29 @@ class _Call:
     def add_event(self, out: StepOutput, tokenizer: Tokenizer) -> None:
         s, new_ids, finished = out.seq, out.new_token_ids, out.finished
         i, n = self.index[s.request_id], len(new_ids)
-        logprobs = s.logprobs[len(s.logprobs) - n :] if s.params.logprobs is not None and n else None
+        logprobs = decoded(s.logprobs[len(s.logprobs) - n :], tokenizer) if s.params.logprobs is not None and n else None
         text = ""
         if self.with_text:
             full = output_text(s, tokenizer)
             end = len(full)
             if not finished:  # hold back what may still change: a partial UTF-8 character, a stop string's start
                 end = len(full.rstrip("\ufffd"))
-                if s.params.stop:
+                if s.params.stop:  # (never below what was sent: the output may be shorter than a stop string)
                     end = min(end, len(full) - max(map(len, s.params.stop)) + 1)
-            text, self.text_sent[i] = full[self.text_sent[i] : end], max(self.text_sent[i], end)
+            end = max(end, self.text_sent[i])
+            text, self.text_sent[i] = full[self.text_sent[i] : end], end
         self.events.append(StreamEvent(i, new_ids, finished, logprobs, text, s.finish_reason if finished else None,
-                                       s.error if finished else None, out.drafted, out.num_accepted))
+                                       s.error if finished else None, s.stop_reason if finished else None,
+                                       out.drafted, out.num_accepted))
+
+
+def decoded(entries: list[dict[int, Logprob]], tokenizer: Tokenizer) -> list[dict[int, Logprob]]:
+    """The entries with each Logprob's decoded_token filled in (in place; returned)."""
+    for entry in entries:
+        for token, lp in entry.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = tokenizer.decode([token], skip_special_tokens=False)
+    return entries
 
 
 def output_text(s: Sequence, tokenizer: Tokenizer) -> str:

@@ -22,6 +22,7 @@ from .model.eagle import EagleModel
 from .model.llama import Transformer
 
 Model = str | Path | tuple[Transformer, Tokenizer]
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
@@ -43,7 +44,13 @@ class EngineOptions:
     quantization="int8": target and drafter with int8 weights and dynamic per-row activation
     scales (fast/int8.py); speculative output is exact for that int8 target. Models passed
     already built must have been loaded with it: they are never quantized in place.
-    tensor_parallel_size must be 1 (one device)."""
+    ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or the longest lookup match in
+    front of a model (ngram_max); refused where neither drafts.
+    seed: requests without their own seed draw one from a generator seeded with it, in the order
+    they are submitted (vLLM's `seed`), so a script's outputs repeat run after run.
+    tokenizer: a directory with tokenizer.json (and tokenizer_config.json) to use instead of the
+    target checkpoint's. enforce_eager=True: no CUDA graphs (vLLM's spelling of cuda_graphs=False).
+    tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half" and "float"."""
 
     model: Model
     draft_model: Model | EagleModel | None = None
@@ -61,27 +68,52 @@ class EngineOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
-    ngram_max: int = 3
-    ngram_min: int = 1
+    ngram_max: int | None = None
+    ngram_min: int | None = None
     draft_confidence_threshold: float | None = None
     prompt_lookup_min: int | None = None
     cuda_graphs: bool | None = None
     static_shapes: bool | None = None
+    seed: int | None = None
+    tokenizer: str | Path | None = None
+    enforce_eager: bool = False
     verbose: bool = False
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        self.check_device()
         self.translate_vllm()
         self.check_drafter()
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "ngram_max", "ngram_min"):
             check_int(name, getattr(self, name), 1)
-        if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, 1)
+        for name in ("max_model_len", "seed"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0 if name == "seed" else 1, 2**63 - 1 if name == "seed" else None)
         for name in ("kv_cache_gib", "gpu_memory_utilization"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                           and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.gpu_memory_utilization > 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.enforce_eager:
+            if self.cuda_graphs:
+                raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
+            self.cuda_graphs = False
+
+    def check_device(self) -> None:
+        """cpu or cuda (a device minispec can run a forward on), named before anything loads."""
+        if self.device is None:
+            return
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device {self.device!r} is not a device name ({e})") from None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: minispec runs on 'cpu' or 'cuda' devices")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: no CUDA device is available here")
 
     @property
     def uses_ngram(self) -> bool:
@@ -107,9 +139,17 @@ class EngineOptions:
         if self.speculative_config is not None:
             lookup = self.translate_speculative_config(self.speculative_config)
             self.speculative_config = None
+        if self.draft_model is None and self.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens needs a drafter (draft_model, speculative_model or speculative_config)")
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = 4
+        if (lookup.get("prompt_lookup_max") or math.inf) < (lookup.get("prompt_lookup_min") or 0):
+            raise ValueError(f"speculative_config's prompt_lookup_max {lookup['prompt_lookup_max']} is below its "
+                             f"prompt_lookup_min {lookup['prompt_lookup_min']}")
         if self.uses_ngram:  # vLLM's n-gram window
+            for key, name in (("prompt_lookup_min", "ngram_min"), ("prompt_lookup_max", "ngram_max")):
+                if key in lookup and getattr(self, name) not in (None, lookup[key]):
+                    raise ValueError(f"{name}={getattr(self, name)} disagrees with speculative_config's {key} {lookup[key]}")
             self.ngram_min = lookup.get("prompt_lookup_min", self.ngram_min)
             self.ngram_max = lookup.get("prompt_lookup_max", self.ngram_max)
         elif lookup:  # prompt lookup in front of the model drafter
@@ -128,12 +168,18 @@ class EngineOptions:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
         window = ("prompt_lookup_min", "prompt_lookup_max")
-        unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens", *window})
+        unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", *window})
         if unknown:
-            raise ValueError(f"speculative_config keys not supported: {unknown} "
-                             "(use method, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
+            raise ValueError(f"speculative_config keys not supported: {unknown} (use method, model, "
+                             "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, draft_tensor_parallel_size)")
+        if config.get("draft_tensor_parallel_size", 1) not in (None, 1):
+            raise ValueError(f"speculative_config's draft_tensor_parallel_size must be 1 (one device), "
+                             f"got {config['draft_tensor_parallel_size']!r}")
         method, model = config.get("method"), config.get("model")
         if method == "ngram" or (method is None and model == "ngram"):
+            if model not in (None, "ngram"):
+                raise ValueError(f"speculative_config method 'ngram' drafts without a model; drop 'model' ({model!r}) "
+                                 "or use method 'draft_model' / 'eagle3'")
             self.draft_model = "ngram"
         elif method in (None, "draft_model", "eagle", "eagle3"):
             if model is None:
@@ -154,13 +200,25 @@ class EngineOptions:
     def check_drafter(self) -> None:
         if self.draft_model is not None:
             check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 32)
+        for name in ("prompt_lookup_min", "ngram_min", "ngram_max"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        given = [name for name in ("ngram_min", "ngram_max") if getattr(self, name) is not None]
+        if given and not self.uses_ngram and self.prompt_lookup_min is None:
+            raise ValueError(f"{' and '.join(given)} set the n-gram drafter's window (draft_model='ngram') or, with "
+                             "prompt_lookup_min, the lookup in front of a model; neither drafts here")
+        if self.prompt_lookup_min is not None and self.ngram_max is not None and self.ngram_max < self.prompt_lookup_min:
+            raise ValueError(f"ngram_max {self.ngram_max} (the longest lookup match) is below prompt_lookup_min "
+                             f"{self.prompt_lookup_min} (the shortest)")
+        if "ngram_min" in given and not self.uses_ngram:
+            raise ValueError("ngram_min is the n-gram drafter's; in front of a model the shortest match is prompt_lookup_min")
+        self.ngram_min = 1 if self.ngram_min is None else self.ngram_min
+        self.ngram_max = 3 if self.ngram_max is None else self.ngram_max
         if self.draft_confidence_threshold is not None and not self.uses_model_drafter:
             raise ValueError("draft_confidence_threshold needs a draft model (the n-gram drafter has no probabilities)")
-        if self.prompt_lookup_min is not None:
-            check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
-            if not self.uses_model_drafter:
-                raise ValueError("prompt_lookup_min puts prompt lookup in front of a draft model or EAGLE head; "
-                                 "give one as draft_model (the n-gram drafter alone takes ngram_min / ngram_max)")
+        if self.prompt_lookup_min is not None and not self.uses_model_drafter:
+            raise ValueError("prompt_lookup_min puts prompt lookup in front of a draft model or EAGLE head; "
+                             "give one as draft_model (the n-gram drafter alone takes ngram_min / ngram_max)")
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> None:

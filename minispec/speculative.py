@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 
 from .drafters.base import Drafter, Proposal, one_hot_q
+from .outputs import Logprob
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
@@ -228,7 +229,7 @@ def emit_accepted(seqs: list[Sequence], tokens: list[list[int]], num_accepted: l
         s.metrics.record(n_draft, n_acc)
         for j, t in enumerate(toks[: n_acc + (0 if fails else 1)]):
             if rows is not None:
-                s.logprobs.append({**rows[j][0], t: rows[j][1][t].item()})
+                s.logprobs.append(with_sampled(*rows[j], t))
             if emit(s, t):
                 break
         if fails and s.finish_reason is None:
@@ -291,7 +292,7 @@ def cut_at_nonfinite(logits: torch.Tensor, proposal: Proposal, broken: dict[int,
 
 
 def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int]) -> list:
-    """For sequences that asked for logprobs: per verified position, ({top id: logprob}, the
+    """For sequences that asked for logprobs: per verified position, ({top id: Logprob}, the
     position's full log_softmax row) from the raw logits [sum(n_b + 1), V]; None for the others."""
     out, row = [], 0
     for s, n in zip(seqs, num_draft):
@@ -300,6 +301,14 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
         else:
             lp = logits[row : row + n + 1].float().log_softmax(-1).cpu()  # [n + 1, V]
             values, ids = lp.topk(min(s.params.logprobs, lp.shape[-1]), dim=-1)
-            out.append([(dict(zip(i.tolist(), v.tolist())), r) for i, v, r in zip(ids, values, lp)])
+            out.append([({i: Logprob(v, rank) for rank, (i, v) in enumerate(zip(i_.tolist(), v_.tolist()), 1)}, r)
+                        for i_, v_, r in zip(ids, values, lp)])
         row += n + 1
     return out
+
+
+def with_sampled(top: dict[int, Logprob], row: torch.Tensor, token: int) -> dict[int, Logprob]:
+    """The top entries plus the sampled token's (its rank: 1 + the tokens strictly more likely)."""
+    if token in top:
+        return dict(top)
+    return {**top, token: Logprob(row[token].item(), int((row > row[token]).sum()) + 1)}

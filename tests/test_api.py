@@ -6,7 +6,8 @@ Invariants:
   * requests that can never run (too long for the context, token ids outside the vocabulary) and
     a draft model whose tokenizer is not the target's are refused up front, not mid-generation;
   * `text` is the decoding of `token_ids` (cut before a matched stop string); `finish_reason` says
-    which of max_tokens ("length"), EOS ("eos") or a stop string ("stop") ended the request, and
+    which of max_tokens ("length"), EOS ("stop", stop_reason None) or a stop string ("stop", stop_reason
+    the string) ended the request, and
     generation ends at the token that triggered it;
   * a seed makes sampling reproducible, independently of the other requests in the batch;
   * `stream` yields exactly the tokens `generate` returns; top_k=1 (and a tiny top_p) is greedy.
@@ -177,7 +178,8 @@ def test_prompt_lookup_min_is_checked(tiny_llama, tiny_llama_draft, draft, value
 
 def test_outputs_in_prompt_order_with_text_decoding_token_ids(llm, greedy_outputs):
     for i, (prompt, out) in enumerate(zip(PROMPTS, greedy_outputs)):
-        assert out.index == i
+        assert out.prompt == prompt and out.finished and out.outputs[0].index == 0  # the first (only) completion
+        assert int(out.request_id) == int(greedy_outputs[0].request_id) + i  # submitted in prompt order
         assert out.prompt_token_ids == llm.tokenizer.encode(prompt)
         assert len(out.token_ids) == 16 and out.finish_reason == "length"
         assert out.text == llm.tokenizer.decode(out.token_ids)
@@ -189,7 +191,7 @@ def test_token_id_prompts_equal_text_prompts(llm, greedy_outputs):
     assert llm.generate(ids[0], GREEDY)[0].token_ids == greedy_outputs[0].token_ids  # one prompt, not a list
 
 
-def test_eos_ends_generation_with_finish_reason_eos(tiny_llama, greedy_outputs):
+def test_eos_ends_generation_with_finish_reason_stop(tiny_llama, greedy_outputs):
     """Declare the 4th greedy token EOS: generation stops at its first occurrence, EOS included."""
     model, tok = minispec.load_checkpoint(tiny_llama, dtype="float32", backend="torch")
     reference = greedy_outputs[0].token_ids
@@ -197,7 +199,7 @@ def test_eos_ends_generation_with_finish_reason_eos(tiny_llama, greedy_outputs):
     model.cfg.eos_token_ids = [eos]
     llm = LLM(model=(model, tok), kv_cache_gib=0.01)
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16))[0]
-    assert out.finish_reason == "eos"
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason is None  # vLLM's spelling of "EOS"
     assert out.token_ids == reference[: reference.index(eos) + 1]
     # ignore_eos keeps going past it
     assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == reference
@@ -271,7 +273,7 @@ def test_top_k_1_and_tiny_top_p_are_greedy(llm, greedy_outputs):
 def test_stream_yields_the_tokens_generate_returns(tiny_llama, draft):
     """Concatenating each request's stream events gives its generate() tokens; each request
     gets exactly one finished event, its last. Holds with and without speculation."""
-    llm = LLM(model=tiny_llama, draft_model=draft, num_speculative_tokens=3, kv_cache_gib=0.01)
+    llm = LLM(model=tiny_llama, draft_model=draft, num_speculative_tokens=3 if draft else None, kv_cache_gib=0.01)
     params = [SamplingParams(**SAMPLED, seed=i) for i in range(len(PROMPTS))] + [GREEDY]
     prompts = PROMPTS + [PROMPTS[0]]
     expected = [o.token_ids for o in llm.generate(prompts, params)]
@@ -297,7 +299,7 @@ def test_logprobs_are_the_targets_raw_log_softmax_at_each_generated_position(tin
     from minispec import BatchMetadata, load_checkpoint
 
     draft_model = tiny_llama if draft == "target" else draft
-    llm = LLM(model=tiny_llama, draft_model=draft_model, num_speculative_tokens=3, kv_cache_gib=0.01)
+    llm = LLM(model=tiny_llama, draft_model=draft_model, num_speculative_tokens=3 if draft_model else None, kv_cache_gib=0.01)
     params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=5, logprobs=4)
     outs = llm.generate(PROMPTS, params)
     streamed = [[] for _ in PROMPTS]
@@ -318,9 +320,14 @@ def test_logprobs_are_the_targets_raw_log_softmax_at_each_generated_position(tin
             top_values, top_ids = row.topk(4)
             assert set(entry) == set(top_ids.tolist()) | {token}
             for t, lp in entry.items():
-                assert math.isclose(lp, row[t].item(), abs_tol=1e-4), (j, t, lp, row[t].item())
+                assert math.isclose(lp.logprob, row[t].item(), abs_tol=1e-4), (j, t, lp, row[t].item())
+                if t not in top_ids.tolist():  # vLLM's rank: 1 + the tokens more likely (to the tolerance)
+                    assert 1 + int((row > row[t] + 1e-4).sum()) <= lp.rank <= 1 + int((row > row[t] - 1e-4).sum())
+                assert lp.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+            assert [entry[t].rank for t in top_ids.tolist()] == [1, 2, 3, 4]
             if temperature == 0:
                 assert token == top_ids[0].item()
+        assert math.isclose(o.outputs[0].cumulative_logprob, sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs)))
 
 
 def test_vllm_style_code_runs_as_written(tiny_llama, tiny_llama_draft, capsys):
@@ -334,7 +341,7 @@ def test_vllm_style_code_runs_as_written(tiny_llama, tiny_llama_draft, capsys):
         print(output.prompt, output.outputs[0].text)
     assert llm.engine.drafter is not None and llm.engine.k == 4
     out = llm.generate([prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6))[0]
-    assert out.prompt == prompt and out.outputs[0] is out and out.outputs[0].token_ids == out.token_ids
+    assert out.prompt == prompt and out.outputs[0].index == 0 and out.outputs[0].token_ids == out.token_ids
     assert capsys.readouterr().out.startswith(prompt + " ")
 
 
@@ -362,11 +369,12 @@ def test_vllm_speculative_config_is_accepted(tiny_llama, tiny_llama_draft):
     (dict(draft_model="ngram", speculative_model="ngram"), "name the drafter once: got draft_model and speculative_model"),
     (dict(speculative_config={"method": "medusa", "model": "x"}), "method 'medusa' is not supported"),
     (dict(speculative_config={"method": "eagle", "model": "x"}), "method 'eagle' needs an EAGLE-3 checkpoint"),
-    (dict(speculative_config={"model": "x", "draft_tensor_parallel_size": 1}), "keys not supported"),
+    (dict(speculative_config={"model": "x", "draft_tensor_parallel_size": 2}), "draft_tensor_parallel_size must be 1"),
+    (dict(speculative_config={"model": "x", "acceptance_method": "typical"}), "keys not supported"),
     (dict(speculative_config={"num_speculative_tokens": 2}), "needs 'model'"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, num_speculative_tokens=3), "disagrees"),
     (dict(speculative_config=["ngram"]), "must be a dict"),
-    (dict(speculative_config={"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}), "min_n <= max_n"),
+    (dict(speculative_config={"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}), "prompt_lookup_max 2 is below"),
     (dict(speculative_config={"model": "x", "prompt_lookup_max": 4}), "needs prompt_lookup_min"),
     (dict(speculative_config={"model": "x", "prompt_lookup_min": 2}, prompt_lookup_min=3), "disagrees"),
 ])

@@ -308,7 +308,7 @@ def test_stream_logprobs_and_stop_strings_with_the_feature_drafter(target, eagle
     for o, r in zip(outs, ref):
         assert [sorted(d) for d in o.logprobs] == [sorted(d) for d in r.logprobs]
         for d, e in zip(o.logprobs, r.logprobs):
-            assert all(abs(d[t] - e[t]) < 1e-4 for t in d)
+            assert all(abs(d[t].logprob - e[t].logprob) < 1e-4 for t in d)
     stop = target[1].decode(ref[0].token_ids[3:5])
     assert stop.strip(), "tokens 3-4 of the first greedy answer should print something"
     stopped = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop])

@@ -51,7 +51,7 @@ def make_llm(tiny_llama, tiny_llama_draft, tiny_llama_eagle):
         draft = {"none": None, "ngram": "ngram", "model": str(tiny_llama_draft),
                  "eagle": str(tiny_llama_eagle)}[drafter.removesuffix("+lookup")]
         gib = 0.01 if pages is None else (pages + 1.5) * PAGE_SIZE * bytes_per_token(drafter) / 2**30  # + scratch page
-        llm = LLM(model=str(tiny_llama), draft_model=draft, num_speculative_tokens=K, dtype=torch.float32,
+        llm = LLM(model=str(tiny_llama), draft_model=draft, num_speculative_tokens=K if draft else None, dtype=torch.float32,
                   backend=backend, page_size=PAGE_SIZE, kv_cache_gib=gib, **kwargs)
         if pages is not None:
             assert llm.engine.target.cache.num_pages == pages

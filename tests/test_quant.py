@@ -183,7 +183,7 @@ def test_a_tokens_logits_do_not_depend_on_how_it_is_batched(int8_target):
     seq = prompt[:20] + out.token_ids
     full = model(torch.tensor(seq), BatchMetadata.for_prompts([len(seq)])).log_softmax(-1)
     for j, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert lp[token] == full[19 + j, token].item()
+        assert lp[token].logprob == full[19 + j, token].item()
 
 
 def test_gguf_tensors_go_to_int8_in_memory_like_the_fp32_weights(tmp_path):

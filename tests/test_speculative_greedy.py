@@ -59,7 +59,7 @@ def llms(pair):
             draft_model = {"none": None, "model": draft, "self": target, "ngram": "ngram", "adaptive": draft,
                            "eagle": eagle, "eagle-adaptive": eagle}[name]
             threshold = {"adaptive": ADAPTIVE_THRESHOLD, "eagle-adaptive": EAGLE_THRESHOLD}.get(name)
-            built[key] = LLM(model=model, draft_model=draft_model, num_speculative_tokens=k,
+            built[key] = LLM(model=model, draft_model=draft_model, num_speculative_tokens=k if draft_model is not None else None,
                              kv_cache_gib=0.01, page_size=8, max_num_seqs=16, draft_confidence_threshold=threshold,
                              prompt_lookup_min=LOOKUP_MIN if drafter.endswith("+lookup") else None)
         return built[key]
@@ -129,14 +129,14 @@ def test_lookup_first_greedy_equals_plain_greedy_where_lookup_fires(llms, drafte
 @given(prompt=prompts, k=st.integers(1, 6), drafter=st.sampled_from(DRAFTERS), data=st.data())
 def test_eos_inside_an_accepted_run_stops_exactly_where_plain_decoding_stops(llms, prompt, k, drafter, data):
     """Declare as EOS a token plain greedy decoding emits at step j (first occurrence): speculative
-    decoding stops at that same token with reason "eos", and emits nothing after it."""
+    decoding stops at that same token (finish_reason "stop", no stop_reason: EOS), and emits nothing after it."""
     free = llms("none").generate([prompt], dataclasses.replace(GREEDY, max_tokens=16, ignore_eos=True))[0].token_ids
     eos = free[data.draw(st.integers(0, len(free) - 1))]
     params = dataclasses.replace(GREEDY, max_tokens=16)
     plain = llms("none", eos=eos).generate([prompt], params)
     spec = llms(drafter, k, eos=eos).generate([prompt], params)
     same_outputs(spec, plain)
-    assert spec[0].finish_reason == "eos" and spec[0].token_ids == free[: free.index(eos) + 1]
+    assert (spec[0].finish_reason, spec[0].outputs[0].stop_reason) == ("stop", None) and spec[0].token_ids == free[: free.index(eos) + 1]
     check_metrics(spec[0], k)
 
 
@@ -168,7 +168,7 @@ def test_the_accepted_run_is_cut_at_eos_and_at_a_stop_string(llms):
     eos = free.token_ids[2]
     cut = free.token_ids.index(eos) + 1
     out = llms("self", k, eos=eos).generate([prompt], dataclasses.replace(GREEDY, max_tokens=8))[0]
-    assert out.finish_reason == "eos" and out.token_ids == free.token_ids[:cut]
+    assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", None) and out.token_ids == free.token_ids[:cut]
     assert out.metrics.num_steps == 1 and out.metrics.num_accepted == k > len(out.token_ids) - 1
 
     tok = llms("none").tokenizer

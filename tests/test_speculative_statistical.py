@@ -227,7 +227,7 @@ def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n:
     threshold: the draft's confidence threshold (adaptive draft length), None for fixed k;
     lookup: prompt_lookup_min (prompt lookup first, the draft where it finds nothing)."""
     llm = LLM(
-        model=(target, tok), draft_model=draft, num_speculative_tokens=k, max_num_seqs=n,
+        model=(target, tok), draft_model=draft, num_speculative_tokens=k if draft is not None else None, max_num_seqs=n,
         max_num_batched_tokens=n * (len(PROMPT) + m + k), kv_cache_gib=0.02, page_size=8,
         draft_confidence_threshold=threshold, prompt_lookup_min=lookup,
     )

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_prompts  # noqa: E402
 
 from minispec import LLM, SamplingParams  # noqa: E402
+from minispec.outputs import Logprob  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 T0 = time.perf_counter()
@@ -215,8 +216,9 @@ def self_prompts(target, bench: list[dict], args, start: int = 0, known: set[str
         llm = LLM(model=target, max_num_seqs=args.gen_batch_size, kv_cache_gib=args.kv_cache_gib)
         params = [SamplingParams(temperature=args.self_prompt_temperature, max_tokens=args.self_prompt_tokens,
                                  seed=args.seed + 1_000_000 + start + i) for i in range(n)]
-        outs = [SimpleNamespace(index=start + o.index, token_ids=o.token_ids, finish_reason=o.finish_reason, text=o.text)
-                for o in llm.generate([header] * n, params)]
+        outs = [SimpleNamespace(index=start + i, token_ids=o.token_ids, text=o.text,  # "eos": stopped by EOS
+                                finish_reason="eos" if (o.finish_reason, o.outputs[0].stop_reason) == ("stop", None) else o.finish_reason)
+                for i, o in enumerate(llm.generate([header] * n, params))]
     seconds = time.perf_counter() - t0
     rows = keep_self_prompts(outs, bench, known)
     tokens = sum(len(o.token_ids) for o in outs)
@@ -364,15 +366,15 @@ def generate_corpus(target, prompts: list[dict], args, cache_dir: Path, generate
     return [cached[k] for k in keys if k in cached]
 
 
-def save_soft_labels(path: Path, logprobs: list[dict[int, float]], top_k: int) -> None:
+def save_soft_labels(path: Path, logprobs: list[dict[int, Logprob]], top_k: int) -> None:
     """Per response position, the target's top_k (id, log-prob) pairs, most likely first:
     ids [n, top_k] int32, logprobs [n, top_k] fp32 (the sampled token's extra entry is dropped)."""
     ids = torch.zeros(len(logprobs), top_k, dtype=torch.int32)
     lps = torch.zeros(len(logprobs), top_k, dtype=torch.float32)
     for j, entry in enumerate(logprobs):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_k]
         ids[j] = torch.tensor([t for t, _ in top], dtype=torch.int32)
-        lps[j] = torch.tensor([v for _, v in top])
+        lps[j] = torch.tensor([lp.logprob for _, lp in top])
     save_file({"ids": ids, "logprobs": lps}, path)
 
 

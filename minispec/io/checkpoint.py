@@ -7,7 +7,6 @@ or unexpected is reported by name instead of surfacing later as a wrong answer.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -20,9 +19,10 @@ from ..model.attention import AttentionBackend
 from ..model.config import DTYPES, ModelConfig, rope_inv_freq
 from ..model.llama import Transformer, fuse_projections
 from .gguf import read_gguf
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, read_json_object
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+INTEGER_TENSORS = ("d2t", "t2d")  # an EAGLE-3 head's vocabulary maps (every other tensor is a float weight)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -43,7 +43,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint dir: model.safetensors, or the shards its index names."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
@@ -52,9 +55,12 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     for name in files:
         if not (path / name).exists():
             raise FileNotFoundError(f"shard {name} named in {index.name} is missing from {path}")
-        with safe_open(path / name, framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(path / name, framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # SafetensorError, OSError, ...: a truncated, empty or foreign file
+            raise ValueError(f"{path / name} is not a readable safetensors file ({type(e).__name__}: {e})") from None
     return tensors
 
 
@@ -70,6 +76,9 @@ def check_tensors(expected: dict[str, torch.Size], state: dict[str, torch.Tensor
     for key, shape in expected.items():
         if tuple(state[key].shape) != tuple(shape):
             raise ValueError(f"{what}: tensor {key} has shape {tuple(state[key].shape)}, {user} implies {tuple(shape)}")
+        if not state[key].is_floating_point() and key not in INTEGER_TENSORS:
+            raise ValueError(f"{what}: tensor {key} holds {state[key].dtype} values, not floating-point weights "
+                             "(a quantized export without its scales?); minispec reads float weights or a GGUF file")
 
 
 def build_model(
@@ -123,7 +132,7 @@ def load_checkpoint(
         config_file = path / "config.json"
         if not config_file.exists():
             raise FileNotFoundError(f"{path} has no config.json")
-        hf_config = json.loads(config_file.read_text())
+        hf_config = read_json_object(config_file)
         state = read_safetensors(path)
         tokenizer = Tokenizer.from_dir(path, hf_config)
     cfg = ModelConfig.from_hf(hf_config)

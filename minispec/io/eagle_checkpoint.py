@@ -20,6 +20,7 @@ from ..model.config import rope_inv_freq
 from ..model.eagle import EagleConfig, EagleModel
 from ..model.llama import Transformer, checkpoint_state_dict, fuse_projections
 from .checkpoint import check_tensors, read_safetensors, resolve_dtype
+from .tokenizer import read_json_object
 
 
 def is_eagle_checkpoint(path: str | Path) -> bool:
@@ -29,7 +30,7 @@ def is_eagle_checkpoint(path: str | Path) -> bool:
     config = Path(path) / "config.json"
     if not config.is_file():
         return False
-    hf = json.loads(config.read_text())
+    hf = read_json_object(config)
     return "draft_vocab_size" in hf or any("eagle" in a.lower() for a in hf.get("architectures") or [])
 
 
@@ -80,7 +81,7 @@ def load_eagle(path: str | Path, target: Transformer, dtype: str | torch.dtype |
     if not config.is_file():
         raise FileNotFoundError(f"EAGLE checkpoint {path} has no config.json")
     where = f"EAGLE checkpoint {path}"
-    cfg = EagleConfig.from_hf(json.loads(config.read_text()), target.cfg, where)
+    cfg = EagleConfig.from_hf(read_json_object(config), target.cfg, where)
     dtype = target.dtype if dtype in (None, "auto") else resolve_dtype(dtype, cfg.layer, target.device)
     return build_eagle(cfg, read_safetensors(path), target, dtype, where)
 
@@ -112,3 +113,14 @@ def save_eagle(model: EagleModel, path: str | Path, dtype: torch.dtype = torch.b
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in checkpoint_state_dict(model).items()}
     save_file(state, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(hf_config(model.config, dtype), indent=2) + "\n")
+
+
+def check_head_fits(head: EagleModel, target: Transformer) -> None:
+    """An EAGLE head passed already built must have been built for this target: its config is held
+    against the target's by the same checks a checkpoint's config.json gets, and it must share the
+    target's embedding shape (else the first draft step would fail inside a matmul)."""
+    where = "the EAGLE head passed as draft_model"
+    EagleConfig.from_hf(hf_config(head.config), target.cfg, where)
+    embedding, expected = tuple(head.embed_weight.shape), tuple(target.embed_tokens.weight.shape)
+    if embedding != expected:
+        raise ValueError(f"{where} holds an embedding of shape {embedding}; the target's is {expected}")

@@ -30,7 +30,10 @@ class Tokenizer:
         file = path / "tokenizer.json"
         if not file.exists():
             raise FileNotFoundError(f"{path} has no tokenizer.json")
-        tok = HFTokenizer.from_file(str(file))
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{file} is not a readable tokenizer ({' '.join(str(e).split())[:200]})") from None
         tc = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
 
@@ -74,4 +77,16 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+    """A JSON object file's contents ({} when there is no such file), or a ValueError naming it."""
+    return read_json_object(path) if path.exists() else {}
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`, or a ValueError naming the file and what is wrong with it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(value).__name__}")
+    return value

@@ -63,8 +63,9 @@ class EagleConfig:
                              f"this target's is {target.hidden_size}")
         if layer.vocab_size != target.vocab_size:
             raise ValueError(f"{where} has vocab_size {layer.vocab_size} but the target's is {target.vocab_size}")
-        draft_vocab = int(hf.get("draft_vocab_size") or layer.vocab_size)
-        if not 0 < draft_vocab <= target.vocab_size:
+        draft_vocab = hf.get("draft_vocab_size")
+        draft_vocab = layer.vocab_size if draft_vocab is None else draft_vocab
+        if not (isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool) and 0 < draft_vocab <= target.vocab_size):
             raise ValueError(f"{where} has draft_vocab_size {draft_vocab}; need 1..{target.vocab_size} (the target's vocab)")
         L = target.num_layers
         ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

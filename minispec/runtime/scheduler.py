@@ -17,7 +17,7 @@ is never preempted by a younger one, so it always progresses and nothing liveloc
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 
 from .kv_cache import KVPoolExhausted
 from .runner import ModelRunner
@@ -37,11 +37,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
-        self.preemptions: Counter[int] = Counter()  # request_id -> times preempted
-
-    @property
-    def num_preemptions(self) -> int:
-        return sum(self.preemptions.values())
+        self.num_preemptions = 0  # over the engine's life (each sequence counts its own)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -76,7 +72,8 @@ class Scheduler:
         self._free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)  # victims go newest-first to the front: the oldest leads
-        self.preemptions[seq.request_id] += 1
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
 
     def schedule(self) -> list[Sequence]:
         """Pick the sequences for the next step (reserving their pages)."""

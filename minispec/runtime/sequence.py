@@ -8,6 +8,7 @@ import enum
 
 import torch
 
+from ..outputs import Logprob
 from ..sampling import SamplingParams
 from .kv_cache import BlockTable
 from .metrics import RequestMetrics
@@ -20,22 +21,29 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, page_size: int, device):
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, page_size: int, device,
+                 seed: int | None = None):
+        """seed: the generator's (params.seed, else this, else drawn from torch's global generator)."""
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.target_table = BlockTable(page_size)  # K/V of this sequence in the target's pool
         self.draft_table = BlockTable(page_size)  # ... and in the draft model's (or EAGLE head's) pool
         self.draft_state = None  # a drafter's own per-sequence data (the EAGLE drafter: pending target features)
         self.status = Status.WAITING
-        self.finish_reason: str | None = None  # "length" | "eos" | "stop" | "abort" | "error"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (vLLM's, see outputs.py)
+        self.stop_reason: int | str | None = None  # the stop string that ended it (None for EOS)
         self.error: str | None = None  # the message, when finish_reason is "error"
         self.stop_text_end: int | None = None  # output text is cut here when a stop string matched
+        self.num_preemptions = 0
         self.metrics = RequestMetrics()
-        self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set
+        self.logprobs: list[dict[int, Logprob]] = []  # per output token, when params.logprobs is set
 
     def table(self, which: str) -> BlockTable:
         """This sequence's block table in the "target" or the "draft" pool."""
@@ -63,12 +71,13 @@ class Sequence:
         `decode(ids) -> str` renders the output so far for stop-string matching."""
         self.output_ids.append(token)
         if token in eos_ids and not self.params.ignore_eos:
-            self.finish_reason = "eos"
+            self.finish_reason = "stop"  # stop_reason None: EOS
         elif self.params.stop:
             text = decode(self.output_ids)
-            hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((text.find(s), s) for s in self.params.stop) if i >= 0]
             if hits:
-                self.finish_reason, self.stop_text_end = "stop", min(hits)
+                self.stop_text_end, self.stop_reason = min(hits)  # the earliest match ends the text
+                self.finish_reason = "stop"
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return self.finish_reason is not None
