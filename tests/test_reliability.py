@@ -493,9 +493,11 @@ def test_bad_config_values_are_named(tiny_llama, tmp_path, change, message):
 def test_random_interleavings_of_calls_keep_the_llm_whole(tiny_llama, tiny_llama_draft):
     """Hypothesis drives one speculative LLM, whose KV pools hold only a few requests at once
     (so steps preempt), through random interleavings of generate, streams consumed in part,
-    resumed, finished or abandoned, and invalid requests. After every step: when no stream is
-    open, nothing is queued and every page is free; every finished request (greedy or seeded)
-    got exactly the tokens it gets alone on a roomy LLM; only documented errors are raised."""
+    resumed, finished or abandoned, invalid requests, SamplingParams changed after their call
+    was made, and KeyboardInterrupts injected at random points of a step. After every step: when
+    no stream is open, nothing is queued and every page is free; every request that finished
+    (greedy or seeded) got exactly the tokens it gets alone on a roomy LLM, and one ended by an
+    interrupt ("error") got a prefix of them; only documented errors are raised."""
     from hypothesis import settings
     from hypothesis import strategies as st
     from hypothesis.stateful import (
@@ -533,14 +535,20 @@ def test_random_interleavings_of_calls_keep_the_llm_whole(tiny_llama, tiny_llama
             super().__init__()
             self.streams: list[list] = []  # [generator, requests, events so far]
 
-        def check(self, reqs, tokens, finished):
+        def check(self, reqs, events):
+            tokens, finished = collect(events, len(reqs))
+            errors = {e.index for e in events if e.finished and e.finish_reason == "error"}
             assert finished == [1] * len(reqs)
-            assert tokens == [alone(*r) for r in reqs]
+            for i, r in enumerate(reqs):
+                if i in errors:  # ended by an interrupt: what it got is exact as far as it goes
+                    assert tokens[i] == alone(*r)[: len(tokens[i])]
+                else:
+                    assert tokens[i] == alone(*r)
 
         @rule(reqs=requests)
         def generate(self, reqs):
             outs = llm.generate([PROMPTS[p] for p, _, _ in reqs], [params_for(s, m) for _, s, m in reqs])
-            self.check(reqs, [o.token_ids for o in outs], [1] * len(reqs))
+            assert [o.token_ids for o in outs] == [alone(*r) for r in reqs]
 
         @rule(reqs=requests, take=st.integers(0, 3))
         def open_stream(self, reqs, take):
@@ -558,7 +566,41 @@ def test_random_interleavings_of_calls_keep_the_llm_whole(tiny_llama, tiny_llama
         @rule(i=st.integers(0, 9))
         def finish_stream(self, i):
             g, reqs, events = self.streams.pop(i % len(self.streams))
-            self.check(reqs, *collect(events + list(g), len(reqs)))
+            self.check(reqs, events + list(g))
+
+        @rule(reqs=requests, take=st.integers(0, 2))
+        def change_params_after_the_call(self, reqs, take):
+            """The caller's SamplingParams objects, changed after stream(): the call keeps its own."""
+            params = [params_for(s, m) for _, s, m in reqs]
+            g = llm.stream([PROMPTS[p] for p, _, _ in reqs], params)
+            for p in params:
+                p.max_tokens, p.temperature, p.seed, p.stop = 3, 1.5, 99, ["a"]
+            events = [e for e in (next(g, None) for _ in range(take)) if e is not None]
+            self.streams.append([g, reqs, events])
+
+        @rule(reqs=requests, point=st.sampled_from(["propose", "forward", "emit", "rollback"]), call=st.integers(1, 3))
+        def interrupt_a_step(self, reqs, point, call):
+            """A KeyboardInterrupt at the call-th call of one point of the engine's step (before
+            drafting, in the target's forward, between emitted tokens, before the drafter's roll-back)."""
+            owner = {"propose": llm.engine.drafter, "rollback": llm.engine.drafter, "forward": llm.engine.target,
+                     "emit": llm.engine}[point]
+            name = "_emit" if point == "emit" else point
+            original, calls = getattr(owner, name), [0]
+
+            def interrupting(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == call:
+                    raise KeyboardInterrupt
+                return original(*args, **kwargs)
+
+            setattr(owner, name, interrupting)
+            try:
+                outs = llm.generate([PROMPTS[p] for p, _, _ in reqs], [params_for(s, m) for _, s, m in reqs])
+                assert [o.token_ids for o in outs] == [alone(*r) for r in reqs]  # the point came too late
+            except KeyboardInterrupt:
+                pass
+            finally:
+                delattr(owner, name)
 
         @precondition(lambda self: self.streams)
         @rule(i=st.integers(0, 9), close=st.booleans())

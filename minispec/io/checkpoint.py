@@ -88,9 +88,11 @@ def build_model(
     device: torch.device,
     backend: AttentionBackend | None = None,
     cpu_matmul: str | None = None,
+    where: str = "checkpoint",
 ) -> Transformer:
     """Instantiate the model and copy `state` (HF names, optional `model.` prefix) into it.
-    cpu_matmul: the Linear entry point to prefer on CPU (`use_cpu_fast_paths`; None: the fastest)."""
+    cpu_matmul: the nn.Linear variant to prefer on CPU (`use_cpu_fast_paths`; None: the fastest);
+    where: the checkpoint's name in errors."""
     state = {k.removeprefix("model."): v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
     with torch.device("meta"):
         model = Transformer(cfg, backend)
@@ -98,7 +100,7 @@ def build_model(
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
         state.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
-    check_tensors(expected, state, "checkpoint", f"this {cfg.architecture} config")
+    check_tensors(expected, state, where, f"this {cfg.architecture} config")
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:
@@ -138,7 +140,8 @@ def load_checkpoint(
     cfg = ModelConfig.from_hf(hf_config)
     cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))  # every declared end
     # An int8 model's Linears are replaced (quant.Int8Linear): no CPU matmul is worth timing for it.
-    model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, "linear" if quantization else None)
+    model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, "linear" if quantization else None,
+                        f"checkpoint {path}")
     del state  # the full-precision tensors: freed before the int8 copies are made
     calibration = [tokenizer.encode(CALIBRATION_TEXT)] if quantization else None
     return quantize_model(model, quantization, calibration), tokenizer
