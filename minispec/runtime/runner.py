@@ -39,6 +39,9 @@ class ModelRunner:
         self.device = model.device
         self.max_positions = model.cfg.max_position_embeddings
         self.static: StaticShapes | None = None  # set by `use_static_shapes`
+        # Forwards run so far by path: a replayed CUDA graph, the static layout run eagerly, or the
+        # dynamic path (prompts, and steps that admit a new request; what graphs cannot cover).
+        self.forward_counts = {"graph": 0, "static": 0, "dynamic": 0}
 
     def use_static_shapes(self, query_len: int, max_batch: int, cuda_graphs: bool = False, **model_args) -> None:
         """Run feeds of up to query_len tokens for up to max_batch sequences with static shapes
@@ -71,6 +74,7 @@ class ModelRunner:
             out = self.static.forward(feeds, **model_args)
         else:
             out = self._forward(feeds, cached, q_lens, model_args)
+            self.forward_counts["dynamic"] += 1
         for f, n in zip(feeds, q_lens):
             f.table.num_cached += n
         return out

@@ -110,8 +110,10 @@ class StaticShapes:
         if bucket.graph is not None and model_args == self.graph_args:
             bucket.graph.replay()
             out = bucket.output
+            self.runner.forward_counts["graph"] += 1
         else:
             out = self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **model_args)
+            self.runner.forward_counts["static"] += 1
         rows = torch.tensor(logit_rows, device=self.runner.device)
         if isinstance(out, tuple):  # (logits over every row, hidden states of every row)
             return out[0][rows], out[1][torch.tensor(fed_rows, device=self.runner.device)]
