@@ -71,6 +71,9 @@ class LLMEngine:
         never fit a KV pool even alone (queueing it would only fail later)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens fills the model's context length {self.max_model_len}: "
+                             "no room for output")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -97,8 +100,8 @@ class LLMEngine:
         """Queue several requests: all of them, or (if any is refused) none."""
         for prompt_ids, params in requests:
             self.check_request(prompt_ids, params)
-        seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.target.device, self.seed_for(params))
-                for i, (ids, params) in enumerate(requests)]
+        seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.target.device,
+                         self.seed_for(params), self.eos_ids) for i, (ids, params) in enumerate(requests)]
         self._next_id += len(seqs)
         now = time.perf_counter()
         for seq in seqs:

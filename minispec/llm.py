@@ -71,8 +71,9 @@ class LLM:
                              + (" ..." if len(prompt) > 8 else ""))
         return [int(t) for t in prompt]
 
-    def _requests(self, prompts, params) -> list[tuple[list[int], SamplingParams]]:
-        """Validated (token ids, params) per prompt; raises before anything is queued."""
+    def _requests(self, prompts, params) -> list[tuple[int, int, list[int], SamplingParams]]:
+        """Validated (prompt index, completion index, token ids, params), n per prompt (completion
+        j of a seeded request seeded with seed + j); raises before anything is queued."""
         prompts = as_prompt_list(prompts)
         if params is None:
             params = SamplingParams()
@@ -89,16 +90,20 @@ class LLM:
             p.validate()  # again: fields may have been changed since construction
         ids = [self._prompt_ids(p) for p in prompts]
         for i, p in zip(ids, params):
+            if p.max_tokens is None:  # up to the context
+                p.max_tokens = max(self.engine.max_model_len - len(i), 1)
+                p.validate()
             self.engine.check_request(i, p)
-        return list(zip(ids, params))
+        return [(index, j, i, completion_params(p, j)) for index, (i, p) in enumerate(zip(ids, params)) for j in range(p.n)]
 
-    def _start(self, requests: list[tuple[list[int], SamplingParams]], with_text: bool) -> _Call:
+    def _start(self, requests: list[tuple[int, int, list[int], SamplingParams]], with_text: bool) -> _Call:
         """Queue all of a call's requests (or none: see LLMEngine.add_requests) and own them. An
         interrupt between the two leaves requests that no call owns: they are aborted here, and
         any left by a harder stop are aborted before the next step (`_abort_orphans`)."""
         with self._lock:
             try:
-                call = _Call(self.engine.add_requests(requests), with_text, self.engine.times)
+                seqs = self.engine.add_requests([(ids, p) for _, _, ids, p in requests])
+                call = _Call(seqs, [(i, j) for i, j, _, _ in requests], with_text, self.engine.times)
                 for s in call.seqs:
                     self._owners[s.request_id] = call
             except BaseException:
@@ -163,7 +168,8 @@ class LLM:
             seq.finish_reason, seq.error = "error", f"the engine step failed: {message}"
             call = self._owners.pop(seq.request_id, None)
             if call is not None:
-                call.events.append(StreamEvent(call.index[seq.request_id], [], True, None, "", "error", seq.error))
+                i, j = call.index[seq.request_id]
+                call.events.append(StreamEvent(i, [], True, None, "", "error", seq.error, completion_index=j))
 
     def _close(self, call: _Call) -> None:
         """Abort the call's unfinished requests (their pages are freed) and record its metrics."""
@@ -192,39 +198,69 @@ class LLM:
 
         return events()
 
-    def generate(
-        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
-    ) -> list[RequestOutput]:
-        """Generate for every prompt (continuous batching); outputs in prompt order.
-        use_tqdm prints a progress line (requests done, tokens, tokens/s) to stderr."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching); outputs in prompt order, each with its
+        `n` completions. use_tqdm (default: on for more than one prompt, as vLLM) prints one
+        progress line (requests done, tokens, tokens/s) to stderr."""
         prompts = as_prompt_list(prompts)
         call = self._start(self._requests(prompts, sampling_params), with_text=False)
+        show = len(prompts) > 1 if use_tqdm is None else use_tqdm
         done, tokens, t0 = 0, 0, time.perf_counter()
         for event in self._events(call):
             done += event.finished
             tokens += len(event.new_token_ids)
-            if use_tqdm:
+            if show:
                 rate = tokens / max(time.perf_counter() - t0, 1e-9)
                 print(f"\r[minispec] {done}/{len(call.seqs)} requests, {tokens} tokens, {rate:.1f} tok/s", end="", file=sys.stderr)
-        if use_tqdm:
+        if show:
             print(file=sys.stderr)
         texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompts]
-        return [self._output(i, s, text) for i, (s, text) in enumerate(zip(call.seqs, texts))]
+        by_prompt = [[] for _ in prompts]
+        for s, (i, j) in zip(call.seqs, call.slots):
+            by_prompt[i].append(s)
+        return [self._output(seqs, text) for seqs, text in zip(by_prompt, texts)]
 
-    def _output(self, index: int, s: Sequence, prompt: str | None = None) -> RequestOutput:
-        logprobs = decoded(list(s.logprobs), self.tokenizer) if s.params.logprobs is not None else None
-        cumulative = sum(entry[t].logprob for t, entry in zip(s.output_ids, logprobs)) if logprobs is not None else None
-        completion = CompletionOutput(0, output_text(s, self.tokenizer), list(s.output_ids), cumulative, logprobs,
-                                      s.finish_reason, s.stop_reason)
-        return RequestOutput(str(s.request_id), prompt, list(s.prompt_ids), None, [completion], s.finished, s.metrics, s.error)
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `chat`: one conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered with the target's chat template (add_generation_prompt: end with the
+        assistant's turn opening) and generated; one RequestOutput per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for c in conversations:
+            if not c or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                                for m in c):
+                raise ValueError("chat takes a conversation (a non-empty list of {'role': str, 'content': str} "
+                                 "messages) or a list of conversations")
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def _output(self, seqs: list[Sequence], prompt: str | None = None) -> RequestOutput:
+        """A prompt's RequestOutput: its completions in order (their metrics are the first's)."""
+        completions = []
+        for j, s in enumerate(seqs):
+            logprobs = decoded(list(s.logprobs), self.tokenizer) if s.params.logprobs is not None else None
+            cumulative = sum(entry[t].logprob for t, entry in zip(s.output_ids, logprobs)) if logprobs is not None else None
+            completions.append(CompletionOutput(j, output_text(s, self.tokenizer), list(s.output_ids), cumulative, logprobs,
+                                                s.finish_reason, s.stop_reason))
+        first = seqs[0]
+        error = next((s.error for s in seqs if s.error), None)
+        return RequestOutput(str(first.request_id), prompt, list(first.prompt_ids), None, completions,
+                             all(s.finished for s in seqs), first.metrics, error)
 
 
 class _Call:
-    """One generate / stream call: its sequences, in prompt order, and their events not yet yielded."""
+    """One generate / stream call: its sequences, in prompt order (n per prompt), and their events
+    not yet yielded."""
 
-    def __init__(self, seqs: list[Sequence], with_text: bool, times: StepTimes):
+    def __init__(self, seqs: list[Sequence], slots: list[tuple[int, int]], with_text: bool, times: StepTimes):
         self.seqs = seqs
-        self.index = {s.request_id: i for i, s in enumerate(seqs)}
+        self.slots = slots  # per sequence: (prompt index, completion index)
+        self.index = {s.request_id: slot for s, slot in zip(seqs, slots)}
+        self.position = {s.request_id: k for k, s in enumerate(seqs)}
         self.events: deque[StreamEvent] = deque()
         self.with_text = with_text  # streams carry text; generate decodes once at the end
         self.text_sent = [0] * len(seqs)  # characters of each request's text already in events
@@ -233,7 +269,7 @@ class _Call:
 
     def add_event(self, out: StepOutput, tokenizer: Tokenizer) -> None:
         s, new_ids, finished = out.seq, out.new_token_ids, out.finished
-        i, n = self.index[s.request_id], len(new_ids)
+        (i, j), k, n = self.index[s.request_id], self.position[s.request_id], len(new_ids)
         logprobs = decoded(s.logprobs[len(s.logprobs) - n :], tokenizer) if s.params.logprobs is not None and n else None
         text = ""
         if self.with_text:
@@ -243,11 +279,22 @@ class _Call:
                 end = len(full.rstrip("\ufffd"))
                 if s.params.stop:  # (never below what was sent: the output may be shorter than a stop string)
                     end = min(end, len(full) - max(map(len, s.params.stop)) + 1)
-            end = max(end, self.text_sent[i])
-            text, self.text_sent[i] = full[self.text_sent[i] : end], end
+            end = max(end, self.text_sent[k])
+            text, self.text_sent[k] = full[self.text_sent[k] : end], end
         self.events.append(StreamEvent(i, new_ids, finished, logprobs, text, s.finish_reason if finished else None,
                                        s.error if finished else None, s.stop_reason if finished else None,
-                                       out.drafted, out.num_accepted))
+                                       out.drafted, out.num_accepted, j))
+
+
+def completion_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The params of completion j of a request with params.n completions: n = 1 and, when seeded,
+    seed + j (wrapped into the seed range), so each completion is reproducible and they differ."""
+    if params.n == 1:
+        return params
+    seed = params.seed
+    if seed is not None:
+        seed = seed + j if seed + j < 2**64 else seed + j - 2**64
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def decoded(entries: list[dict[int, Logprob]], tokenizer: Tokenizer) -> list[dict[int, Logprob]]:

@@ -91,3 +91,4 @@ class StreamEvent:
     # a stop string may cut new_token_ids short of num_accepted + 1.
     drafted: list[int] = dataclasses.field(default_factory=list)
     num_accepted: int = 0
+    completion_index: int = 0  # which of the request's n completions (SamplingParams.n)

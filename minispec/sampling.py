@@ -17,23 +17,39 @@ import torch
 class SamplingParams:
     """Per-request sampling options (vLLM's names).
 
-    temperature: 0 (or below 1e-5) means greedy; top_k: 0 or -1 disables; top_p in (0, 1];
-    max_tokens: new tokens to generate; stop: strings that end generation (not included in
-    the text); seed: makes the request reproducible and independent of the batch it runs in;
+    n: completions per prompt, sampled independently (completion j of a seeded request uses
+    seed + j); temperature: 0 (or below 1e-5) means greedy; top_k: 0 or -1 disables; top_p in
+    (0, 1]; max_tokens: new tokens to generate (None: up to the context); min_tokens: EOS and
+    stop_token_ids cannot be sampled, and stop strings do not end the request, before this many;
+    stop: strings that end generation (not in the text unless include_stop_str_in_output);
+    stop_token_ids: tokens that end generation (kept in token_ids, stop_reason the id);
+    seed: makes the request reproducible and independent of the batch it runs in;
     ignore_eos: keep generating past EOS (benchmarks); logprobs: also return, for every
     generated token, the target's `logprobs` most likely tokens and the sampled one with their
     log-probabilities under the model's raw distribution (log_softmax of the logits, before
-    temperature, top-k and top-p; vLLM's default), e.g. soft labels for distillation.
+    penalties, temperature, top-k and top-p; vLLM's default), e.g. soft labels for distillation.
+    Penalties (vLLM's definitions, applied to the logits before the warp, at every position with
+    the tokens before it, to target and draft alike; see `penalize`): repetition_penalty (> 0, 1
+    off) divides positive logits and multiplies negative ones of tokens in the prompt or output;
+    presence_penalty subtracts itself from tokens in the output; frequency_penalty subtracts
+    itself times the token's count in the output (both in [-2, 2], 0 off).
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 64
+    max_tokens: int | None = 64
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,8 +75,23 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1 or None (up to the context), got {self.max_tokens!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
+        if isinstance(self.stop_token_ids, int) or self.stop_token_ids is None:
+            self.stop_token_ids = [] if self.stop_token_ids is None else [self.stop_token_ids]
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        if not (is_real(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf")):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (is_real(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
+                raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {getattr(self, name)!r}")
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.seed is not None and not (is_int(self.seed) and -(2**63) <= self.seed < 2**64):
@@ -77,7 +108,49 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `penalize` changes this request's logits (a penalty, or min_tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0)
+
+
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
+
+def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[int], list[int]]]) -> torch.Tensor:
+    """vLLM's logit adjustments, row by row, before the warp. logits [N, V]; rows[i] = (params,
+    prompt length, the tokens before row i's position: prompt, output, and in a speculative step
+    the drafts before it; the request's EOS ids). Row i's output so far is tokens[prompt length:].
+    Returns a new tensor (the input when no row adjusts anything).
+
+        repetition: l / r where l > 0, l * r otherwise, for tokens in prompt or output
+        presence, frequency: l - presence * [count > 0] - frequency * count, counts over the output
+        min_tokens: EOS and stop_token_ids at -inf while the output is shorter than min_tokens
+
+    A deterministic function of the row's history, so a draft and the target that apply it to the
+    same history keep speculative sampling exact (the output law is the penalised target's)."""
+    if not any(p.adjusts_logits for p, _, _, _ in rows):
+        return logits
+    out = logits.clone()
+    V, device = logits.shape[-1], logits.device
+    for i, (p, prompt_len, tokens, eos_ids) in enumerate(rows):
+        if not p.adjusts_logits:
+            continue
+        row = out[i]  # [V], a view
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(tokens)), dtype=torch.int64, device=device)  # [n]
+            seen = seen[seen < V]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        output = tokens[prompt_len:]
+        if output and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            counts = torch.bincount(torch.tensor(output, dtype=torch.int64, device=device), minlength=V)[:V]  # [V]
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if len(output) < p.min_tokens:
+            banned = [t for t in ([] if p.ignore_eos else list(eos_ids)) + list(p.stop_token_ids) if t < V]
+            row[banned] = float("-inf")
+    return out
 
 
 def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

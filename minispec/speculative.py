@@ -44,7 +44,7 @@ from .outputs import Logprob
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
-from .sampling import finite_rows, sample, warp_probs
+from .sampling import finite_rows, penalize, sample, warp_probs
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
@@ -67,6 +67,8 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
                  for s, d in zip(seqs, proposal.tokens)]
         starts = [s.target_table.num_cached for s in seqs]
         logits, hidden = verify_forward(target, feeds, drafter.target_layers)
+        top = top_logprobs(logits, seqs, [len(d) for d in proposal.tokens])  # of the raw logits, as vLLM's
+        logits = penalized(logits, seqs, proposal.tokens)  # penalties and min_tokens, position by position
         greedy = all(s.params.greedy for s in seqs)
         logits, proposal, failures, best = guard_nonfinite(logits, proposal, seqs, greedy)
 
@@ -75,7 +77,7 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
             tokens, num_accepted = greedy_verify(logits, proposal.tokens, best)
         else:
             tokens, num_accepted = sample_verify(logits, seqs, proposal)
-    emit_accepted(seqs, tokens, num_accepted, proposal.tokens, logits, failures, emit)
+    emit_accepted(seqs, tokens, num_accepted, proposal.tokens, top, failures, emit)
 
     # 4. Roll back: keep the K/V of accepted tokens (the newest token is fed next step); the
     # drafter keeps the target's features of those same positions and forgets the rest.
@@ -209,6 +211,15 @@ def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]], best: list
 # --- The step's helpers ---------------------------------------------------------------------------
 
 
+def penalized(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+    """The flat verification logits [sum(n_b + 1), V] with each request's penalties and min_tokens
+    applied (sampling.penalize); row j of sequence b sees the tokens before its position: the
+    sequence's, then its first j drafts, the history the drafter's row j saw too."""
+    if not any(s.params.adjusts_logits for s in seqs):
+        return logits
+    return penalize(logits, [s.penalty_row(d[:j]) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)])
+
+
 def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's forward: logits [sum(num_logits), V], and the inputs of `layers` at every fed
     position [sum(fed), len(layers) * H] when a drafter reads them (else None)."""
@@ -218,12 +229,12 @@ def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ..
 
 
 def emit_accepted(seqs: list[Sequence], tokens: list[list[int]], num_accepted: list[int], drafts: list[list[int]],
-                  logits: torch.Tensor, failures: dict[int, int], emit: Callable[[Sequence, int], bool]) -> None:
+                  top: list, failures: dict[int, int], emit: Callable[[Sequence, int], bool]) -> None:
     """Emit each sequence's accepted run plus one token, stopping early at EOS / stop strings /
-    max_tokens, with requested logprobs (emitted token j of sequence b was sampled at its flat
-    logits row j). A sequence in `failures` whose verification reached its non-finite row emits
-    its accepted drafts and finishes with finish_reason "error" (see `guard_nonfinite`)."""
-    top = top_logprobs(logits, seqs, [len(d) for d in drafts])
+    max_tokens, with requested logprobs (`top_logprobs`: emitted token j of sequence b was sampled
+    at its verified position j). A sequence in `failures` whose verification reached its
+    non-finite row emits its accepted drafts and finishes with finish_reason "error" (see
+    `guard_nonfinite`)."""
     for b, (s, toks, n_acc, n_draft, rows) in enumerate(zip(seqs, tokens, num_accepted, map(len, drafts), top)):
         fails = b in failures and n_acc == n_draft  # the final token would come from a non-finite row
         s.metrics.record(n_draft, n_acc)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -97,6 +98,7 @@ def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
         return {name: seconds[name] for name in names}
 
     monkeypatch.setattr(cpu_linear, "time_cpu_matmuls", fake_time)
+    monkeypatch.setattr(cpu_linear, "read_cached_choice", lambda key: None)  # every load times (see the cache test)
     plan = lambda model: {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}  # noqa: E731
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
     assert fp32.cpu_matmul == "linear" and plan(fp32) == {torch.nn.Linear} and timed == []  # too small to time
@@ -117,6 +119,26 @@ def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
     monkeypatch.setenv("MINISPEC_CPU_MATMUL", "weight-major")
     with pytest.raises(ValueError, match="MINISPEC_CPU_MATMUL='weight-major'"):
         load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+
+
+def test_the_timed_choice_is_cached_per_machine_and_dtype(tiny_llama, monkeypatch, tmp_path):
+    """The first load on a machine times the candidates; later loads (other processes too: the
+    choice is in the cache directory) reuse its choice without timing, per dtype."""
+    monkeypatch.setenv("MINISPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("MINISPEC_CPU_MATMUL", raising=False)
+    monkeypatch.setattr(cpu_linear, "TIMED_BYTES", 0)
+    timed = []
+    monkeypatch.setattr(cpu_linear, "time_cpu_matmuls",
+                        lambda model, names, **_: timed.append(names) or {"linear": 2.0, "weight_major": 1.0, "prepacked": 1.0})
+    first = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")[0]
+    again = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")[0]
+    assert first.cpu_matmul == again.cpu_matmul == "weight_major" and timed == [("linear", "weight_major")]
+    key = cpu_linear.machine_key(again, torch.float32)
+    assert json.loads((tmp_path / "cpu_matmul.json").read_text()) == {key: "weight_major"}
+    assert "torch.float32" in key and torch.__version__ in key
+    if native_cpu_bf16():  # another dtype is timed on its own
+        load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+        assert timed[-1] == ("linear", "prepacked")
 
 
 def test_the_timer_times_each_candidate_and_leaves_random_streams_alone(tiny_llama):

@@ -13,6 +13,7 @@ Invariants a paged KV cache must keep whatever the sequence of appends, rollback
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,21 @@ def test_pool_shape_and_size_follow_the_budget():
     assert capped.num_pages == 5
     with pytest.raises(ValueError, match="smaller than one page"):
         KVCache.from_budget(cfg, 2 * page_bytes - 1, 4, torch.float32, torch.device("cpu"))
+
+
+def test_a_pool_reads_as_zeros_and_costs_nothing_until_its_pages_are_used():
+    """Attention multiplies masked-out keys by 0, so the pool must hold zeros (0 * NaN garbage is
+    NaN); on CPU the zeros come from calloc, so a pool is not written when it is made."""
+    cfg = _cfg()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        cache = KVCache(cfg, 64, 4, dtype, torch.device("cpu"))
+        assert cache.pool.dtype == dtype and bool((cache.pool == 0).all()) and cache.pool.is_contiguous()
+        k_pool, _ = cache.layers()[0]
+        k_pool[3].fill_(1.5)  # a view of the pool: writes land in it
+        assert cache.pool[0, 0, 3].eq(1.5).all() and cache.pool[0, 0, 4].eq(0).all()
+    statm = Path("/proc/self/statm")
+    if statm.exists():  # resident memory does not grow by the pool's size when it is made
+        resident = lambda: int(statm.read_text().split()[1]) * 4096  # noqa: E731
+        before = resident()
+        big = KVCache.from_budget(cfg, 512 * 2**20, 16, torch.float32, torch.device("cpu"))
+        assert big.nbytes > 500 * 2**20 and resident() - before < 64 * 2**20

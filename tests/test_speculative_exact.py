@@ -13,6 +13,7 @@ replayed draw by draw), `warp_probs` against a direct reference, and `sample` by
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from unittest import mock
 
@@ -22,7 +23,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from minispec import sampling
-from minispec.sampling import SamplingParams, sample, warp_probs
+from minispec.sampling import SamplingParams, penalize, sample, warp_probs
 from minispec.speculative import accept_probability, rejection_sample, residual_distribution
 from test_speculative_statistical import ALPHA, pooled_chi_square
 
@@ -190,6 +191,57 @@ def test_k_drafts_chained_give_the_target_autoregressive_law(seeds, vocab, k, sh
         assert speculative == pytest.approx(autoregressive, abs=1e-12)
     if same:  # q == p: every draft is accepted, every step emits k + 1 tokens
         assert all(len(ys) == k + 1 for ys, prob in step.items() if prob > 0)
+
+
+PENALTIES = [SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.5),
+             SamplingParams(temperature=0.8, top_k=2, repetition_penalty=0.7, frequency_penalty=-0.4),
+             SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=[0], presence_penalty=1.5)]
+PENALTY_PROMPT = (1, 1, 2)
+
+
+def penalized_model(seed: int, vocab: int, sharpness: float, params: SamplingParams, stale: bool = False):
+    """prefix_model's logits with the request's penalties and min_tokens applied for the history
+    prompt + context (sampling.penalize), then warped: the law a penalised request samples from,
+    in fp64. stale=True: the penalty sees the prompt only, not the context (a planted bug)."""
+    base = prefix_model(seed, vocab, sharpness)
+
+    def probs(context: tuple) -> torch.Tensor:
+        logits = base(context).log()[None]  # [1, V] fp64 (-inf where the base has zeros)
+        history = list(PENALTY_PROMPT) + ([] if stale else list(context))
+        row = penalize(logits, [(params, len(PENALTY_PROMPT), history, [])])
+        return warp_probs(row, [params])[0]
+
+    return probs
+
+
+def autoregressive_gap(step: dict, target, vocab: int, k: int) -> float:
+    """max over k+1-token continuations of |P(one step, then the target) - P(the target alone)|."""
+    gap = 0.0
+    for ys in itertools.product(range(vocab), repeat=k + 1):
+        autoregressive = math.prod(target(ys[:j])[ys[j]].item() for j in range(k + 1))
+        speculative = sum(step.get(ys[:j], 0.0) * math.prod(target(ys[:i])[ys[i]].item() for i in range(j, k + 1))
+                          for j in range(1, k + 2))
+        gap = max(gap, abs(speculative - autoregressive))
+    return gap
+
+
+@settings(FIXED, max_examples=30)
+@given(seeds=st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), vocab=st.integers(2, 3), k=st.integers(1, 3),
+       which=st.integers(0, len(PENALTIES) - 1))
+def test_penalties_at_every_drafted_position_keep_the_step_exact(seeds, vocab, k, which):
+    """Repetition / presence / frequency penalties and min_tokens, applied to target and draft with
+    the tokens before each position (the drafts before it included): one step, continued by the
+    target, has exactly the penalised target's autoregressive law. Applied with a stale history
+    (the context's tokens left out), the verifier's p is another law: the identity fails."""
+    params = PENALTIES[which]
+    target = penalized_model(seeds[0], vocab, 2.0, params)
+    draft = penalized_model(seeds[1], vocab, 2.0, params)
+    assert autoregressive_gap(one_step_distribution(target, draft, k, vocab), target, vocab, k) < 1e-12
+    stale = penalized_model(seeds[0], vocab, 2.0, params, stale=True)
+    reachable = [ctx for j in range(1, k + 1) for ctx in itertools.product(range(vocab), repeat=j)
+                 if math.prod(target(ctx[:i])[ctx[i]].item() * draft(ctx[:i])[ctx[i]].item() for i in range(j)) > 0]
+    if any(not torch.allclose(stale(ctx), target(ctx), atol=1e-3) for ctx in reachable):
+        assert autoregressive_gap(one_step_distribution(stale, draft, k, vocab), target, vocab, k) > 1e-6
 
 
 # --- rejection_sample: the batched rule ----------------------------------------------------------

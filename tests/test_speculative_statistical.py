@@ -22,7 +22,8 @@ against closed forms). Significance level ALPHA = 1e-3, fixed seeds: every run i
 Power. The same statistic at the same ALPHA must REJECT each planted bug (mutants of
 minispec.speculative / minispec.drafters, monkeypatched): no residual, always accept, bonus from
 the wrong position, temperature missing from the target's p, a draft that samples from one q
-but reports another, and a hybrid that reports no q (zeros) for its looked-up tokens. A control shows what is NOT a bug: a draft that consistently ignores the
+but reports another, a hybrid that reports no q (zeros) for its looked-up tokens, and penalties
+applied by the verifier with a stale history (without the drafts before each position). A control shows what is NOT a bug: a draft that consistently ignores the
 temperature is still exact (speculative sampling is exact for any q it is told truthfully).
 """
 
@@ -42,7 +43,7 @@ import minispec.speculative
 from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
 from minispec.fast.int8 import quantize_model
 from minispec.model.eagle import init_eagle
-from minispec.sampling import sample, warp_probs
+from minispec.sampling import penalize, sample, warp_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
 
@@ -215,8 +216,10 @@ def exact_distribution(model: Transformer, params: SamplingParams, m: int, promp
     else:
         conts = torch.cartesian_prod(*[torch.arange(V)] * (m - 1)).view(-1, m - 1)  # [V^(m-1), m-1]
     seqs = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], dim=1)  # [V^(m-1), P+m-1]
-    logits = dense_logits(model, seqs)[:, len(prompt) - 1 :]  # [V^(m-1), m, V]
-    probs = warp_probs(logits.reshape(-1, V), [params] * (len(conts) * m)).double().view(-1, m, V)
+    logits = dense_logits(model, seqs)[:, len(prompt) - 1 :].reshape(-1, V)  # [V^(m-1) * m, V]
+    # penalties / min_tokens: row (c, j) sees the prompt and c's first j tokens
+    logits = penalize(logits, [(params, len(prompt), list(prompt) + c[:j], []) for c in conts.tolist() for j in range(m)])
+    probs = warp_probs(logits, [params] * (len(conts) * m)).double().view(-1, m, V)
     prefix = probs[:, : m - 1].gather(-1, conts[..., None]).squeeze(-1).prod(-1)  # [V^(m-1)]
     return (prefix[:, None] * probs[:, m - 1]).flatten()  # [V^m]
 
@@ -258,6 +261,7 @@ def p_value(models, drafter: str, k: int, params: SamplingParams, m: int, thresh
 # --- the correct implementation passes ----------------------------------------------------------
 
 SP = SamplingParams
+PENALISED = SP(temperature=1.0, repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=0.8)
 CASES = [
     # (drafter, k, params, m generated tokens): every drafted position, the rejection and the
     # bonus paths are inside the m tokens (the first step drafts min(k, m - 1) tokens; an EAGLE
@@ -278,6 +282,13 @@ CASES = [
     ("eagle", 1, SP(temperature=1.3), 3),
     ("near+lookup", 2, SP(temperature=0.6), 3),  # the lookup mutant below runs here
     ("eagle+lookup", 3, SP(temperature=1.0, top_k=5, top_p=0.95), 5),
+    # penalties and min_tokens, applied at every position with the drafts before it
+    ("none", 1, SP(temperature=0.9, repetition_penalty=1.8, presence_penalty=0.8), 3),
+    ("near", 2, PENALISED, 3),  # the stale-history mutant below runs here
+    ("eagle", 2, SP(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.7), 4),
+    ("ngram", 2, SP(temperature=1.0, presence_penalty=1.2, top_k=5), 3),
+    ("near+lookup", 3, SP(temperature=1.0, repetition_penalty=0.6, frequency_penalty=-0.5), 4),
+    ("near", 2, SP(temperature=1.0, min_tokens=2, stop_token_ids=[3], repetition_penalty=1.3), 3),
 ]
 
 
@@ -403,6 +414,15 @@ def eagle_ignores_d2t(monkeypatch):
     monkeypatch.setattr(minispec.drafters.base, "sample", sample_draft_id)
 
 
+def stale_penalty_history(monkeypatch):
+    """(g) the verifier penalises every row with the sequence's tokens only, leaving out the
+    drafts before the row (the draft's own penalties are right)."""
+    def stale(logits, seqs, drafts):
+        return penalize(logits, [s.penalty_row([]) for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)])
+
+    monkeypatch.setattr(minispec.speculative, "penalized", stale)
+
+
 def lookup_reports_no_q(monkeypatch):
     """(f) the hybrid drafter leaves q at 0 for its looked-up tokens (not one-hot): the verifier
     then accepts every one of them."""
@@ -424,9 +444,34 @@ def test_statistic_rejects_planted_bugs(models, monkeypatch, drafter, mutant):
     assert pval < ALPHA
 
 
+def test_statistic_rejects_a_stale_penalty_history(models, monkeypatch):
+    """Power for penalties: the verifier penalising position j without the j drafts before it
+    (what a per-sequence, not per-position, penalty does) is REJECTED (p < ALPHA)."""
+    assert ("near", 2, PENALISED, 3) in CASES  # the real code passes this very configuration
+    stale_penalty_history(monkeypatch)
+    pval, _ = p_value(models, "near", 2, PENALISED, 3)
+    assert pval < ALPHA
+
+
 def test_a_draft_that_ignores_temperature_consistently_is_still_exact(models, monkeypatch):
     """Control, not a bug: the draft samples and reports the same (untempered) q; exactness
     holds for any q, only the acceptance rate changes."""
     monkeypatch.setattr(minispec.drafters.base, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
     pval, _ = p_value(models, "near", MUTANT_K, MUTANT_PARAMS, MUTANT_M["near"])
     assert pval > ALPHA
+
+
+def test_n_completions_of_one_request_follow_the_target_law(models):
+    """SamplingParams(n=N, seed=0): N completions of ONE request, sampled independently (seeds 0..N-1),
+    follow the target's law (p > ALPHA) and equal N requests seeded 0..N-1."""
+    params = SP(temperature=0.8, n=N, seed=0, max_tokens=3, ignore_eos=True)
+    llm = LLM(model=(models["target"], models["tok"]), draft_model=(models["near"], models["tok"]), num_speculative_tokens=2,
+              max_num_seqs=N, max_num_batched_tokens=N * (len(PROMPT) + 5), kv_cache_gib=0.02, page_size=8)
+    out = llm.generate([PROMPT], params)[0]
+    assert len(out.outputs) == N and [c.index for c in out.outputs] == list(range(N))
+    ids = torch.tensor([c.token_ids for c in out.outputs])  # [N, 3]
+    counts = torch.bincount((ids * V ** torch.arange(2, -1, -1)).sum(-1), minlength=V**3)
+    pval, _, _ = pooled_chi_square(counts, exact_distribution(models["target"], params, 3))
+    assert pval > ALPHA
+    single = [dataclasses.replace(params, n=1, seed=i) for i in range(50)]
+    assert [o.token_ids for o in llm.generate([PROMPT] * 50, single)] == [c.token_ids for c in out.outputs[:50]]

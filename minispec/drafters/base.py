@@ -23,7 +23,7 @@ import torch
 
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
-from ..sampling import finite_rows, sample, warp_probs
+from ..sampling import finite_rows, penalize, sample, warp_probs
 
 
 @dataclass
@@ -110,6 +110,7 @@ class AutoregressiveDrafter(Drafter):
         proposal = Proposal([[] for _ in seqs], None if greedy else torch.zeros(B, K + 1, self.vocab_size, device=self.runner.device))
         logits, carry = self.first_forward(seqs, active)  # [len(active), V_d]
         for i in range(K):
+            logits = self.penalized(logits, [seqs[b] for b in active], [proposal.tokens[b] for b in active])
             ids, usable, confident, q = self.draw(seqs, active, logits, greedy)
             for row, (b, t) in enumerate(zip(active, ids)):
                 if usable[row]:
@@ -124,6 +125,19 @@ class AutoregressiveDrafter(Drafter):
             carry = carry[keep] if isinstance(carry, torch.Tensor) else carry
             logits, carry = self.next_forward(seqs, active, proposal.tokens, carry)
         return proposal
+
+    def penalized(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
+        """The requests' penalties and min_tokens (sampling.penalize) on draft logits [n, V_d],
+        with the same history the target's verification row will see (the tokens so far and
+        the drafts before this one). A draft vocabulary is lifted to the target's to apply them."""
+        if not any(s.params.adjusts_logits for s in seqs):
+            return logits
+        rows = [s.penalty_row(d) for s, d in zip(seqs, drafted)]
+        if self.draft_ids is None:
+            return penalize(logits, rows)
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # [n, V]
+        full[:, self.draft_ids] = logits
+        return penalize(full, rows)[:, self.draft_ids]
 
     def draw(self, seqs: list[Sequence], active: list[int], logits: torch.Tensor, greedy: bool
              ) -> tuple[list[int], list[bool], list[bool], torch.Tensor | None]:

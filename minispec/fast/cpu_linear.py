@@ -22,9 +22,13 @@ Measured figures are in docs/cpu-performance.md.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -188,14 +192,57 @@ def time_cpu_matmuls(model: nn.Module, names: tuple[str, ...], rows: tuple[int, 
     return {name: sum(best[name, n] for n in rows) for name in names}
 
 
+def machine_key(model: nn.Module, dtype: torch.dtype) -> str:
+    """What the timing depends on: this CPU, torch, the thread count, the dtype and the weights' shapes."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    shapes = sorted({tuple(m.weight.shape) for _, _, m in linear_slots(model)})
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
+    return f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}|{digest}"
+
+
+def cache_file() -> Path:
+    from ..io.paths import cache_dir
+
+    return cache_dir() / "cpu_matmul.json"
+
+
+def read_cached_choice(key: str) -> str | None:
+    """The variant timed fastest for this key on an earlier run (None: not timed here yet)."""
+    try:
+        return json.loads(cache_file().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def write_cached_choice(key: str, choice: str) -> None:
+    """Remember the choice for later runs (best effort: an unwritable cache only costs the timing)."""
+    path = cache_file()
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+        known = known if isinstance(known, dict) else {}
+        known[key] = choice
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1) + "\n")
+        tmp.replace(path)
+    except (OSError, ValueError):
+        pass
+
+
 def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.device, prefer: str | None = None) -> str | None:
     """On CPU, swap every nn.Linear of `model` for the variant that is fastest HERE: `prefer` if it
     applies to this dtype (an EAGLE head passes its target's: one layer's weights are too few to
     time), else $MINISPEC_CPU_MATMUL if it applies (a warning says when it does not), else the
     candidates timed by `time_cpu_matmuls`, where another variant replaces F.linear only if it is
     at least MIN_GAIN faster (so that near-ties do not flip between runs); a model with under
-    TIMED_BYTES of linear weight keeps F.linear untimed. Returns the choice (None off CPU), also
-    kept as `model.cpu_matmul`."""
+    TIMED_BYTES of linear weight keeps F.linear untimed. A timed choice is kept in the cache
+    directory per machine (CPU, torch, threads, dtype, weight shapes), so only the first load on
+    a machine pays for the timing. Returns the choice (None off CPU), also `model.cpu_matmul`."""
     if device.type != "cpu":
         return None
     env = os.environ.get("MINISPEC_CPU_MATMUL") or None
@@ -210,10 +257,13 @@ def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.devic
         choice = candidates[0]
         weights = {id(m.weight): m.weight for _, _, m in linear_slots(model)}.values()
         if len(candidates) > 1 and sum(w.numel() * w.element_size() for w in weights) >= TIMED_BYTES:
-            seconds = time_cpu_matmuls(model, candidates)
-            fastest = min(candidates, key=seconds.get)
-            if seconds[fastest] * (1 + MIN_GAIN) < seconds[choice]:
-                choice = fastest
+            key = machine_key(model, dtype)
+            choice = read_cached_choice(key) if read_cached_choice(key) in candidates else None
+            if choice is None:
+                seconds = time_cpu_matmuls(model, candidates)
+                fastest = min(candidates, key=seconds.get)
+                choice = fastest if seconds[fastest] * (1 + MIN_GAIN) < seconds[candidates[0]] else candidates[0]
+                write_cached_choice(key, choice)
     timed = model.__dict__.pop("_timed_variants", {}).get(choice)
     if timed is not None:  # the timer's modules (and their packed copies) go in as they are
         for (parent, attr, _), module in zip(linear_slots(model), timed):

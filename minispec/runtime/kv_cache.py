@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..model.config import ModelConfig
@@ -105,6 +106,16 @@ class BlockTable:
         return [self.pages[t // ps] * ps + t % ps for t in range(start, end)]
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU from numpy's calloc: the OS maps zero pages and backs them with memory
+    only when they are first written, so a large pool costs nothing until pages are used (a
+    memset of a 1 GiB pool takes about a second). Every element still reads as 0."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
+    return torch.from_numpy(raw).view(dtype)
+
+
 class KVCache:
     """One model's page pool: per layer K and V, each [num_pages, page_size, kv_heads, head_dim]."""
 
@@ -117,7 +128,7 @@ class KVCache:
         # the padding rows of a static-shape step write their K/V (see static_shapes.py).
         shape = (cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: attention multiplies masked-out rows by 0, and 0 * NaN garbage is NaN.
-        self.pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, pages + 1, page_size, Hkv, D]
+        self.pool = zeros(shape, dtype, device)  # [L, 2, pages + 1, page_size, Hkv, D]
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.scratch_page = num_pages

@@ -22,8 +22,10 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, page_size: int, device,
-                 seed: int | None = None):
-        """seed: the generator's (params.seed, else this, else drawn from torch's global generator)."""
+                 seed: int | None = None, eos_ids: list[int] = ()):
+        """seed: the generator's (params.seed, else this, else drawn from torch's global generator);
+        eos_ids: the model's end tokens (what min_tokens keeps from being sampled too early)."""
+        self.eos_ids = list(eos_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -56,6 +58,11 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def penalty_row(self, drafts: list[int]) -> tuple:
+        """What `sampling.penalize` needs for the position after `drafts` (drafts not yet accepted,
+        in a speculative step): (params, prompt length, the tokens before it, the EOS ids)."""
+        return self.params, len(self.prompt_ids), self.tokens + list(drafts), self.eos_ids
+
     @property
     def remaining(self) -> int:
         """How many more tokens this request may emit."""
@@ -66,18 +73,31 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def append(self, token: int, eos_ids: list[int], decode) -> bool:
-        """Add one generated token and check stop conditions. Returns True when the request is done.
+        """Add one generated token and check stop conditions (none before min_tokens: vLLM's
+        rule). Returns True when the request is done.
 
         `decode(ids) -> str` renders the output so far for stop-string matching."""
         self.output_ids.append(token)
-        if token in eos_ids and not self.params.ignore_eos:
-            self.finish_reason = "stop"  # stop_reason None: EOS
-        elif self.params.stop:
-            text = decode(self.output_ids)
-            hits = [(i, s) for i, s in ((text.find(s), s) for s in self.params.stop) if i >= 0]
-            if hits:
-                self.stop_text_end, self.stop_reason = min(hits)  # the earliest match ends the text
-                self.finish_reason = "stop"
+        p = self.params
+        if len(self.output_ids) >= p.min_tokens:
+            if token in eos_ids and not p.ignore_eos:
+                self.finish_reason = "stop"  # stop_reason None: EOS
+            elif token in p.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token
+            elif p.stop:
+                self.match_stop_strings(decode)
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def match_stop_strings(self, decode) -> None:
+        """The earliest stop string in the output text (past what min_tokens' tokens wrote) ends
+        the request; its text ends before the string, or after it with include_stop_str_in_output."""
+        p = self.params
+        text = decode(self.output_ids)
+        start = len(decode(self.output_ids[: p.min_tokens - 1])) if p.min_tokens > 1 else 0
+        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in p.stop) if i >= 0]
+        if hits:
+            i, stop = min(hits)
+            self.stop_text_end = i + len(stop) if p.include_stop_str_in_output else i
+            self.finish_reason, self.stop_reason = "stop", stop

@@ -1,0 +1,132 @@
+"""vLLM's sampling options and LLM.chat, as vLLM code uses them.
+
+Invariants: with penalties, min_tokens and stop tokens every drafter gives the greedy tokens plain
+decoding gives (the exact laws are checked in test_speculative_exact / _statistical); n
+completions per prompt; stop_token_ids end a request with stop_reason the id; min_tokens holds
+EOS, stop tokens and stop strings back; include_stop_str_in_output keeps the string;
+max_tokens=None runs to the context; chat renders the chat template; use_tqdm is on by default
+for several prompts, as in vLLM; every unsupported option is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minispec import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPTS = ["the quick brown fox", "hello world", "to be or not to be, that is"]
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_llama, tiny_llama_draft, tiny_llama_eagle):
+    common = dict(kv_cache_gib=0.01)
+    return {"none": LLM(model=tiny_llama, **common),
+            "draft": LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, **common),
+            "ngram": LLM(model=tiny_llama, draft_model="ngram", num_speculative_tokens=3, **common),
+            "eagle": LLM(model=tiny_llama, draft_model=tiny_llama_eagle, num_speculative_tokens=3,
+                         prompt_lookup_min=2, **common)}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8),
+    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.9),
+    SamplingParams(temperature=0, max_tokens=16, min_tokens=10, repetition_penalty=0.8, frequency_penalty=-1.0),
+], ids=["repetition", "presence+frequency", "min_tokens+negative"])
+def test_penalised_greedy_output_is_plain_decodings_with_every_drafter(llms, params):
+    plain = [o.token_ids for o in llms["none"].generate(PROMPTS, params)]
+    unpenalised = [o.token_ids for o in llms["none"].generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16,
+                                                                                       ignore_eos=True))]
+    assert plain != unpenalised  # the penalties do change the greedy path here
+    for name in ("draft", "ngram", "eagle"):
+        assert [o.token_ids for o in llms[name].generate(PROMPTS, params)] == plain, name
+
+
+def test_stop_token_ids_min_tokens_and_the_stop_string_kept(llms):
+    llm = llms["draft"]
+    free = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    stop_id = free.token_ids[4]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", stop_id)
+    # min_tokens: the stop token may not be sampled before 12 tokens (a different path, as vLLM)
+    held = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id], min_tokens=12))[0]
+    assert len(held.token_ids) >= 12 and stop_id not in held.token_ids[:11]
+    text = free.text
+    stop = text[5:8]
+    assert stop.strip()
+    cut = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))[0]
+    kept = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True))[0]
+    assert cut.text == text[: text.index(stop)] and kept.text == text[: text.index(stop) + len(stop)]
+    streamed = "".join(e.new_text for e in llm.stream(PROMPTS[:1], SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)))
+    assert streamed == kept.text
+
+
+def test_n_completions_are_seeded_and_streamed_with_their_index(llms):
+    llm = llms["eagle"]
+    params = SamplingParams(n=3, temperature=0.9, max_tokens=8, seed=11, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], params)
+    assert [len(o.outputs) for o in outs] == [3, 3] and [c.index for c in outs[0].outputs] == [0, 1, 2]
+    alone = [llm.generate(PROMPTS[:1], SamplingParams(temperature=0.9, max_tokens=8, seed=11 + j, ignore_eos=True))[0]
+             for j in range(3)]
+    assert [c.token_ids for c in outs[0].outputs] == [a.token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1  # independent samples differ
+    streamed = {}
+    for e in llm.stream(PROMPTS[:2], params):
+        streamed.setdefault((e.index, e.completion_index), []).extend(e.new_token_ids)
+    assert streamed == {(i, j): outs[i].outputs[j].token_ids for i in range(2) for j in range(3)}
+
+
+def test_max_tokens_none_runs_to_the_context(tiny_llama):
+    llm = LLM(model=tiny_llama, max_model_len=48, kv_cache_gib=0.01)
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 48 and out.finish_reason == "length"
+
+
+def test_chat_renders_the_template_and_get_tokenizer(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "chat"
+    shutil.copytree(tiny_llama, path)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    llm = LLM(model=str(path), kv_cache_gib=0.01)
+    assert llm.get_tokenizer() is llm.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    conversation = [{"role": "user", "content": "hello world"}]
+    out = llm.chat(conversation, params)
+    assert len(out) == 1 and out[0].prompt == "<user>hello world\n<assistant>"
+    assert out[0].token_ids == llm.generate(["<user>hello world\n<assistant>"], params)[0].token_ids
+    both = llm.chat([conversation, conversation + [{"role": "assistant", "content": "hi"}]], params)
+    assert [o.prompt for o in both] == ["<user>hello world\n<assistant>", "<user>hello world\n<assistant>hi\n<assistant>"]
+    with pytest.raises(ValueError, match="conversation"):
+        llm.chat([{"content": "no role"}], params)
+
+
+def test_use_tqdm_is_on_by_default_for_several_prompts(llms, capsys):
+    llms["none"].generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+    assert "requests" not in capsys.readouterr().err
+    llms["none"].generate(PROMPTS, SamplingParams(max_tokens=2))
+    assert "3/3 requests" in capsys.readouterr().err
+    llms["none"].generate(PROMPTS, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=0), "^n must"), (dict(min_tokens=5, max_tokens=3), "^min_tokens"), (dict(stop_token_ids=[-1]), "^stop_token_ids"),
+    (dict(repetition_penalty=0), "^repetition_penalty"), (dict(presence_penalty=3), "^presence_penalty"),
+    (dict(frequency_penalty=float("nan")), "^frequency_penalty"), (dict(include_stop_str_in_output="yes"), "^include_stop"),
+])
+def test_bad_sampling_options_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unsupported_vllm_options_are_refused_by_name():
+    for name in ("best_of", "use_beam_search", "prompt_logprobs", "guided_decoding"):
+        with pytest.raises(TypeError, match=name):
+            SamplingParams(**{name: 1})
