@@ -4,13 +4,10 @@
     minispec generate --prompts prompts.txt --draft ngram -k 6 --trace run.html
     minispec chat --temperature 0.7 --top-p 0.95
 
-On a terminal each emitted token is coloured by where it came from: green, a drafted token the
-target accepted; plain, the target's own token (the replacement of the first rejected draft, or
-the bonus token after all drafts were accepted). `--show-rejected` also shows the rejected drafts,
-dimmed and struck through, where they were rejected. Colours are off when stdout is not a
-terminal, with --no-color, or when NO_COLOR is set. After each answer one line: tokens, target
-steps, tokens per step, acceptance rate, tokens/s. Everything comes from the public
-`LLM.stream` events (`drafted`, `num_accepted`).
+On a terminal each emitted token is coloured by where it came from (terminal.py). After each
+answer one line on stderr: tokens, why it stopped, time to first token, decode speed, and with a
+drafter target steps, tokens per step and acceptance. --json prints one JSON object per answer
+instead. Every argument is checked before the model loads; an error is one line naming the flag.
 """
 
 from __future__ import annotations
@@ -18,148 +15,145 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import jinja2
+import torch
 
 from .io.paths import default_eagle_head, default_target
 from .llm import LLM
-from .outputs import StreamEvent
+from .options import EngineOptions
 from .runtime.kv_cache import KVPoolExhausted
 from .sampling import SamplingParams
-from .trace import RequestTrace, write_html, write_jsonl
-GREEN, DIM_STRUCK, RESET = "\x1b[32m", "\x1b[2;9m", "\x1b[0m"
+from .terminal import answer_all, chat_loop
+from .trace import write_html, write_jsonl
+
+# The API field behind each flag, so that an error names what the user typed.
+FLAGS = {"num_speculative_tokens": "-k", "prompt_lookup_min": "--lookup-min", "draft_confidence_threshold": "--draft-p-min",
+         "ngram_min": "--ngram-min", "ngram_max": "--ngram-max", "max_model_len": "--ctx-size", "temperature": "--temperature",
+         "top_p": "--top-p", "top_k": "--top-k", "max_tokens": "--max-tokens", "min_tokens": "--min-tokens",
+         "seed": "--seed", "repetition_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
+         "frequency_penalty": "--frequency-penalty", "stop": "--stop", "dtype": "--dtype", "quantization": "--quantization"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--target", help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct, shipped)")
-    common.add_argument("--draft", help="a draft HF directory or .gguf, an EAGLE-3 directory, 'ngram', or 'none' "
-                                        "(default: the shipped EAGLE-3 head with the default target, else ngram)")
-    common.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k", help="tokens drafted per step (default 4)")
-    common.add_argument("--lookup-min", type=int, help="with a draft model or EAGLE head: draft by prompt lookup where "
-                                                      "the last >= N tokens occurred before, by the model elsewhere")
-    common.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    common.add_argument("--top-p", type=float, default=1.0)
-    common.add_argument("--top-k", type=int, default=0)
-    common.add_argument("--max-tokens", type=int, default=256)
-    common.add_argument("--seed", type=int)
-    common.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    common.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-    common.add_argument("--system", help="a system message (chat template only)")
-    common.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    common.add_argument("--no-color", action="store_true", help="no colours (also when NO_COLOR is set or stdout is no TTY)")
-    common.add_argument("--show-rejected", action="store_true", help="show rejected drafts, dimmed and struck through")
-    common.add_argument("--trace", type=Path, help="write every step to FILE.html (a standalone page) or FILE.jsonl")
+    m = common.add_argument_group("model and drafter")
+    m.add_argument("--target", help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct, shipped)")
+    m.add_argument("--draft", help="a draft HF directory or .gguf, an EAGLE-3 directory, 'ngram', or 'none' "
+                                   "(default: the shipped EAGLE-3 head with the default target, else ngram)")
+    m.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k", help="tokens drafted per step, at most (4)")
+    m.add_argument("--draft-p-min", type=float, dest="draft_confidence",
+                   help="adaptive length: stop drafting after a token the drafter gave p < this (llama.cpp's name)")
+    m.add_argument("--lookup-min", type=int, help="with a draft model or EAGLE head: draft by prompt lookup where "
+                                                 "the last >= N tokens occurred before, by the model elsewhere")
+    m.add_argument("--ngram-min", type=int, help="the n-gram drafter's shortest match (1)")
+    m.add_argument("--ngram-max", type=int, help="the n-gram drafter's (or the lookup's) longest match (3)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    m.add_argument("--quantization", choices=["int8"], help="int8 weights for target and drafter (exact for the int8 target)")
+    m.add_argument("-c", "--ctx-size", "--max-model-len", type=int, dest="ctx_size", help="context length (prompt + answer)")
+    m.add_argument("-t", "--threads", type=int, help="CPU threads (torch's default otherwise)")
+    s = common.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("-n", "--max-tokens", type=int, default=256, dest="max_tokens")
+    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--repeat-penalty", "--repetition-penalty", type=float, default=1.0, dest="repetition_penalty")
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    o = common.add_argument_group("prompt and output")
+    o.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    o.add_argument("--system", help="a system message (chat template only)")
+    o.add_argument("--no-color", action="store_true", help="no colours (also when NO_COLOR is set or stdout is no TTY)")
+    o.add_argument("--show-rejected", action="store_true", help="show rejected drafts, dimmed and struck through")
+    o.add_argument("--trace", type=Path, help="write every step to FILE.html (a standalone page) or FILE.jsonl")
     parser = argparse.ArgumentParser(prog="minispec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"minispec {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", parents=[common], help="answer prompts, streaming")
+    gen = sub.add_parser("generate", parents=[common], help="answer prompts (several in one batched call)")
     gen.add_argument("prompts", nargs="*", help="prompts (or --prompts FILE)")
     gen.add_argument("--prompts", dest="prompts_file", type=Path, help="a file with one prompt per line")
-    sub.add_parser("chat", parents=[common], help="an interactive multi-turn chat (/exit or Ctrl-D leaves)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per answer on stdout (no colours)")
+    chat = sub.add_parser("chat", parents=[common], help="an interactive multi-turn chat (/help lists the commands)")
+    chat.set_defaults(json=False)
     return parser
+
+
+def package_version() -> str:
+    try:
+        return version("minispec")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 class CliError(Exception):
     """A problem with what the user asked for: one line on stderr, exit status 1."""
 
 
-def load_llm(args) -> LLM:
-    if args.trace is not None and args.trace.suffix not in (".html", ".jsonl"):
-        raise CliError(f"--trace {args.trace}: name a .html or .jsonl file")
-    target = Path(args.target) if args.target else default_target()
-    if not target.exists():
+def flagged(e: Exception) -> CliError:
+    """The error with the flag behind the API field it names in front."""
+    message = " ".join(str(e).split())
+    field = next((f for f in sorted(FLAGS, key=len, reverse=True) if message.startswith(f) or f"{f}=" in message
+                  or f" {f} " in f" {message}"), None)
+    return CliError(f"{FLAGS[field]}: {message}" if field else message)
+
+
+def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
+    """Everything that can be checked before the model loads: (target, draft, params, LLM options)."""
+    if args.trace is not None:
+        if args.trace.suffix not in (".html", ".jsonl"):
+            raise CliError(f"--trace {args.trace}: name a .html or .jsonl file")
+        folder = args.trace.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise CliError(f"--trace {args.trace}: {folder} is not a writable folder")
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be >= 1, got {args.threads}")
+    target = Path(args.target) if args.target else None
+    if target is not None and not target.exists():
         raise CliError(f"--target {target}: no such file or directory")
     # The shipped head fits the default target only: another target drafts by n-gram unless told.
-    draft = args.draft or (str(default_eagle_head()) if not args.target else "ngram")
+    draft = args.draft or (str(default_eagle_head()) if target is None else "ngram")
+    target = target or default_target()
     if draft not in ("ngram", "none") and not Path(draft).exists():
         raise CliError(f"--draft {draft}: no such file or directory (or use 'ngram' / 'none')")
     if args.lookup_min is not None and draft in ("ngram", "none"):
         raise CliError(f"--lookup-min puts prompt lookup in front of a draft model or EAGLE head; --draft is {draft}")
-    llm = LLM(model=str(target), draft_model=None if draft == "none" else draft,
-              num_speculative_tokens=args.k if draft != "none" else None, dtype=args.dtype,
-              prompt_lookup_min=args.lookup_min)
-    print(f"[minispec] target {target.name}, draft {Path(draft).name if draft not in ('ngram', 'none') else draft}"
-          + (f", k={args.k}" if draft != "none" else "")
-          + (f", prompt lookup of >= {args.lookup_min} tokens first" if args.lookup_min else ""), file=sys.stderr)
-    return llm
-
-
-def sampling_params(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-                          seed=args.seed, stop=args.stop)
-
-
-class Painter:
-    """Prints one request's stream, each character coloured by the token it came from."""
-
-    def __init__(self, llm: LLM, out, color: bool, show_rejected: bool):
-        self.llm, self.out, self.color, self.show_rejected = llm, out, color, show_rejected
-        self.ids: list[int] = []
-        self.accepted_chars: list[bool] = []  # per character of the decoded output: from an accepted draft?
-        self.printed = 0
-
-    def event(self, e: StreamEvent) -> None:
-        decode = self.llm.tokenizer.decode
-        start = len(decode(self.ids))
-        cut = min(e.num_accepted, len(e.new_token_ids))
-        middle = len(decode(self.ids + e.new_token_ids[:cut]))
-        self.ids += e.new_token_ids
-        end = len(decode(self.ids))
-        self.accepted_chars[start:] = [True] * (middle - start) + [False] * (end - middle)
-        pieces = [(i < len(self.accepted_chars) and self.accepted_chars[i], ch)
-                  for i, ch in enumerate(e.new_text, start=self.printed)]
-        rejected, at = "", min(max(middle - self.printed, 0), len(pieces))  # where this step's accepted text ends
-        self.printed += len(e.new_text)
-        if self.show_rejected and e.num_accepted < len(e.drafted):
-            rejected = decode(e.drafted[e.num_accepted:]).replace("\n", "\u21b5")  # newlines shown as a return arrow
-            rejected = self.paint(rejected, DIM_STRUCK) if self.color else f"[-{rejected}-]"
-        text = ""
-        for j, (accepted, ch) in enumerate(pieces):
-            text += rejected if j == at else ""
-            text += self.paint(ch, GREEN) if accepted else ch
-        text += rejected if at == len(pieces) else ""
-        self.out.write(text)
-        self.out.flush()
-
-    def paint(self, text: str, code: str) -> str:
-        return f"{code}{text}{RESET}" if self.color and text else text
-
-
-def summary_line(llm: LLM) -> str:
-    m = llm.last_metrics
-    return (f"[{m.num_generated} tokens, {m.num_steps} target steps, {m.mean_accepted_per_step:.2f} tokens/step, "
-            f"acceptance {100 * m.acceptance_rate:.1f}%, {m.tokens_per_s:.1f} tok/s]")
-
-
-def answer(llm: LLM, prompt: str, args, out, color: bool) -> tuple[RequestTrace, bool]:
-    """Stream one answer; returns its trace and whether it ran to the end (False after Ctrl-C)."""
-    trace, painter = RequestTrace(prompt), Painter(llm, out, color, args.show_rejected)
-    stream = llm.stream([prompt], sampling_params(args))
     try:
-        for event in stream:
-            painter.event(event)
-            trace.add(event, llm.tokenizer)
-    except KeyboardInterrupt:
-        stream.close()  # its request and pages leave the engine
-        out.write("\n[stopped]\n")
-        out.flush()
-        return trace, False
-    if trace.error:
-        out.write(f"\n[error: {trace.error}]")
-    out.write("\n")
-    out.flush()
-    print(summary_line(llm), file=sys.stderr)
-    return trace, True
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+                                min_tokens=args.min_tokens, seed=args.seed, stop=args.stop,
+                                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty)
+        options = dict(draft_model=None if draft == "none" else draft, num_speculative_tokens=None if draft == "none" else args.k,
+                       dtype=args.dtype, quantization=args.quantization, prompt_lookup_min=args.lookup_min,
+                       draft_confidence_threshold=args.draft_confidence, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                       max_model_len=args.ctx_size)
+        EngineOptions(model=str(target), **options)  # validates every option without loading anything
+    except ValueError as e:
+        raise flagged(e) from None
+    check_context(target, args)
+    return target, draft, params, options
 
 
-def render(llm: LLM, messages: list[dict], raw: str, args) -> str:
-    if args.no_chat_template or not llm.tokenizer.chat_template:
-        return raw
-    return llm.tokenizer.apply_chat_template(messages)
+def check_context(target: Path, args) -> None:
+    """--max-tokens against the context, read from an HF directory's config.json (a GGUF's is
+    checked when the prompt is queued)."""
+    config = target / "config.json"
+    if not config.is_file():
+        return
+    from .io.tokenizer import read_json_object
+
+    context = read_json_object(config).get("max_position_embeddings")
+    context = min(c for c in (context, args.ctx_size) if isinstance(c, int)) if isinstance(context, int) else args.ctx_size
+    if context is not None and args.max_tokens is not None and args.max_tokens >= context:
+        raise CliError(f"--max-tokens {args.max_tokens}: the model's context length is {context} "
+                       "(prompt and answer together)")
 
 
-def generate(llm: LLM, args, color: bool) -> list[RequestTrace]:
+def read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():
@@ -171,62 +165,64 @@ def generate(llm: LLM, args, color: bool) -> list[RequestTrace]:
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise CliError("no prompt: give one or more prompts, or --prompts FILE")
-    sampling_params(args)  # bad values fail here, before anything runs
-    traces = []
-    for prompt in prompts:
+    return prompts
+
+
+def load_llm(args, target: Path, draft: str, options: dict) -> LLM:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        llm = LLM(model=str(target), **options)
+    except ValueError as e:
+        raise flagged(e) from None
+    print(f"[minispec] target {target.name}, draft {Path(draft).name if draft not in ('ngram', 'none') else draft}"
+          + (f", k={args.k}" if draft != "none" else "")
+          + (f", prompt lookup of >= {args.lookup_min} tokens first" if args.lookup_min else ""), file=sys.stderr)
+    return llm
+
+
+def renderer(llm: LLM, args):
+    """(messages, raw text) -> the prompt: the chat template, unless asked for raw text or absent."""
+    def render(messages: list[dict], raw: str) -> str:
+        if args.no_chat_template or not llm.tokenizer.chat_template:
+            return raw
+        return llm.tokenizer.apply_chat_template(messages)
+
+    return render
+
+
+def run(args, color: bool) -> int:
+    target, draft, params, options = check_args(args)
+    prompts = read_prompts(args) if args.command == "generate" else []
+    llm = load_llm(args, target, draft, options)
+    render = renderer(llm, args)
+    if args.command == "generate":
         system = [{"role": "system", "content": args.system}] if args.system else []
-        text = render(llm, system + [{"role": "user", "content": prompt}], prompt, args)
-        trace, finished = answer(llm, text, args, sys.stdout, color)
-        traces.append(trace)
-        if not finished:
-            break
-    return traces
-
-
-def chat(llm: LLM, args, color: bool) -> list[RequestTrace]:
-    sampling_params(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    traces = []
-    print("[minispec] chat: /exit or Ctrl-D leaves, Ctrl-C stops the current answer", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()
-            return traces
-        except KeyboardInterrupt:
-            print()
-            continue
-        if line.strip() in ("/exit", "/quit"):
-            return traces
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        transcript = "\n".join(m["content"] for m in messages)
-        trace, _ = answer(llm, render(llm, messages, transcript, args), args, sys.stdout, color)
-        traces.append(trace)
-        messages.append({"role": "assistant", "content": trace.text})
+        texts = [render(system + [{"role": "user", "content": p}], p) for p in prompts]
+        answers, whole = answer_all(llm, texts, prompts, params, args, color)
+        traces = [a.trace for a in answers]
+    else:
+        traces, whole = chat_loop(llm, args, params, color, render), True
+    if args.trace is not None and args.trace.suffix == ".html":
+        write_html(args.trace, traces, f"minispec {args.command}: what the draft proposed and the target kept")
+    elif args.trace is not None:
+        write_jsonl(args.trace, traces)
+    if args.trace is not None:
+        print(f"[minispec] trace written to {args.trace}", file=sys.stderr)
+    return 0 if whole else 130
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    color = not args.no_color and "NO_COLOR" not in os.environ and sys.stdout.isatty()
+    color = not args.no_color and not args.json and "NO_COLOR" not in os.environ and sys.stdout.isatty()
     try:
-        llm = load_llm(args)
-        traces = generate(llm, args, color) if args.command == "generate" else chat(llm, args, color)
-        if args.trace is not None and args.trace.suffix == ".html":
-            write_html(args.trace, traces, f"minispec {args.command}: what the draft proposed and the target kept")
-        elif args.trace is not None:
-            write_jsonl(args.trace, traces)
-        if args.trace is not None:
-            print(f"[minispec] trace written to {args.trace}", file=sys.stderr)
+        return run(args, color)
     except (CliError, ValueError, TypeError, OSError, KVPoolExhausted, jinja2.TemplateError) as e:
         print(f"minispec: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\n[minispec] interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

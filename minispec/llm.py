@@ -14,14 +14,12 @@ queued request and hands each call its own tokens), so concurrent calls interlea
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import numbers
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from .build import build_engine
 from .engine import StepOutput
@@ -29,6 +27,7 @@ from .io.tokenizer import Tokenizer
 from .model.eagle import EagleModel
 from .options import EngineOptions, Model
 from .outputs import CompletionOutput, Logprob, RequestOutput, StreamEvent
+from .prompts import as_prompt_list, call_requests
 from .runtime.metrics import RunMetrics, StepTimes
 from .runtime.sequence import Sequence
 from .sampling import SamplingParams
@@ -48,53 +47,6 @@ class LLM:
         self._owners: dict[int, _Call] = {}  # request_id -> the call that queued it (until it finishes)
         self._stepping = False
         self._closed_while_stepping: list[_Call] = []
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        """One prompt -> token ids: text, token ids (ints in the vocabulary), or vLLM's
-        {"prompt": text} / {"prompt_token_ids": ids} dicts."""
-        if isinstance(prompt, dict):
-            unsupported = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-            if unsupported:
-                raise ValueError(f"prompt dict keys not supported: {unsupported} (minispec takes 'prompt' or 'prompt_token_ids')")
-            keys = set(prompt)
-            if len(keys) != 1:
-                raise ValueError(f"a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-            prompt = prompt[keys.pop()]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list):
-            raise TypeError(f"a prompt must be a str, a list of int token ids or a vLLM prompt dict, got "
-                            f"{type(prompt).__name__}" + (" (convert it with .tolist())" if hasattr(prompt, "tolist") else ""))
-        vocab = self.engine.target.model.cfg.vocab_size
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {prompt[:8]!r}"
-                             + (" ..." if len(prompt) > 8 else ""))
-        return [int(t) for t in prompt]
-
-    def _requests(self, prompts, params) -> list[tuple[int, int, list[int], SamplingParams]]:
-        """Validated (prompt index, completion index, token ids, params), n per prompt (completion
-        j of a seeded request seeded with seed + j); raises before anything is queued."""
-        prompts = as_prompt_list(prompts)
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        params = list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        for p in params:
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got {type(p).__name__}")
-        params = [copy.deepcopy(p) for p in params]  # each request its own: changing the caller's object later changes nothing
-        for p in params:
-            p.validate()  # again: fields may have been changed since construction
-        ids = [self._prompt_ids(p) for p in prompts]
-        for i, p in zip(ids, params):
-            if p.max_tokens is None:  # up to the context
-                p.max_tokens = max(self.engine.max_model_len - len(i), 1)
-                p.validate()
-            self.engine.check_request(i, p)
-        return [(index, j, i, completion_params(p, j)) for index, (i, p) in enumerate(zip(ids, params)) for j in range(p.n)]
 
     def _start(self, requests: list[tuple[int, int, list[int], SamplingParams]], with_text: bool) -> _Call:
         """Queue all of a call's requests (or none: see LLMEngine.add_requests) and own them. An
@@ -191,7 +143,7 @@ class LLM:
         Bad input raises here; the requests are queued when iteration starts, and leave the
         engine (pages freed) when the stream ends, is closed or is garbage-collected. Other calls
         made while this stream is paused keep its requests running and its events queued for it."""
-        requests = self._requests(prompts, sampling_params)
+        requests = call_requests(prompts, sampling_params, self.tokenizer, self.engine)
 
         def events() -> Iterator[StreamEvent]:
             yield from self._events(self._start(requests, with_text=True))
@@ -204,7 +156,7 @@ class LLM:
         `n` completions. use_tqdm (default: on for more than one prompt, as vLLM) prints one
         progress line (requests done, tokens, tokens/s) to stderr."""
         prompts = as_prompt_list(prompts)
-        call = self._start(self._requests(prompts, sampling_params), with_text=False)
+        call = self._start(call_requests(prompts, sampling_params, self.tokenizer, self.engine), with_text=False)
         show = len(prompts) > 1 if use_tqdm is None else use_tqdm
         done, tokens, t0 = 0, 0, time.perf_counter()
         for event in self._events(call):
@@ -283,18 +235,7 @@ class _Call:
             text, self.text_sent[k] = full[self.text_sent[k] : end], end
         self.events.append(StreamEvent(i, new_ids, finished, logprobs, text, s.finish_reason if finished else None,
                                        s.error if finished else None, s.stop_reason if finished else None,
-                                       out.drafted, out.num_accepted, j))
-
-
-def completion_params(params: SamplingParams, j: int) -> SamplingParams:
-    """The params of completion j of a request with params.n completions: n = 1 and, when seeded,
-    seed + j (wrapped into the seed range), so each completion is reproducible and they differ."""
-    if params.n == 1:
-        return params
-    seed = params.seed
-    if seed is not None:
-        seed = seed + j if seed + j < 2**64 else seed + j - 2**64
-    return dataclasses.replace(params, n=1, seed=seed)
+                                       out.drafted, out.num_accepted, j, s.metrics if finished else None))
 
 
 def decoded(entries: list[dict[int, Logprob]], tokenizer: Tokenizer) -> list[dict[int, Logprob]]:
@@ -310,14 +251,3 @@ def output_text(s: Sequence, tokenizer: Tokenizer) -> str:
     """The request's output text, cut before a matched stop string."""
     text = tokenizer.decode(s.output_ids)
     return text if s.stop_text_end is None else text[: s.stop_text_end]
-
-
-def as_prompt_list(prompts) -> list:
-    """One prompt (text, token ids, a vLLM prompt dict) or an iterable of them -> a list."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Integral)):
-        return [prompts]
-    if prompts is None or isinstance(prompts, (bytes, bytearray, numbers.Number)) or not isinstance(prompts, Iterable) \
-            or hasattr(prompts, "tolist"):
-        raise TypeError(f"prompts must be a str, a list of int token ids, a vLLM prompt dict, or a list of these; "
-                        f"got {type(prompts).__name__}" + (" (convert it with .tolist())" if hasattr(prompts, "tolist") else ""))
-    return list(prompts)

@@ -216,6 +216,10 @@ class EngineOptions:
         self.ngram_max = 3 if self.ngram_max is None else self.ngram_max
         if self.draft_confidence_threshold is not None and not self.uses_model_drafter:
             raise ValueError("draft_confidence_threshold needs a draft model (the n-gram drafter has no probabilities)")
+        threshold = self.draft_confidence_threshold
+        if threshold is not None and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+                                          and 0 < threshold < 1):
+            raise ValueError(f"draft_confidence_threshold must be in (0, 1), got {threshold!r}")
         if self.prompt_lookup_min is not None and not self.uses_model_drafter:
             raise ValueError("prompt_lookup_min puts prompt lookup in front of a draft model or EAGLE head; "
                              "give one as draft_model (the n-gram drafter alone takes ngram_min / ngram_max)")

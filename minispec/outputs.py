@@ -92,3 +92,4 @@ class StreamEvent:
     drafted: list[int] = dataclasses.field(default_factory=list)
     num_accepted: int = 0
     completion_index: int = 0  # which of the request's n completions (SamplingParams.n)
+    metrics: RequestMetrics | None = None  # the request's counters and timings, on its last event

@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from minispec import LLM, SamplingParams, cli
+from minispec import LLM, SamplingParams, cli, terminal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,8 +52,12 @@ def test_generate_prints_what_llm_generate_returns(tiny_llama, tiny_llama_draft,
     expected = llm.generate([PROMPT], SamplingParams(temperature=0.8, max_tokens=10, seed=0))[0].text
     assert out == expected + "\n"
     assert "\x1b[" not in out  # captured stdout is no terminal: no colours
-    summary = [line for line in err.splitlines() if "target steps" in line]
-    assert len(summary) == 1 and "tokens/step" in summary[0] and "acceptance" in summary[0] and "tok/s" in summary[0]
+    summary = [line for line in err.splitlines() if line.startswith("[") and "tokens" in line and "first token" in line]
+    assert len(summary) == 1 and "decode" in summary[0] and "tok/s" in summary[0]
+    if draft == "none":  # no drafter: nothing about steps or acceptance (it used to say "acceptance 0.0%")
+        assert "acceptance" not in summary[0] and "tokens/step" not in summary[0]
+    else:
+        assert "target steps" in summary[0] and "tokens/step" in summary[0] and "acceptance" in summary[0]
 
 
 def run_on_a_terminal(argv: list[str], env: dict) -> str:
@@ -82,12 +87,14 @@ def test_colours_on_a_terminal_and_only_there(tiny_llama):
     argv = ["generate", "--target", str(tiny_llama), "--draft", str(tiny_llama), "--max-tokens", "12", "--seed", "0",
             "--show-rejected", PROMPT]
     colored = run_on_a_terminal(argv, {})
-    assert cli.GREEN in colored and cli.RESET in colored
+    assert terminal.GREEN in colored and terminal.RESET in colored
     plain = run_on_a_terminal(argv, {"NO_COLOR": "1"})
     assert "\x1b[" not in plain
     assert run_on_a_terminal(argv + ["--no-color"], {}) == plain
-    stripped = colored
-    for code in (cli.GREEN, cli.DIM_STRUCK, cli.RESET):
+    # the answer stopped at --max-tokens: on a colour terminal a dim mark says so where it was cut
+    assert f"{terminal.DIM} \u2026{terminal.RESET}" in colored
+    stripped = colored.replace(f"{terminal.DIM} \u2026{terminal.RESET}", "")
+    for code in (terminal.GREEN, terminal.DIM_STRUCK, terminal.RESET):
         stripped = stripped.replace(code, "")
     assert stripped == plain
 
@@ -193,47 +200,173 @@ def test_html_trace_renders_in_a_headless_browser(tiny_llama, tmp_path, capsys):
     assert (pixels[..., :3].mean(-1) < 0.3).sum() > 2000, "no text on the rendered page"
 
 
-def test_chat_keeps_history_and_ctrl_c_stops_only_the_answer(tiny_llama, capsys, monkeypatch):
-    """Three turns, then /exit: the second is interrupted (Ctrl-C after its first event); the chat
-    goes on, each prompt holds the history so far, and no page is left held at the end."""
-    lines = iter(["hello world", "the quick", "brown fox", "/exit"])
+def test_chat_keeps_whole_turns_and_drops_an_interrupted_one(tiny_llama, capsys, monkeypatch):
+    """Turns, /help, an answer interrupted by Ctrl-C (after its first event), /reset, /exit: the
+    chat goes on; each prompt holds the whole turns so far, never the interrupted question or its
+    partial answer; /reset forgets them; no page is left held at the end."""
+    lines = iter(["hello world", "/help", "the quick", "brown fox", "/reset", "jumps over", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     built, prompts_seen = [], []
     load = cli.load_llm
+    monkeypatch.setattr(cli, "load_llm", lambda *a: built.append(load(*a)) or built[-1])
+    answer_all, original_event = terminal.answer_all, terminal.Painter.event
 
-    def load_and_keep(args):
-        llm = load(args)
-        built.append(llm)
-        return llm
+    def answer_with_interrupt(llm, prompts, raw, params, args, color):
+        prompts_seen.append(prompts[0])
+        calls = []
 
-    monkeypatch.setattr(cli, "load_llm", load_and_keep)
-    answer = cli.answer
+        def event(self, e):
+            calls.append(e)
+            if len(prompts_seen) == 2 and len(calls) == 2:
+                raise KeyboardInterrupt
+            original_event(self, e)
 
-    def answer_with_interrupt(llm, prompt, args, out, color):
-        prompts_seen.append(prompt)
-        if len(prompts_seen) == 2:
-            original = cli.Painter.event
-            calls = []
+        monkeypatch.setattr(terminal.Painter, "event", event)
+        return answer_all(llm, prompts, raw, params, args, color)
 
-            def interrupting(self, event):
-                calls.append(event)
-                if len(calls) == 2:
-                    raise KeyboardInterrupt
-                original(self, event)
-
-            monkeypatch.setattr(cli.Painter, "event", interrupting)
-            try:
-                return answer(llm, prompt, args, out, color)
-            finally:
-                monkeypatch.setattr(cli.Painter, "event", original)
-        return answer(llm, prompt, args, out, color)
-
-    monkeypatch.setattr(cli, "answer", answer_with_interrupt)
-    status, out, err = run_cli(capsys, "chat", *base(tiny_llama))
-    assert status == 0 and "[stopped]" in out
-    assert len(prompts_seen) == 3  # "/exit" ended it after three turns
-    assert prompts_seen[1].startswith("hello world\n") and prompts_seen[1].endswith("\nthe quick")
-    assert prompts_seen[2].startswith(prompts_seen[1] + "\n") and prompts_seen[2].endswith("\nbrown fox")
+    monkeypatch.setattr(terminal, "answer_all", answer_with_interrupt)
+    status, out, err = run_cli(capsys, "chat", *base(tiny_llama), "--no-chat-template")
+    assert status == 0 and "[stopped]" in out and "/reset forget the conversation" in out
+    assert "not kept" in err and "conversation forgotten" in err
+    assert len(prompts_seen) == 4
+    assert prompts_seen[1].startswith("hello world\n") and prompts_seen[1].endswith("\nthe quick")  # the first turn kept
+    assert prompts_seen[2] == prompts_seen[1].removesuffix("the quick") + "brown fox"  # the interrupted turn dropped
+    assert prompts_seen[3] == "jumps over"  # after /reset: nothing before it
     llm = built[0]
     assert not llm.engine.has_unfinished()
     assert all(r.cache.allocator.num_free == r.cache.num_pages for r, _ in llm.engine.runners)
+
+
+# --- the first ten minutes: every option, validated first, batched, honest summaries ------------
+
+
+def test_version_and_every_llm_option_reach_the_llm(tiny_llama, tiny_llama_draft, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("minispec ")
+    built = []
+    load = cli.load_llm
+    monkeypatch.setattr(cli, "load_llm", lambda *a: built.append(load(*a)) or built[-1])
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: setattr(cli, "_threads_set", n))  # (the suite's own stays)
+    status, _, _ = run_cli(capsys, "generate", *base(tiny_llama, str(tiny_llama_draft)), "-k", "5", "--draft-p-min", "0.3",
+                           "--lookup-min", "2", "--ngram-max", "4", "--quantization", "int8", "--ctx-size", "128",
+                           "--threads", "1", "--repeat-penalty", "1.2", "--min-tokens", "2", PROMPT)
+    assert status == 0
+    o = built[0].options
+    assert (o.num_speculative_tokens, o.draft_confidence_threshold, o.prompt_lookup_min, o.ngram_max) == (5, 0.3, 2, 4)
+    assert o.quantization == "int8" and o.max_model_len == 128 and built[0].engine.max_model_len == 128
+    assert cli._threads_set == 1 and torch.get_num_threads() == threads
+    status, _, _ = run_cli(capsys, "generate", *base(tiny_llama, "ngram"), "--ngram-min", "2", "--ngram-max", "5", PROMPT)
+    assert status == 0 and (built[1].engine.drafter.min_n, built[1].engine.drafter.max_n) == (2, 5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top-p", "1.5"], "--top-p: top_p must be in (0, 1]"),
+    (["--max-tokens", "0"], "--max-tokens: max_tokens must be"),
+    (["-k", "0"], "-k: num_speculative_tokens must be"),
+    (["--draft-p-min", "1.5", "--draft", "DRAFT"], "--draft-p-min: "),
+    (["--repeat-penalty", "0"], "--repeat-penalty: repetition_penalty"),
+    (["--ctx-size", "0"], "--ctx-size: max_model_len"),
+    (["--max-tokens", "600"], "--max-tokens 600: the model's context length is 512"),
+    (["--prompts", "/no/such/file"], "--prompts /no/such/file: no such file"),
+    (["--trace", "/no/such/folder/run.html"], "--trace /no/such/folder/run.html: /no/such/folder is not a writable folder"),
+    (["--threads", "0"], "--threads must be >= 1"),
+])
+def test_arguments_are_checked_before_the_model_loads_and_name_the_flag(tiny_llama, tiny_llama_draft, capsys, monkeypatch,
+                                                                        argv, message):
+    """Bad flags used to be refused only after a load of several seconds, naming the API field."""
+    monkeypatch.setattr(cli, "LLM", lambda *a, **k: pytest.fail("the model was loaded before the arguments were checked"))
+    argv = [str(tiny_llama_draft) if a == "DRAFT" else a for a in argv]
+    status, _, err = run_cli(capsys, "generate", *base(tiny_llama), *argv, PROMPT)
+    assert status == 1 and err.strip().splitlines()[-1].startswith("minispec: error:") and message in err
+
+
+def test_prompts_are_answered_in_one_batched_call_in_order_and_as_json(tiny_llama, tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\nhello world\nto be or not to be\n")
+    calls = []
+    stream = LLM.stream
+    monkeypatch.setattr(LLM, "stream", lambda self, p, params=None: calls.append(len(p)) or stream(self, p, params))
+    status, out, _ = run_cli(capsys, "generate", *base(tiny_llama), "--prompts", str(prompts), "--no-chat-template")
+    assert status == 0 and calls == [3]  # one call: the prompts share the batch
+    llm = LLM(model=str(tiny_llama), draft_model="ngram", num_speculative_tokens=4)
+    expected = llm.generate(prompts.read_text().splitlines(), SamplingParams(temperature=0, max_tokens=10, seed=0))
+    assert out == "".join(o.text + "\n" for o in expected)
+    status, out, _ = run_cli(capsys, "generate", *base(tiny_llama), "--prompts", str(prompts), "--no-chat-template", "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["prompt"], r["text"], r["num_tokens"], r["finish_reason"]) for r in rows] == [
+        (p, o.text, len(o.token_ids), o.finish_reason) for p, o in zip(prompts.read_text().splitlines(), expected)]
+
+
+def test_the_summary_says_why_it_stopped_and_counts_what_was_emitted(tiny_llama, capsys):
+    """A stop string used to report '2 tokens, 2 target steps, 1.50 tokens/step'; a length cut
+    looked finished."""
+    status, out, err = run_cli(capsys, "generate", *base(tiny_llama, str(tiny_llama)), "--no-chat-template", PROMPT)
+    line = next(x for x in err.splitlines() if x.startswith("[10 tokens"))
+    assert "stopped at the length limit (10 tokens: --max-tokens)" in line
+    steps = int(line.split(" target steps")[0].split(", ")[-1])
+    assert f"{10 / steps:.2f} tokens/step" in line
+    stop = out.strip()[3:6]
+    status, out, err = run_cli(capsys, "generate", *base(tiny_llama, str(tiny_llama)), "--no-chat-template",
+                               "--stop", stop, PROMPT)
+    line = next(x for x in err.splitlines() if x.startswith("[") and "tokens" in x and "first token" in x)
+    tokens, steps = int(line[1:].split(" tokens")[0]), int(line.split(" target steps")[0].split(", ")[-1])
+    assert "length limit" not in line and f"{tokens / steps:.2f} tokens/step" in line
+
+
+def test_ctrl_c_exits_130_and_says_what_was_skipped(tiny_llama, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during generate used to exit 0 and skip the remaining prompts silently."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\nhello world\nto be or not to be\n")
+    seen = []
+    original = terminal.Painter.event
+
+    def event(self, e):
+        seen.append(e)
+        if sum(x.finished for x in seen) == 1 and not e.finished:
+            raise KeyboardInterrupt
+        original(self, e)
+
+    monkeypatch.setattr(terminal.Painter, "event", event)
+    status, out, err = run_cli(capsys, "generate", *base(tiny_llama), "--prompts", str(prompts), "--no-chat-template")
+    assert status == 130 and "[stopped]" in out
+    assert "interrupted: 1 of 3 prompts answered, 2 skipped" in err
+
+
+def test_chat_has_line_editing_and_history(tiny_llama, tmp_path):
+    """In a real terminal: a line edited with the arrow keys is sent as edited, and the up arrow
+    recalls the previous line (readline), /exit leaves."""
+    trace = tmp_path / "chat.jsonl"
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "minispec", "chat", "--target", str(tiny_llama), "--draft", "none",
+                             "--max-tokens", "3", "--no-chat-template", "--trace", str(trace)],
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    output = b""
+
+    def read_until(marker: bytes, timeout: float = 120) -> None:
+        nonlocal output
+        import select
+        import time
+
+        end = time.monotonic() + timeout
+        while marker not in output and time.monotonic() < end:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                output += os.read(master, 65536)
+        assert marker in output, output[-500:]
+
+    read_until(b"> ")
+    os.write(master, b"helo\x1b[Dl\r")  # "helo", left arrow, "l": hel|lo -> "hello"
+    output = b""
+    read_until(b"> ")
+    os.write(master, b"\x1b[A\r")  # up arrow: the previous line again
+    output = b""
+    read_until(b"> ")
+    os.write(master, b"/exit\r")
+    proc.communicate(timeout=120)
+    os.close(master)
+    assert proc.returncode == 0
+    finals = [json.loads(line) for line in trace.read_text().splitlines() if json.loads(line).get("final")]
+    assert [f["prompt"] for f in finals] == ["hello", "hello"]

@@ -1,0 +1,84 @@
+"""A call's prompts and SamplingParams -> the requests it queues: validated, each with its own copy
+of the params, n per prompt. Prompts are vLLM's: text, token ids, or {"prompt": text} /
+{"prompt_token_ids": ids} dicts, one or a list of them."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import numbers
+from collections.abc import Iterable
+
+from .engine import LLMEngine
+from .io.tokenizer import Tokenizer
+from .sampling import SamplingParams
+
+
+def call_requests(prompts, params, tokenizer: Tokenizer, engine: LLMEngine) -> list[tuple[int, int, list[int], SamplingParams]]:
+    """Validated (prompt index, completion index, token ids, params), n per prompt (completion
+    j of a seeded request seeded with seed + j); raises before anything is queued."""
+    prompts = as_prompt_list(prompts)
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got {type(p).__name__}")
+    params = [copy.deepcopy(p) for p in params]  # each request its own: changing the caller's object later changes nothing
+    for p in params:
+        p.validate()  # again: fields may have been changed since construction
+    ids = [prompt_ids(p, tokenizer, engine.target.model.cfg.vocab_size) for p in prompts]
+    for i, p in zip(ids, params):
+        if p.max_tokens is None:  # up to the context
+            p.max_tokens = max(engine.max_model_len - len(i), 1)
+            p.validate()
+        engine.check_request(i, p)
+    return [(index, j, i, completion_params(p, j)) for index, (i, p) in enumerate(zip(ids, params)) for j in range(p.n)]
+
+
+def prompt_ids(prompt, tokenizer: Tokenizer, vocab: int) -> list[int]:
+    """One prompt -> token ids: text, token ids (ints in the vocabulary), or vLLM's
+    {"prompt": text} / {"prompt_token_ids": ids} dicts."""
+    if isinstance(prompt, dict):
+        unsupported = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unsupported:
+            raise ValueError(f"prompt dict keys not supported: {unsupported} (minispec takes 'prompt' or 'prompt_token_ids')")
+        keys = set(prompt)
+        if len(keys) != 1:
+            raise ValueError(f"a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        prompt = prompt[keys.pop()]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if not isinstance(prompt, list):
+        raise TypeError(f"a prompt must be a str, a list of int token ids or a vLLM prompt dict, got "
+                        f"{type(prompt).__name__}" + (" (convert it with .tolist())" if hasattr(prompt, "tolist") else ""))
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+        raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {prompt[:8]!r}"
+                         + (" ..." if len(prompt) > 8 else ""))
+    return [int(t) for t in prompt]
+
+
+def completion_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The params of completion j of a request with params.n completions: n = 1 and, when seeded,
+    seed + j (wrapped into the seed range), so each completion is reproducible and they differ."""
+    if params.n == 1:
+        return params
+    seed = params.seed
+    if seed is not None:
+        seed = seed + j if seed + j < 2**64 else seed + j - 2**64
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def as_prompt_list(prompts) -> list:
+    """One prompt (text, token ids, a vLLM prompt dict) or an iterable of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Integral)):
+        return [prompts]
+    if prompts is None or isinstance(prompts, (bytes, bytearray, numbers.Number)) or not isinstance(prompts, Iterable) \
+            or hasattr(prompts, "tolist"):
+        raise TypeError(f"prompts must be a str, a list of int token ids, a vLLM prompt dict, or a list of these; "
+                        f"got {type(prompts).__name__}" + (" (convert it with .tolist())" if hasattr(prompts, "tolist") else ""))
+    return list(prompts)
