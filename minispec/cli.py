@@ -80,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per answer on stdout (no colours)")
     chat = sub.add_parser("chat", parents=[common], help="an interactive multi-turn chat (/help lists the commands)")
     chat.set_defaults(json=False)
+    serve = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible server (pip install 'minispec[serve]')")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("MINISPEC_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (or $MINISPEC_API_KEY)")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: the target's folder name)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (1 MiB)")
+    serve.add_argument("--max-concurrency", type=int, default=256, help="more requests in flight get 429 (256)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one continuous batch (64)")
+    serve.set_defaults(json=False)
     return parser
 
 
@@ -171,6 +181,8 @@ def read_prompts(args) -> list[str]:
 def load_llm(args, target: Path, draft: str, options: dict) -> LLM:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    print(f"[minispec] loading {target.name}" + (f" and {Path(draft).name}" if draft not in ("ngram", "none") else ""),
+          file=sys.stderr)
     try:
         llm = LLM(model=str(target), **options)
     except ValueError as e:
@@ -193,6 +205,8 @@ def renderer(llm: LLM, args):
 
 def run(args, color: bool) -> int:
     target, draft, params, options = check_args(args)
+    if args.command == "serve":
+        return serve(args, target, draft, options)
     prompts = read_prompts(args) if args.command == "generate" else []
     llm = load_llm(args, target, draft, options)
     render = renderer(llm, args)
@@ -210,6 +224,22 @@ def run(args, color: bool) -> int:
     if args.trace is not None:
         print(f"[minispec] trace written to {args.trace}", file=sys.stderr)
     return 0 if whole else 130
+
+
+def serve(args, target: Path, draft: str, options: dict) -> int:
+    """Load, then serve until SIGINT / SIGTERM."""
+    try:
+        from .server.app import serve as serve_http
+    except ImportError as e:
+        raise CliError(f"minispec serve needs the serve extra: pip install 'minispec[serve]' ({e.name} is missing)") from None
+    for flag, value, low in (("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--max-concurrency", args.max_concurrency, 1), ("--max-num-seqs", args.max_num_seqs, 1)):
+        if value < low:
+            raise CliError(f"{flag} must be >= {low}, got {value}")
+    llm = load_llm(args, target, draft, {**options, "max_num_seqs": args.max_num_seqs})
+    serve_http(llm, args.host, args.port, args.served_model_name or target.name, args.api_key, args.max_body_bytes,
+               args.max_concurrency)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

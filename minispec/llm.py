@@ -190,6 +190,25 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
+    # --- for a server's engine loop: calls whose events another thread steps and collects --------
+
+    def submit(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> _Call:
+        """Queue a call's requests now (bad input raises here); its StreamEvents collect in
+        `call.events` as `step_once` runs (from any thread). `close(call)` ends it early."""
+        return self._start(call_requests(prompts, sampling_params, self.tokenizer, self.engine), with_text=True)
+
+    def step_once(self) -> bool:
+        """One engine step for every queued request, if there is any. Returns whether it stepped."""
+        with self._lock:
+            if not self.engine.has_unfinished():
+                return False
+            self._step()
+            return True
+
+    def close(self, call: _Call) -> None:
+        """Abort the call's unfinished requests (their pages are freed)."""
+        self._close(call)
+
     def _output(self, seqs: list[Sequence], prompt: str | None = None) -> RequestOutput:
         """A prompt's RequestOutput: its completions in order (their metrics are the first's)."""
         completions = []

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -260,6 +261,7 @@ def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.devic
             key = machine_key(model, dtype)
             choice = read_cached_choice(key) if read_cached_choice(key) in candidates else None
             if choice is None:
+                print("[minispec] timing the CPU matmul variants once for this machine (about a second)", file=sys.stderr)
                 seconds = time_cpu_matmuls(model, candidates)
                 fastest = min(candidates, key=seconds.get)
                 choice = fastest if seconds[fastest] * (1 + MIN_GAIN) < seconds[candidates[0]] else candidates[0]

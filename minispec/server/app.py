@@ -1,0 +1,271 @@
+"""`minispec serve`: an OpenAI-compatible HTTP server over ONE speculative engine.
+
+    POST /v1/completions, POST /v1/chat/completions   (stream with server-sent events, or not)
+    GET  /v1/models, /health, /metrics (Prometheus, vLLM's names), /stats.json, / (a live page)
+
+Safe by default: it binds 127.0.0.1; with --api-key every /v1 route wants `Authorization: Bearer
+KEY` (compared in constant time; the key is never logged); bodies over --max-body-bytes get 413,
+prompts longer than the context 400, and more than --max-concurrency requests in flight 429.
+A client that disconnects aborts its requests (their pages are freed). SIGINT / SIGTERM stop it:
+streams in flight get a final error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import sys
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from ..llm import LLM
+from .engine_loop import EngineLoop
+from .metrics import ServerMetrics
+from .protocol import ApiError, Parsed, logprobs_json, parse_chat, parse_completion, response_id
+
+DASHBOARD = Path(__file__).with_name("dashboard.html")
+
+
+class Server:
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None, max_body_bytes: int, max_concurrency: int):
+        self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        self.max_body_bytes, self.max_concurrency, self.in_flight = max_body_bytes, max_concurrency, 0
+        drafter = type(llm.engine.drafter).__name__.removesuffix("Drafter") or "none"
+        self.metrics = ServerMetrics(model_name, drafter, llm.engine.k)
+        self.loop = EngineLoop(llm, self.metrics)
+        self.context = llm.engine.max_model_len
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if not self.llm.tokenizer.chat_template:
+            raise ApiError("this model has no chat template: use /v1/completions", "messages")
+        return self.llm.tokenizer.apply_chat_template(messages)
+
+    async def body(self, request: Request) -> dict:
+        """The JSON body, read up to max_body_bytes (413 past it)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(f"request body over {self.max_body_bytes} bytes", None, 413)
+        data = b""
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > self.max_body_bytes:
+                raise ApiError(f"request body over {self.max_body_bytes} bytes", None, 413)
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(f"the body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise ApiError("the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(f"model '{model}' does not exist; this server serves '{self.model_name}'", "model", 404,
+                           "not_found_error")
+        return body
+
+    def authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    async def complete(self, request: Request, chat: bool):
+        if self.in_flight >= self.max_concurrency:
+            raise ApiError(f"more than {self.max_concurrency} requests in flight; retry later", None, 429,
+                           "rate_limit_error")
+        body = await self.body(request)
+        parsed = parse_chat(body, self.context, self.render_chat) if chat else parse_completion(body, self.context)
+        try:
+            handle = self.loop.submit(parsed.prompts, parsed.params)
+        except (ValueError, TypeError) as e:  # a prompt over the context, token ids outside the vocabulary, ...
+            raise ApiError(" ".join(str(e).split()), "messages" if chat else "prompt") from None
+        self.in_flight += 1
+        ident = response_id(chat)
+        if parsed.stream:
+            return StreamingResponse(self.stream(request, handle, parsed, ident), media_type="text/event-stream")
+        try:
+            return JSONResponse(await self.collect(request, handle, parsed, ident))
+        finally:
+            self.in_flight -= 1
+
+    async def collect(self, request: Request, handle, parsed: Parsed, ident) -> dict:
+        """Wait for every event of the call (the client's disconnect cancels it); one response."""
+        disconnect = asyncio.ensure_future(wait_for_disconnect(request))
+        choices: dict[tuple, dict] = {}
+        try:
+            while True:
+                getter = asyncio.ensure_future(handle.queue.get())
+                done, _ = await asyncio.wait({getter, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    raise asyncio.CancelledError
+                event = getter.result()
+                if event is None:
+                    break
+                if isinstance(event, dict):
+                    raise ApiError(event["error"], None, 503, "server_error")
+                accumulate(choices, event)
+        except BaseException:
+            self.loop.cancel(handle)
+            raise
+        finally:
+            disconnect.cancel()
+        return self.response(handle, parsed, ident, choices)
+
+    def response(self, handle, parsed: Parsed, ident, choices: dict) -> dict:
+        n = parsed.params.n
+        out, drafted, accepted = [], 0, 0
+        for (i, j), c in sorted(choices.items()):
+            drafted, accepted = drafted + c["drafted"], accepted + c["accepted"]
+            choice = {"index": i * n + j, "finish_reason": openai_reason(c["finish_reason"]), "stop_reason": c["stop_reason"]}
+            if parsed.chat:
+                choice["message"] = {"role": "assistant", "content": c["text"]}
+            else:
+                choice["text"] = c["text"]
+            choice["logprobs"] = (logprobs_json(c["logprobs"], c["tokens"], parsed.chat, parsed.logprobs or 0)
+                                  if parsed.logprobs is not None else None)
+            out.append(choice)
+        prompt_tokens = sum(len(s.prompt_ids) for s in handle.call.seqs[::n])
+        completion_tokens = sum(len(c["tokens"]) for c in choices.values())
+        return {"id": ident[0], "object": "chat.completion" if parsed.chat else "text_completion", "created": ident[1],
+                "model": self.model_name, "choices": out,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens},
+                "speculative": {"draft_tokens": drafted, "accepted_tokens": accepted}}
+
+    async def stream(self, request: Request, handle, parsed: Parsed, ident):
+        """Server-sent events: one chunk per step's new text per choice, a last chunk with the
+        finish reason, usage if asked, then [DONE]. Cancelled (client gone): the call is closed."""
+        obj = "chat.completion.chunk" if parsed.chat else "text_completion"
+        n = parsed.params.n
+
+        def chunk(index: int, delta: dict | str, finish=None, logprobs=None) -> str:
+            choice = {"index": index, "finish_reason": finish, "logprobs": logprobs}
+            choice.update({"delta": delta} if parsed.chat else {"text": delta})
+            body = {"id": ident[0], "object": obj, "created": ident[1], "model": self.model_name, "choices": [choice]}
+            if parsed.include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        tokens = {}
+        try:
+            if parsed.chat:
+                for k in range(len(parsed.prompts) * n):
+                    yield chunk(k, {"role": "assistant", "content": ""})
+            while True:
+                event = await handle.queue.get()
+                if event is None:
+                    break
+                if isinstance(event, dict):
+                    error = {"error": {"message": event["error"], "type": "server_error", "param": None, "code": 503}}
+                    yield f"data: {json.dumps(error)}\n\n"
+                    break
+                index = event.index * n + event.completion_index
+                tokens[index] = tokens.get(index, 0) + len(event.new_token_ids)
+                logprobs = (logprobs_json(event.new_logprobs, event.new_token_ids, parsed.chat, parsed.logprobs or 0)
+                            if parsed.logprobs is not None and event.new_logprobs else None)
+                if event.new_text or logprobs:
+                    yield chunk(index, {"content": event.new_text} if parsed.chat else event.new_text, logprobs=logprobs)
+                if event.finished:
+                    yield chunk(index, {} if parsed.chat else "", openai_reason(event.finish_reason))
+            if parsed.include_usage:
+                prompt_tokens = sum(len(s.prompt_ids) for s in handle.call.seqs[::n])
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(tokens.values()),
+                         "total_tokens": prompt_tokens + sum(tokens.values())}
+                yield f"data: {json.dumps({'id': ident[0], 'object': obj, 'created': ident[1], 'model': self.model_name, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # finished, or cancelled because the client went away: its requests leave the engine
+            self.loop.cancel(handle)
+            self.in_flight -= 1
+
+
+def accumulate(choices: dict, event) -> None:
+    c = choices.setdefault((event.index, event.completion_index), {"text": "", "tokens": [], "logprobs": [], "drafted": 0,
+                                                                    "accepted": 0, "finish_reason": None, "stop_reason": None})
+    c["text"] += event.new_text
+    c["tokens"] += event.new_token_ids
+    c["logprobs"] += event.new_logprobs or []
+    c["drafted"] += len(event.drafted)
+    c["accepted"] += event.num_accepted
+    if event.finished:
+        c["finish_reason"], c["stop_reason"] = event.finish_reason, event.stop_reason
+        if event.error:
+            raise ApiError(f"the request failed: {event.error}", None, 500, "server_error")
+
+
+def openai_reason(reason: str | None) -> str | None:
+    """OpenAI's finish_reason: stop and length as they are; an aborted request stopped."""
+    return {"abort": "stop"}.get(reason, reason)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()  # the engine thread lives as long as the app
+        try:
+            yield
+        finally:
+            server.loop.stop()
+
+    app = FastAPI(title="minispec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if request.url.path.startswith("/v1") and not server.authorized(request):
+            return JSONResponse(ApiError("missing or wrong API key", None, 401, "authentication_error").body(), status_code=401)
+        return await call_next(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await server.complete(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "minispec",
+                                            "max_model_len": server.context}]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if server.loop.thread.is_alive() else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/stats.json")
+    async def stats():
+        return server.metrics.stats()
+
+    @app.get("/")
+    async def dashboard():
+        return HTMLResponse(DASHBOARD.read_text())
+
+    return app
+
+
+def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, max_body_bytes: int,
+          max_concurrency: int) -> None:
+    import uvicorn
+
+    server = Server(llm, model_name, api_key, max_body_bytes, max_concurrency)
+    print(f"[minispec] serving {model_name} on http://{host}:{port} (live page at /, metrics at /metrics)"
+          + (", API key required" if api_key else ""), file=sys.stderr)
+    uvicorn.run(build_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

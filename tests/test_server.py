@@ -1,0 +1,330 @@
+"""`minispec serve` against the official `openai` client, on 127.0.0.1 only, with bounded loops.
+
+Invariants: completions and chat, streamed and not, n > 1, stop strings and logprobs return
+exactly what `LLM.generate` / `LLM.chat` return offline for the same seeded request (greedy and
+sampled); concurrent clients share one continuous batch (mean batch size > 1) and each still gets
+its exact output; the Prometheus counters equal the sums over the responses; every page is free
+afterwards; bad input is a 4xx in OpenAI's error shape and the server goes on serving exactly; a
+client that disconnects mid-stream frees its pages; the API key is required where set; the live
+page renders in a headless browser, shows the acceptance rate, and loads nothing from elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+import uvicorn  # noqa: E402
+
+from minispec import LLM, SamplingParams  # noqa: E402
+from minispec.server.app import Server, build_app  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NAME = "tiny"
+KEY = "s3cret-key"
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def chat_target(tiny_llama, tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat") / "tiny"
+    shutil.copytree(tiny_llama, path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return path
+
+
+def make_llm(target, draft):
+    return LLM(model=str(target), draft_model=str(draft), num_speculative_tokens=3, kv_cache_gib=0.02, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def served(chat_target, tiny_llama_draft):
+    """A server on a free loopback port, in a thread of this process (so tests can look inside)."""
+    llm = make_llm(chat_target, tiny_llama_draft)
+    server = Server(llm, NAME, KEY, max_body_bytes=1 << 20, max_concurrency=200)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uv.started
+    yield server, f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def offline(chat_target, tiny_llama_draft):
+    return make_llm(chat_target, tiny_llama_draft)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def idle(server: Server) -> bool:
+    engine = server.llm.engine
+    return not engine.has_unfinished() and all(r.cache.allocator.num_free == r.cache.num_pages for r, _ in engine.runners)
+
+
+def wait_idle(server: Server, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if idle(server) and not server.loop.handles:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+PROMPT = "the quick brown fox"
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 3)])
+def test_completions_streamed_or_not_equal_offline_generate(client, offline, temperature, seed):
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=12, n=2, logprobs=2)
+    expected = offline.generate([PROMPT], params)[0]
+    r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=temperature, seed=seed, n=2,
+                                  logprobs=2)
+    assert [c.text for c in r.choices] == [c.text for c in expected.outputs]
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx([e[t].logprob for t, e in zip(
+        expected.outputs[0].token_ids, expected.outputs[0].logprobs)], abs=1e-5)
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+    texts, finish, usage = ["", ""], [None, None], None
+    for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=temperature, seed=seed,
+                                           n=2, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+        usage = chunk.usage or usage
+    assert texts == [c.text for c in expected.outputs] and finish == [c.finish_reason for c in expected.outputs]
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_chat_and_stop_strings_equal_offline(client, offline):
+    messages = [{"role": "user", "content": "hello world"}]
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=14)
+    expected = offline.chat(messages, params)[0].outputs[0]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=14, temperature=0.7, seed=5)
+    assert r.choices[0].message.content == expected.text and r.choices[0].message.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=14, temperature=0.7, seed=5, stream=True) if c.choices)
+    assert streamed == expected.text
+    stop = expected.text[3:6]
+    if stop.strip():
+        cut = offline.chat(messages, SamplingParams(temperature=0.7, seed=5, max_tokens=14, stop=[stop]))[0].outputs[0]
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=14, temperature=0.7, seed=5, stop=[stop])
+        assert r.choices[0].message.content == cut.text and r.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_clients_share_the_batch_and_get_exact_outputs(served, client, offline):
+    """32 streaming and 32 non-streaming clients at once, seeded: every output is the offline
+    one; steps carried several requests; the counters equal the sums over the responses."""
+    server, url = served
+    assert wait_idle(server)
+    prompts = [f"{w} and the {v}" for w in ("fox", "dog", "cat", "owl") for v in ("moon", "sun", "sea", "hill")] * 4
+    seeds = list(range(len(prompts)))
+    expected = offline.generate(prompts, [SamplingParams(temperature=0.9, seed=s, max_tokens=10) for s in seeds])
+    before = scrape(url)
+
+    def call(i: int):
+        kwargs = dict(model=NAME, prompt=prompts[i], max_tokens=10, temperature=0.9, seed=seeds[i])
+        if i % 2:
+            text, tokens = "", 0
+            for chunk in client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+                text += "".join(c.text for c in chunk.choices)
+                tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+            return text, tokens, None
+        r = httpx.post(url + "/v1/completions", json=kwargs, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        body = r.json()
+        return body["choices"][0]["text"], body["usage"]["completion_tokens"], body["speculative"]
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(call, range(len(prompts)), timeout=300))
+    assert [r[0] for r in results] == [o.text for o in expected]
+    assert wait_idle(server)
+    after = scrape(url)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta["vllm:generation_tokens_total"] == sum(r[1] for r in results) == sum(len(o.token_ids) for o in expected)
+    spec = [r[2] for r in results if r[2] is not None]
+    assert sum(s["accepted_tokens"] for s in spec) <= delta["vllm:spec_decode_num_accepted_tokens_total"]
+    assert delta["vllm:spec_decode_num_accepted_tokens_total"] <= delta["vllm:spec_decode_num_draft_tokens_total"]
+    assert delta["vllm:prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in expected)
+    assert delta['vllm:request_success_total{finished_reason="length"}'] + delta.get(
+        'vllm:request_success_total{finished_reason="stop"}', 0) == len(prompts)
+    batches = delta["minispec:batch_size_sum"] / delta["minispec:batch_size_count"]
+    assert batches > 1, "concurrent requests should share engine steps"
+
+
+def test_the_counters_equal_the_responses_sums(served):
+    """Non-streaming responses carry their drafted and accepted tokens: the counters move by exactly their sums."""
+    server, url = served
+    assert wait_idle(server)
+    before = scrape(url)
+    bodies = [httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0},
+                         headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json() for p in ("hello world", "to be or not")]
+    assert wait_idle(server)
+    after = scrape(url)
+    for name, field in (("vllm:spec_decode_num_accepted_tokens_total", "accepted_tokens"),
+                        ("vllm:spec_decode_num_draft_tokens_total", "draft_tokens")):
+        assert after[name] - before.get(name, 0) == sum(b["speculative"][field] for b in bodies)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == sum(
+        b["usage"]["completion_tokens"] for b in bodies)
+    per_pos = {k: v for k, v in after.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
+    assert per_pos and all('position="' in k for k in per_pos)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The /metrics samples, labels model_name / engine dropped."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = re.sub(r'(model_name|engine)="[^"]*",?', "", name).replace("{}", "").replace(",}", "}")
+        out[name] = out.get(name, 0) + float(value)
+    return out
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"prompt": 5}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "hi", "max_tokens": -1}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi " * 600, "max_tokens": 5}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "hi", "model": "gpt-4"}).encode(), 404, "model"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"5": 10}}).encode(), 400, "logit_bias"),
+    (json.dumps({"prompt": "hi", "n": 0}).encode(), 400, "n"),
+    (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "x" * (3 << 20)}).encode(), 413, None),
+])
+def test_bad_input_is_a_4xx_in_openais_shape_and_the_server_goes_on(served, offline, body, status, param):
+    server, url = served
+    r = httpx.post(url + "/v1/completions", content=body, headers={"Authorization": f"Bearer {KEY}",
+                                                                   "content-type": "application/json"}, timeout=60)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["message"]
+    good = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    assert good["choices"][0]["text"] == offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6))[0].text
+    assert wait_idle(server)
+
+
+def test_chat_with_no_messages_and_the_no_op_defaults(served):
+    server, url = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                       "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+                                                       "user": "me", "tools": []}, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
+    server, url = served
+    assert wait_idle(server)
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "stream": True,
+                                                              "ignore_eos": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    assert wait_idle(server), "the abandoned request kept its pages"
+
+
+def test_the_api_key_is_required_on_v1_routes(served):
+    server, url = served
+    assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    models = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert models["data"][0]["id"] == NAME
+    assert httpx.get(url + "/health", timeout=10).status_code == 200  # health and metrics stay open, as vLLM's
+
+
+def test_the_live_page_shows_the_acceptance_rate_and_loads_nothing_from_elsewhere(served, tmp_path):
+    server, url = served
+    page = httpx.get(url + "/", timeout=10).text
+    assert not re.search(r"(src|href)=[\"']?(https?:)?//", page) and "http://" not in page and "https://" not in page
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no headless chromium here (.ci/run installs Debian's)")
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    try:
+        time.sleep(2)
+        figures = []
+        for shot in ("one", "two"):
+            dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000",
+                                  "--dump-dom", url + "/"], capture_output=True, text=True, timeout=120).stdout
+            subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000",
+                            f"--screenshot={tmp_path / (shot + '.png')}", url + "/"], capture_output=True, timeout=120)
+            figures.append(re.search(r'id="acceptance">([^<]*)<', dom).group(1))
+            assert (tmp_path / (shot + ".png")).stat().st_size > 1000
+            time.sleep(3)
+    finally:
+        stop.set()
+        loader.join(timeout=60)
+    assert all(f.endswith("%") for f in figures), figures
+    assert figures[0] != figures[1], figures  # it refreshes while load runs
+
+
+def test_sigint_stops_the_server_cleanly(chat_target, tmp_path):
+    """A stream in flight gets a final error event or its end; the process exits without a traceback."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "minispec", "serve", "--target", str(chat_target), "--draft", "ngram",
+                             "--port", str(port), "--api-key", KEY], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        got = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True},
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            for line in r.iter_lines():
+                got.append(line)
+                if len(got) == 3:
+                    proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and KEY not in err
+    data = [line for line in got if line.startswith("data:")]
+    assert data[-1] == "data: [DONE]" or '"error"' in data[-1]
