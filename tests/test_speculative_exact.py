@@ -206,7 +206,7 @@ def penalized_model(seed: int, vocab: int, sharpness: float, params: SamplingPar
     base = prefix_model(seed, vocab, sharpness)
 
     def probs(context: tuple) -> torch.Tensor:
-        logits = base(context).log()[None]  # [1, V] fp64 (-inf where the base has zeros)
+        logits = base(context).clamp(min=1e-9).log()[None]  # [1, V] fp64; finite, so min_tokens never bans every token
         history = list(PENALTY_PROMPT) + ([] if stale else list(context))
         row = penalize(logits, [(params, len(PENALTY_PROMPT), history, [])])
         return warp_probs(row, [params])[0]
