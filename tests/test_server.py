@@ -303,7 +303,7 @@ def test_the_live_page_shows_the_acceptance_rate_and_loads_nothing_from_elsewher
 def test_sigint_stops_the_server_cleanly(chat_target, tmp_path):
     """A stream in flight gets a final error event or its end; the process exits without a traceback."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "minispec", "serve", "--target", str(chat_target), "--draft", "ngram",
+    proc = subprocess.Popen([sys.executable, "-m", "minispec", "serve", "--target", str(chat_target), "--draft", "none",
                              "--port", str(port), "--api-key", KEY], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -315,7 +315,7 @@ def test_sigint_stops_the_server_cleanly(chat_target, tmp_path):
                 time.sleep(0.2)
         got = []
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                          json={"prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True},
+                          json={"prompt": PROMPT, "max_tokens": 480, "stream": True, "ignore_eos": True},
                           headers={"Authorization": f"Bearer {KEY}"}) as r:
             for line in r.iter_lines():
                 got.append(line)
@@ -327,4 +327,4 @@ def test_sigint_stops_the_server_cleanly(chat_target, tmp_path):
     assert proc.returncode == 0, err
     assert "Traceback" not in err and KEY not in err
     data = [line for line in got if line.startswith("data:")]
-    assert data[-1] == "data: [DONE]" or '"error"' in data[-1]
+    assert data[-1] == "data: [DONE]" and '"error"' in data[-2] and "shutting down" in data[-2]  # told, then closed

@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import sys
+import threading
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -266,6 +267,18 @@ def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, 
     import uvicorn
 
     server = Server(llm, model_name, api_key, max_body_bytes, max_concurrency)
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """SIGINT / SIGTERM: the engine stops at once and every stream in flight gets a final
+            error event, then uvicorn closes the connections."""
+            threading.Thread(target=server.loop.stop, daemon=True).start()
+            super().handle_exit(sig, frame)
+
     print(f"[minispec] serving {model_name} on http://{host}:{port} (live page at /, metrics at /metrics)"
           + (", API key required" if api_key else ""), file=sys.stderr)
-    uvicorn.run(build_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    try:
+        Uvicorn(config).run()
+    except KeyboardInterrupt:  # uvicorn raises the signal again once it has stopped: a clean exit
+        pass

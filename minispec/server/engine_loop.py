@@ -40,12 +40,15 @@ class EngineLoop:
         self.thread.start()
 
     def stop(self, message: str = "the server is shutting down") -> None:
-        """Stop stepping; every call still in flight gets a final error event."""
+        """Stop stepping; every call still in flight gets a final error event (once)."""
         with self.wake:
             self.stopping = True
             self.wake.notify()
-        self.thread.join(timeout=10)
-        for handle in list(self.handles):
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10)
+        with self.wake:  # (taken whole: a second stop() finds none, so no call is told twice)
+            handles, self.handles = list(self.handles), []
+        for handle in handles:
             self.finish(handle, error=message)
 
     def submit(self, prompts, params) -> Handle:
