@@ -23,6 +23,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from ..drafters.lookup import LookupFirstDrafter
 from ..llm import LLM
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
@@ -35,8 +36,7 @@ class Server:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None, max_body_bytes: int, max_concurrency: int):
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.max_body_bytes, self.max_concurrency, self.in_flight = max_body_bytes, max_concurrency, 0
-        drafter = type(llm.engine.drafter).__name__.removesuffix("Drafter") or "none"
-        self.metrics = ServerMetrics(model_name, drafter, llm.engine.k)
+        self.metrics = ServerMetrics(model_name, drafter_name(llm.engine.drafter), llm.engine.k)
         self.loop = EngineLoop(llm, self.metrics)
         self.context = llm.engine.max_model_len
 
@@ -181,6 +181,15 @@ class Server:
         finally:  # finished, or cancelled because the client went away: its requests leave the engine
             self.loop.cancel(handle)
             self.in_flight -= 1
+
+
+def drafter_name(drafter) -> str:
+    """What the live page calls the drafter."""
+    names = {"EagleDrafter": "EAGLE-3 head", "ModelDrafter": "draft model", "NgramDrafter": "n-gram", "NoDrafter": "none"}
+    if isinstance(drafter, LookupFirstDrafter):
+        inner = drafter.model_drafter
+        return f"prompt lookup, then the {names.get(type(inner).__name__, type(inner).__name__)}"
+    return names.get(type(drafter).__name__, type(drafter).__name__)
 
 
 def accumulate(choices: dict, event) -> None:
