@@ -53,12 +53,15 @@ class LLM:
         interrupt between the two leaves requests that no call owns: they are aborted here, and
         any left by a harder stop are aborted before the next step (`_abort_orphans`)."""
         with self._lock:
+            seqs = []
             try:
                 seqs = self.engine.add_requests([(ids, p) for _, _, ids, p in requests])
                 call = _Call(seqs, [(i, j) for i, j, _, _ in requests], with_text, self.engine.times)
                 for s in call.seqs:
                     self._owners[s.request_id] = call
             except BaseException:
+                for s in seqs:  # (some may be owned already, by a call nobody holds)
+                    self._owners.pop(s.request_id, None)
                 self._abort_orphans()
                 raise
         return call
@@ -86,7 +89,7 @@ class LLM:
         finally:  # run to the end, closed, abandoned or garbage-collected: its requests leave the engine
             self._close(call)
 
-    def _step(self) -> None:
+    def _step(self) -> int:
         """One engine step (lock held); outputs go to the calls that own them. Streams collected
         meanwhile are closed after it. Should the step raise, every request in the engine ends
         with finish_reason "error" (their pages freed, their owners told), then it re-raises. That
@@ -96,7 +99,8 @@ class LLM:
         try:
             try:
                 self._abort_orphans()
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                for out in outputs:
                     call = self._owners.get(out.seq.request_id)
                     if call is not None and (out.new_token_ids or out.finished):
                         call.add_event(out, self.tokenizer)
@@ -110,6 +114,7 @@ class LLM:
             closed, self._closed_while_stepping = self._closed_while_stepping, []
             for call in closed:
                 self._close(call)
+        return len(outputs)
 
     def _fail_all(self, message: str) -> None:
         """End every queued or running request with finish_reason "error" (the engine's state
@@ -197,13 +202,13 @@ class LLM:
         `call.events` as `step_once` runs (from any thread). `close(call)` ends it early."""
         return self._start(call_requests(prompts, sampling_params, self.tokenizer, self.engine), with_text=True)
 
-    def step_once(self) -> bool:
-        """One engine step for every queued request, if there is any. Returns whether it stepped."""
+    def step_once(self) -> int:
+        """One engine step for every queued request, if there is any. Returns how many sequences
+        it advanced (0: nothing to do)."""
         with self._lock:
             if not self.engine.has_unfinished():
-                return False
-            self._step()
-            return True
+                return 0
+            return self._step()
 
     def close(self, call: _Call) -> None:
         """Abort the call's unfinished requests (their pages are freed)."""
@@ -268,5 +273,5 @@ def decoded(entries: list[dict[int, Logprob]], tokenizer: Tokenizer) -> list[dic
 
 def output_text(s: Sequence, tokenizer: Tokenizer) -> str:
     """The request's output text, cut before a matched stop string."""
-    text = tokenizer.decode(s.output_ids)
+    text = tokenizer.decode(s.output_ids[: s.text_ids_end])
     return text if s.stop_text_end is None else text[: s.stop_text_end]

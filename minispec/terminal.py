@@ -14,6 +14,7 @@ import sys
 
 from .llm import LLM
 from .outputs import StreamEvent
+from .runtime.kv_cache import KVPoolExhausted
 from .runtime.metrics import RequestMetrics
 from .trace import RequestTrace
 
@@ -94,7 +95,8 @@ def answer_all(llm: LLM, prompts: list[str], raw_prompts: list[str], params, arg
     out = sys.stdout
     answers = [Answer(raw, None if args.json else Painter(llm, out, color, args.show_rejected)) for raw in raw_prompts]
     stream, current, done = llm.stream(prompts, params), 0, 0
-    progress = len(prompts) > 1 and sys.stderr.isatty()
+    # (a progress line on a terminal only when the answers are not painted on the same terminal)
+    progress = len(prompts) > 1 and sys.stderr.isatty() and (args.json or not out.isatty())
     try:
         for event in stream:
             a = answers[event.index]
@@ -177,7 +179,11 @@ def chat_loop(llm: LLM, args, params, color: bool, render) -> list[RequestTrace]
             continue
         turn = messages + [{"role": "user", "content": line}]
         transcript = "\n".join(m["content"] for m in turn)  # the prompt without a chat template
-        answers, whole = answer_all(llm, [render(turn, transcript)], [line], params, args, color)
+        try:
+            answers, whole = answer_all(llm, [render(turn, transcript)], [line], params, args, color)
+        except (ValueError, KVPoolExhausted) as e:  # e.g. the conversation outgrew the context
+            print(f"[minispec] {' '.join(str(e).split())} (/reset starts over)", file=sys.stderr)
+            continue
         traces += [a.trace for a in answers]
         if whole:
             messages = turn + [{"role": "assistant", "content": answers[0].trace.text}]

@@ -130,3 +130,38 @@ def test_unsupported_vllm_options_are_refused_by_name():
     for name in ("best_of", "use_beam_search", "prompt_logprobs", "guided_decoding"):
         with pytest.raises(TypeError, match=name):
             SamplingParams(**{name: 1})
+
+
+def test_min_tokens_holds_back_stop_strings_and_stop_token_text_is_left_out(llms):
+    """vLLM's rules: a stop string must end past the text of the first min_tokens tokens (so
+    min_tokens=1 never returns an empty answer), and a stop token's text is not in the output
+    unless include_stop_str_in_output."""
+    llm = llms["draft"]
+    free = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    first = llm.tokenizer.decode(free.token_ids[:1])
+    assert first
+    stopped = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[first]))[0]
+    assert stopped.text == "" and len(stopped.token_ids) == 1  # without min_tokens: stopped at once
+    held = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[first],
+                                                     min_tokens=1))[0]
+    assert len(held.token_ids) > 1 and held.text.startswith(first)
+    stop_id = free.token_ids[3]
+    end = free.token_ids.index(stop_id) + 1
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))[0]
+    kept = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id],
+                                                     include_stop_str_in_output=True))[0]
+    assert out.token_ids == kept.token_ids == free.token_ids[:end]
+    assert out.text == llm.tokenizer.decode(free.token_ids[: end - 1]) and kept.text == llm.tokenizer.decode(free.token_ids[:end])
+    streamed = "".join(e.new_text for e in llm.stream(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12,
+                                                                                   stop_token_ids=[stop_id])))
+    assert streamed == out.text
+
+
+def test_a_chat_template_that_refuses_a_conversation_says_why(tiny_llama):
+    from minispec import load_checkpoint
+
+    _, tok = load_checkpoint(tiny_llama, dtype="float32", device="cpu")
+    tok.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must start with user') }}{% endif %}x"
+    with pytest.raises(ValueError, match="refuses this conversation: roles must start with user"):
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "x"

@@ -328,3 +328,40 @@ def test_sigint_stops_the_server_cleanly(chat_target, tmp_path):
     assert "Traceback" not in err and KEY not in err
     data = [line for line in got if line.startswith("data:")]
     assert data[-1] == "data: [DONE]" and '"error"' in data[-2] and "shutting down" in data[-2]  # told, then closed
+
+
+def test_requests_the_pool_or_the_template_refuse_are_400s_naming_the_field(served, monkeypatch):
+    """A request that can never fit the KV pool, and a conversation the chat template refuses,
+    used to be bare 500s."""
+    from minispec.runtime.kv_cache import KVPoolExhausted
+
+    server, url = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def too_big(*args, **kwargs):
+        raise KVPoolExhausted("request needs 900 KV pages in the target KV pool but the pool has only 40")
+
+    monkeypatch.setattr(server.loop, "submit", too_big)
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400}, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and "KV pages" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    monkeypatch.setattr(server.llm.tokenizer, "chat_template",
+                        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('start with a user turn') }}{% endif %}x")
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}]},
+                   headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "start with a user turn" in r.text
+    monkeypatch.undo()
+    assert wait_idle(server)
+    assert server.slots._value == server.max_concurrency  # every refused request gave its slot back
+
+
+def test_the_first_tokens_wait_is_ttft_not_inter_token_latency(served):
+    server, url = served
+    assert wait_idle(server)
+    before = scrape(url)
+    httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers={"Authorization": f"Bearer {KEY}"},
+               timeout=30)
+    assert wait_idle(server)
+    after = scrape(url)
+    assert after["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"] + 1
+    assert after["vllm:inter_token_latency_seconds_count"] == before["vllm:inter_token_latency_seconds_count"]

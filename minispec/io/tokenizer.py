@@ -70,7 +70,11 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat_template; pass plain-text prompts")
         import jinja2
 
+        def raise_exception(message: str):  # what HF's templates call to refuse a conversation
+            raise ValueError(f"the chat template refuses this conversation: {message}")
+
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
         )

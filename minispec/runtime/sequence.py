@@ -43,6 +43,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop string that ended it (None for EOS)
         self.error: str | None = None  # the message, when finish_reason is "error"
         self.stop_text_end: int | None = None  # output text is cut here when a stop string matched
+        self.text_ids_end: int | None = None  # the text leaves out the last token (an EOS or stop token) when set
         self.num_preemptions = 0
         self.metrics = RequestMetrics()
         self.logprobs: list[dict[int, Logprob]] = []  # per output token, when params.logprobs is set
@@ -79,24 +80,26 @@ class Sequence:
         `decode(ids) -> str` renders the output so far for stop-string matching."""
         self.output_ids.append(token)
         p = self.params
-        if len(self.output_ids) >= p.min_tokens:
-            if token in eos_ids and not p.ignore_eos:
-                self.finish_reason = "stop"  # stop_reason None: EOS
-            elif token in p.stop_token_ids:
-                self.finish_reason, self.stop_reason = "stop", token
-            elif p.stop:
-                self.match_stop_strings(decode)
+        if token in eos_ids and not p.ignore_eos:  # (min_tokens keeps EOS and stop tokens from being sampled early)
+            self.finish_reason = "stop"  # stop_reason None: EOS
+        elif token in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif p.stop and len(self.output_ids) > p.min_tokens:
+            self.match_stop_strings(decode)
+        if self.finish_reason == "stop" and self.stop_text_end is None and not p.include_stop_str_in_output:
+            self.text_ids_end = len(self.output_ids) - 1  # vLLM leaves the stop token's text out
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
     def match_stop_strings(self, decode) -> None:
-        """The earliest stop string in the output text (past what min_tokens' tokens wrote) ends
-        the request; its text ends before the string, or after it with include_stop_str_in_output."""
+        """The earliest stop string in the output text that ends past the text of the first
+        min_tokens tokens (vLLM's rule) ends the request; its text ends before the string, or after
+        it with include_stop_str_in_output."""
         p = self.params
         text = decode(self.output_ids)
-        start = len(decode(self.output_ids[: p.min_tokens - 1])) if p.min_tokens > 1 else 0
-        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in p.stop) if i >= 0]
+        floor = len(decode(self.output_ids[: p.min_tokens])) if p.min_tokens else 0
+        hits = [(i, s) for i, s in ((text.find(s, max(0, floor - len(s) + 1)), s) for s in p.stop) if i >= 0]
         if hits:
             i, stop = min(hits)
             self.stop_text_end = i + len(stop) if p.include_stop_str_in_output else i

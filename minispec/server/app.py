@@ -20,11 +20,13 @@ import sys
 import threading
 from pathlib import Path
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..drafters.lookup import LookupFirstDrafter
 from ..llm import LLM
+from ..runtime.kv_cache import KVPoolExhausted
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
 from .protocol import ApiError, Parsed, logprobs_json, parse_chat, parse_completion, response_id
@@ -35,7 +37,8 @@ DASHBOARD = Path(__file__).with_name("dashboard.html")
 class Server:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None, max_body_bytes: int, max_concurrency: int):
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
-        self.max_body_bytes, self.max_concurrency, self.in_flight = max_body_bytes, max_concurrency, 0
+        self.max_body_bytes, self.max_concurrency = max_body_bytes, max_concurrency
+        self.slots = threading.BoundedSemaphore(max_concurrency)  # requests in flight, from arrival to their end
         self.metrics = ServerMetrics(model_name, drafter_name(llm.engine.drafter), llm.engine.k)
         self.loop = EngineLoop(llm, self.metrics)
         self.context = llm.engine.max_model_len
@@ -43,7 +46,10 @@ class Server:
     def render_chat(self, messages: list[dict]) -> str:
         if not self.llm.tokenizer.chat_template:
             raise ApiError("this model has no chat template: use /v1/completions", "messages")
-        return self.llm.tokenizer.apply_chat_template(messages)
+        try:
+            return self.llm.tokenizer.apply_chat_template(messages)
+        except (ValueError, jinja2.TemplateError) as e:  # the template refuses the conversation
+            raise ApiError(" ".join(str(e).split()), "messages") from None
 
     async def body(self, request: Request) -> dict:
         """The JSON body, read up to max_body_bytes (413 past it)."""
@@ -74,23 +80,30 @@ class Server:
         return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
 
     async def complete(self, request: Request, chat: bool):
-        if self.in_flight >= self.max_concurrency:
+        """A slot is taken on arrival (429 when none is left) and given back exactly once: when
+        the request is refused here, or when its call ends (finished, cancelled or stopped)."""
+        if not self.slots.acquire(blocking=False):
             raise ApiError(f"more than {self.max_concurrency} requests in flight; retry later", None, 429,
                            "rate_limit_error")
-        body = await self.body(request)
-        parsed = parse_chat(body, self.context, self.render_chat) if chat else parse_completion(body, self.context)
+        release = once(self.slots.release)
         try:
-            handle = self.loop.submit(parsed.prompts, parsed.params)
+            body = await self.body(request)
+            parsed = parse_chat(body, self.context, self.render_chat) if chat else parse_completion(body, self.context)
+            handle = await asyncio.to_thread(self.loop.submit, parsed.prompts, parsed.params,
+                                             asyncio.get_running_loop(), release)
         except (ValueError, TypeError) as e:  # a prompt over the context, token ids outside the vocabulary, ...
+            release()
             raise ApiError(" ".join(str(e).split()), "messages" if chat else "prompt") from None
-        self.in_flight += 1
+        except KVPoolExhausted as e:  # the request could never fit the KV pool, even alone
+            release()
+            raise ApiError(" ".join(str(e).split()), "max_tokens") from None
+        except BaseException:
+            release()
+            raise
         ident = response_id(chat)
         if parsed.stream:
             return StreamingResponse(self.stream(request, handle, parsed, ident), media_type="text/event-stream")
-        try:
-            return JSONResponse(await self.collect(request, handle, parsed, ident))
-        finally:
-            self.in_flight -= 1
+        return JSONResponse(await self.collect(request, handle, parsed, ident))
 
     async def collect(self, request: Request, handle, parsed: Parsed, ident) -> dict:
         """Wait for every event of the call (the client's disconnect cancels it); one response."""
@@ -180,7 +193,20 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:  # finished, or cancelled because the client went away: its requests leave the engine
             self.loop.cancel(handle)
-            self.in_flight -= 1
+
+
+def once(fn):
+    """fn, callable from any thread, that runs at most once."""
+    lock, done = threading.Lock(), []
+
+    def call() -> None:
+        with lock:
+            if done:
+                return
+            done.append(True)
+        fn()
+
+    return call
 
 
 def drafter_name(drafter) -> str:

@@ -1,9 +1,11 @@
 """ONE engine for every connection: a background thread steps the LLM whenever any request is
 queued, and hands each call's StreamEvents to the asyncio queue of the handler that made it.
 
-HTTP handlers only submit (which validates and queues, all or nothing), read their queue, and
-cancel: a client that goes away closes its call, which aborts its requests and frees their pages.
-Requests from concurrent clients therefore join the same continuous batch.
+HTTP handlers only submit (which validates and queues, all or nothing: run in a worker thread,
+since it waits for the engine's lock), read their queue, and cancel (which only marks the call:
+the engine thread closes it, aborting its requests and freeing their pages). Requests from
+concurrent clients therefore join the same continuous batch, and the event loop never waits for
+an engine step.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..llm import LLM
@@ -19,19 +22,25 @@ from .metrics import ServerMetrics
 
 @dataclass
 class Handle:
-    """One HTTP request's call: its events arrive on `queue`, None after the last."""
+    """One HTTP request's call: its events arrive on `queue`, then None after the last."""
 
     call: object
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    release: Callable[[], None]  # frees the request's concurrency slot (called once, when it ends)
     arrival: float = field(default_factory=time.perf_counter)
     last_event: dict = field(default_factory=dict)  # (index, completion) -> perf_counter of its previous event
+    ended: bool = False
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class EngineLoop:
     def __init__(self, llm: LLM, metrics: ServerMetrics):
         self.llm, self.metrics = llm, metrics
-        self.handles: list[Handle] = []
+        self.handles: list[Handle] = []  # changed only under `wake`
+        self.cancelled: list[Handle] = []
         self.wake = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self.run, name="minispec-engine", daemon=True)
@@ -47,67 +56,91 @@ class EngineLoop:
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join(timeout=10)
         with self.wake:  # (taken whole: a second stop() finds none, so no call is told twice)
-            handles, self.handles = list(self.handles), []
+            handles, self.handles = self.handles + self.cancelled, []
+            self.cancelled = []
         for handle in handles:
-            self.finish(handle, error=message)
+            self.end(handle, error=message)
 
-    def submit(self, prompts, params) -> Handle:
-        """Queue a request (raises ValueError / TypeError on bad input, before anything is queued)."""
-        loop = asyncio.get_running_loop()
+    def submit(self, prompts, params, loop: asyncio.AbstractEventLoop, release: Callable[[], None]) -> Handle:
+        """Queue a request (raises on bad input, before anything is queued). From a worker thread."""
         call = self.llm.submit(prompts, params)
-        handle = Handle(call, asyncio.Queue(), loop)
+        handle = Handle(call, asyncio.Queue(), loop, release)
         with self.wake:
+            if self.stopping:
+                self.llm.close(call)
+                raise RuntimeError("the server is shutting down")
             self.handles.append(handle)
             self.wake.notify()
         self.metrics.prompt_tokens(sum(len(s.prompt_ids) for s in call.seqs))
         return handle
 
     def cancel(self, handle: Handle) -> None:
-        """The client is gone (or the handler ended early): its requests leave the engine."""
+        """The client is gone (or the handler ended early): the engine thread closes the call."""
         with self.wake:
             if handle in self.handles:
                 self.handles.remove(handle)
-        self.llm.close(handle.call)
+                self.cancelled.append(handle)
+                self.wake.notify()
 
-    def finish(self, handle: Handle, error: str | None = None) -> None:
-        if handle in self.handles:
-            self.handles.remove(handle)
+    def end(self, handle: Handle, error: str | None = None) -> None:
+        """Close the call (its unfinished requests are aborted, pages freed), tell its handler."""
+        if handle.ended:
+            return
+        handle.ended = True
+        aborted = sum(not s.finished for s in handle.call.seqs)
         self.llm.close(handle.call)
+        self.metrics.aborted(aborted)
         if error is not None:
-            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, {"error": error})
-        handle.loop.call_soon_threadsafe(handle.queue.put_nowait, None)
+            handle.put({"error": error})
+        handle.put(None)
+        handle.release()
 
     def run(self) -> None:
         while True:
             with self.wake:
-                while not self.stopping and not self.handles:
+                while not self.stopping and not self.handles and not self.cancelled:
                     self.wake.wait()
                 if self.stopping:
                     return
+                cancelled, self.cancelled = self.cancelled, []
+            for handle in cancelled:
+                self.end(handle)
             start = time.perf_counter()
             try:
                 stepped = self.llm.step_once()
             except BaseException as e:  # noqa: BLE001 - the LLM already failed every request in flight
                 self.metrics.engine_error(f"{type(e).__name__}: {e}")
-                stepped = True
-            self.deliver(time.perf_counter() - start if stepped else 0.0)
+                stepped = 0
+            try:
+                self.deliver(time.perf_counter() - start, stepped)
+            except Exception as e:  # noqa: BLE001 - a handler's bookkeeping must never stop the engine
+                self.metrics.engine_error(f"delivering events: {type(e).__name__}: {e}")
             if not stepped:
                 time.sleep(0.001)
 
-    def deliver(self, step_s: float) -> None:
-        """Move each call's new events to its handler; finished calls are closed."""
+    def deliver(self, step_s: float, batch: int) -> None:
+        """Move each call's new events to its handler; finished calls are ended."""
         now = time.perf_counter()
-        batch = len(self.llm.engine.scheduler.running)
+        with self.wake:
+            handles = list(self.handles)
+        finished = []
         with self.llm._lock:
-            for handle in list(self.handles):
+            for handle in handles:
                 events = list(handle.call.events)
                 handle.call.events.clear()
                 for event in events:
                     key = (event.index, event.completion_index)
-                    self.metrics.event(event, now - handle.last_event.get(key, handle.arrival))
+                    previous = handle.last_event.get(key)  # (the first token's wait is TTFT, not ITL)
+                    self.metrics.event(event, None if previous is None else now - previous)
                     handle.last_event[key] = now
-                    handle.loop.call_soon_threadsafe(handle.queue.put_nowait, event)
+                    handle.put(event)
                 if all(s.finished for s in handle.call.seqs) and not handle.call.events:
-                    self.finish(handle)
-        if step_s:
+                    finished.append(handle)
+        with self.wake:
+            for handle in finished:
+                if handle in self.handles:
+                    self.handles.remove(handle)
+        for handle in finished:
+            self.end(handle)
+        if batch:
             self.metrics.step(step_s, batch, self.llm)

@@ -72,14 +72,16 @@ class ServerMetrics:
     def prompt_tokens(self, n: int) -> None:
         self.prompt.labels(**self.labels).inc(n)
 
-    def event(self, e: StreamEvent, since_last_s: float) -> None:
-        """One request's tokens from one step (what `StreamEvent` says of it)."""
+    def event(self, e: StreamEvent, since_last_s: float | None) -> None:
+        """One request's tokens from one step (what `StreamEvent` says of it); since_last_s: the
+        time since the request's previous step (None for its first: that wait is the TTFT)."""
         L = self.labels
         n = len(e.new_token_ids)
         if n:
             self.generation.labels(**L).inc(n)
-            self.itl.labels(**L).observe(since_last_s)
             self.tokens_per_step.labels(**L).observe(n)
+            if since_last_s is not None:
+                self.itl.labels(**L).observe(since_last_s)
         if e.drafted:
             self.drafts.labels(**L).inc()
             self.draft_tokens.labels(**L).inc(len(e.drafted))
@@ -117,6 +119,11 @@ class ServerMetrics:
         self.kv_usage.labels(**L).set(1 - cache.allocator.num_free / cache.num_pages)
         with self.lock:
             self.recent.append((time.time(), 0, 0, 0, 0, 0, batch))
+
+    def aborted(self, n: int) -> None:
+        """Requests that ended unfinished (their client went away, or the server stopped)."""
+        if n:
+            self.success.labels(**self.labels, finished_reason="abort").inc(n)
 
     def engine_error(self, message: str) -> None:
         self.last_error = message
