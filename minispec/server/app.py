@@ -6,8 +6,7 @@
 Safe by default: it binds 127.0.0.1; with --api-key every /v1 route wants `Authorization: Bearer
 KEY` (compared in constant time; the key is never logged); bodies over --max-body-bytes get 413,
 prompts longer than the context 400, and more than --max-concurrency requests in flight 429.
-A client that disconnects aborts its requests (their pages are freed). SIGINT / SIGTERM stop it:
-streams in flight get a final error event.
+A client that disconnects aborts its requests (their pages are freed); on SIGINT / SIGTERM streams get a final error event.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from ..llm import LLM
 from ..runtime.kv_cache import KVPoolExhausted
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
-from .protocol import ApiError, Parsed, logprobs_json, parse_chat, parse_completion, response_id
+from .protocol import ApiError, Parsed, accumulate, logprobs_json, openai_reason, parse_chat, parse_completion, response_id
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 
@@ -216,25 +215,6 @@ def drafter_name(drafter) -> str:
         inner = drafter.model_drafter
         return f"prompt lookup, then the {names.get(type(inner).__name__, type(inner).__name__)}"
     return names.get(type(drafter).__name__, type(drafter).__name__)
-
-
-def accumulate(choices: dict, event) -> None:
-    c = choices.setdefault((event.index, event.completion_index), {"text": "", "tokens": [], "logprobs": [], "drafted": 0,
-                                                                    "accepted": 0, "finish_reason": None, "stop_reason": None})
-    c["text"] += event.new_text
-    c["tokens"] += event.new_token_ids
-    c["logprobs"] += event.new_logprobs or []
-    c["drafted"] += len(event.drafted)
-    c["accepted"] += event.num_accepted
-    if event.finished:
-        c["finish_reason"], c["stop_reason"] = event.finish_reason, event.stop_reason
-        if event.error:
-            raise ApiError(f"the request failed: {event.error}", None, 500, "server_error")
-
-
-def openai_reason(reason: str | None) -> str | None:
-    """OpenAI's finish_reason: stop and length as they are; an aborted request stopped."""
-    return {"abort": "stop"}.get(reason, reason)
 
 
 async def wait_for_disconnect(request: Request) -> None:

@@ -138,3 +138,22 @@ def logprobs_json(entries, tokens: list[int], chat: bool, top_n: int) -> dict:
     return {"tokens": [e[t].decoded_token for t, e in zip(tokens, entries)],
             "token_logprobs": [e[t].logprob for t, e in zip(tokens, entries)],
             "top_logprobs": [{lp.decoded_token: lp.logprob for lp in top(e)} for e in entries]}
+
+
+def accumulate(choices: dict, event) -> None:
+    c = choices.setdefault((event.index, event.completion_index), {"text": "", "tokens": [], "logprobs": [], "drafted": 0,
+                                                                    "accepted": 0, "finish_reason": None, "stop_reason": None})
+    c["text"] += event.new_text
+    c["tokens"] += event.new_token_ids
+    c["logprobs"] += event.new_logprobs or []
+    c["drafted"] += len(event.drafted)
+    c["accepted"] += event.num_accepted
+    if event.finished:
+        c["finish_reason"], c["stop_reason"] = event.finish_reason, event.stop_reason
+        if event.error:
+            raise ApiError(f"the request failed: {event.error}", None, 500, "server_error")
+
+
+def openai_reason(reason: str | None) -> str | None:
+    """OpenAI's finish_reason: stop and length as they are; an aborted request stopped."""
+    return {"abort": "stop"}.get(reason, reason)
