@@ -28,22 +28,7 @@ from minispec.outputs import CompletionOutput, Logprob, RequestOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = ["the quick brown fox", "hello world", "to be or not to be, that is"]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def sampled(seed: int | None, max_tokens: int = 12) -> SamplingParams:
-    return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=seed)
-
-
-def idle_and_whole(llm: LLM) -> bool:
-    return not llm.engine.has_unfinished() and all(
-        r.cache.allocator.num_free == r.cache.num_pages for r, _ in llm.engine.runners)
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_llama, tiny_llama_draft) -> LLM:
-    return LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, kv_cache_gib=0.01)
+from test_reliability import GREEDY, PROMPTS, idle_and_whole, sampled, spec  # noqa: E402,F401  (one definition of each)
 
 
 # --- 1. streamed text ---------------------------------------------------------------------------
