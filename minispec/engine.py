@@ -91,6 +91,14 @@ class LLMEngine:
                     f"(kv_cache_gib) or lower max_tokens"
                 )
 
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most tokens a request with this prompt could generate: the context's room and the
+        smallest KV pool's, whole (the final token is emitted but never fed)."""
+        room = self.max_model_len - prompt_len
+        for runner, _ in self.runners:
+            room = min(room, runner.cache.num_pages * runner.cache.page_size - prompt_len + 1)
+        return room
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins the running batch at the next step with room for it.
         Raises (before queueing anything) as `check_request` does."""

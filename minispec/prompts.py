@@ -33,8 +33,8 @@ def call_requests(prompts, params, tokenizer: Tokenizer, engine: LLMEngine) -> l
         p.validate()  # again: fields may have been changed since construction
     ids = [prompt_ids(p, tokenizer, engine.target.model.cfg.vocab_size) for p in prompts]
     for i, p in zip(ids, params):
-        if p.max_tokens is None:  # up to the context
-            p.max_tokens = max(engine.max_model_len - len(i), 1)
+        if p.max_tokens is None:  # up to the context (and what the KV pools can hold)
+            p.max_tokens = max(engine.max_new_tokens(len(i)), 1)
             p.validate()
         engine.check_request(i, p)
     return [(index, j, i, completion_params(p, j)) for index, (i, p) in enumerate(zip(ids, params)) for j in range(p.n)]

@@ -165,3 +165,15 @@ def test_a_chat_template_that_refuses_a_conversation_says_why(tiny_llama):
     with pytest.raises(ValueError, match="refuses this conversation: roles must start with user"):
         tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "x"
+
+
+def test_max_tokens_none_stops_where_the_kv_pool_ends_too(tiny_llama):
+    """With a pool smaller than the context, max_tokens=None means what the pool can hold (it used
+    to be refused as if the client had asked for the whole context)."""
+    from minispec.runtime.kv_cache import KVCache
+
+    model, tok = __import__("minispec").load_checkpoint(tiny_llama, dtype="float32", device="cpu")
+    page = KVCache.bytes_per_page(model.cfg, 4, model.dtype)
+    llm = LLM(model=(model, tok), page_size=4, kv_cache_gib=9 * page / 2**30)  # 8 pages (+ scratch): 32 positions
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 33 and out.finish_reason == "length"

@@ -3,10 +3,10 @@ against offline `LLM.generate` of the same requests.
 
     python tools/serve_bench.py [--requests 16] [--max-tokens 48] [--concurrency 1,4,16] [--dtype bfloat16]
 
-For each drafter (the default target's EAGLE-3 head, and none): one server in this process on a
-free loopback port; for each concurrency c, the same seeded requests sent by c client threads
-(streaming, so the first token's arrival is seen); total tokens/s, p50 / p99 TTFT; then the same
-requests through `LLM.generate` in one call on the same engine, for comparison.
+For each drafter (the default target's EAGLE-3 head, and none): `minispec serve` in its own
+process on a free loopback port; for each concurrency c, the same seeded requests sent by c client
+threads (streaming, so the first token's arrival is seen); total tokens/s, p50 / p99 TTFT; then
+the same requests through `LLM.generate` in one call, for comparison.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 import socket
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,12 +49,30 @@ def one_request(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[floa
     return first or 0.0, tokens
 
 
+def start_server(draft: str, dtype: str):
+    """`minispec serve` in its own process (the clients here do not share its interpreter)."""
+    import subprocess
+
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "minispec", "serve", "--draft", draft, "-k", "4", "--dtype", dtype,
+                             "--port", str(port)], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise SystemExit("the server did not start")
+
+
 def main(argv=None) -> int:
-    import uvicorn
+    import signal
 
     from minispec import LLM, SamplingParams
     from minispec.io.paths import default_eagle_head, default_target
-    from minispec.server.app import Server, build_app
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -65,32 +82,31 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "weights" / "prompts" / "bench.jsonl").read_text().splitlines()]
     prompts = prompts[: args.requests]
-    for name, draft in (("eagle k=4", str(default_eagle_head())), ("plain", None)):
-        llm = LLM(str(default_target()), draft_model=draft, num_speculative_tokens=4 if draft else None, dtype=args.dtype)
-        server = Server(llm, "smollm2", None, 1 << 20, 256)
-        port = free_port()
-        uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
-        threading.Thread(target=uv.run, daemon=True).start()
-        while not uv.started:
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{port}"
-        one_request(url, prompts[0], 0, 4)  # warm-up
-        for c in (int(x) for x in args.concurrency.split(",")):
-            start = time.perf_counter()
-            with ThreadPoolExecutor(c) as pool:
-                results = list(pool.map(lambda i: one_request(url, prompts[i], i, args.max_tokens), range(len(prompts))))
-            wall = time.perf_counter() - start
-            ttft = sorted(r[0] for r in results)
-            print(f"{name:10} concurrency {c:3}: {sum(r[1] for r in results) / wall:7.1f} tok/s, TTFT p50 "
-                  f"{statistics.median(ttft) * 1e3:7.0f} ms, p99 {ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3:7.0f} ms")
-        uv.should_exit = True
-        time.sleep(1)
+    for name, draft in (("eagle k=4", str(default_eagle_head())), ("plain", "none")):
+        proc, url = start_server(draft, args.dtype)
+        try:
+            one_request(url, prompts[0], 0, 4)  # warm-up
+            for c in (int(x) for x in args.concurrency.split(",")):
+                start = time.perf_counter()
+                with ThreadPoolExecutor(c) as pool:
+                    results = list(pool.map(lambda i: one_request(url, prompts[i], i, args.max_tokens), range(len(prompts))))
+                wall = time.perf_counter() - start
+                ttft = sorted(r[0] for r in results)
+                print(f"{name:10} concurrency {c:3}: {sum(r[1] for r in results) / wall:7.1f} tok/s, TTFT p50 "
+                      f"{statistics.median(ttft) * 1e3:7.0f} ms, p99 {ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3:7.0f} ms",
+                      flush=True)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+        llm = LLM(str(default_target()), draft_model=None if draft == "none" else draft,
+                  num_speculative_tokens=None if draft == "none" else 4, dtype=args.dtype)
         chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         params = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(prompts))]
+        llm.generate(chats[:1], params[:1], use_tqdm=False)  # warm-up
         start = time.perf_counter()
         outs = llm.generate(chats, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        print(f"{name:10} offline LLM.generate, one call: {sum(len(o.token_ids) for o in outs) / wall:7.1f} tok/s")
+        print(f"{name:10} offline LLM.generate, one call: {sum(len(o.token_ids) for o in outs) / wall:7.1f} tok/s", flush=True)
     return 0
 
 
