@@ -482,7 +482,7 @@ target's hidden states (the inputs of target layers {list(info['aux_layers'])}),
 embedding (not stored here) and proposes from a draft vocabulary of {info['draft_vocab']} tokens
 (d2t / t2d map it to the target's 49152). Official EAGLE-3 checkpoint layout (`fc`,
 `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`); bf16, {info['bytes'] / 2**20:.1f} MB.
-Use: `LLM(model=target, draft_model="weights/eagle-smollm2")` or `python bench.py --drafters eagle`.
+Use: `LLM(model=target, draft_model=minispec.io.paths.default_eagle_head())` (it installs with minispec) or `python bench.py --drafters eagle`.
 `training.json` beside this card holds every number below.
 
 ## Data
