@@ -35,7 +35,7 @@ case "${1:-}" in
         for py in ${GPU_PYTHONS:-3.12}; do
             pip download --quiet --only-binary=:all: --python-version "$py" --platform manylinux2014_x86_64 \
                 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$WHEELS" \
-                einops safetensors tokenizers jinja2 gguf numpy pytest hypothesis || exit 1
+                einops safetensors tokenizers jinja2 gguf numpy pytest hypothesis tqdm || exit 1
         done
         du -sh "$WHEELS"; exit 0 ;;
     "") ;;
@@ -69,7 +69,7 @@ fi
 
 missing=$(python -c "
 import importlib.util
-print(' '.join(m for m in ('einops', 'safetensors', 'tokenizers', 'jinja2', 'gguf', 'numpy', 'pytest', 'hypothesis')
+print(' '.join(m for m in ('einops', 'safetensors', 'tokenizers', 'jinja2', 'gguf', 'numpy', 'pytest', 'hypothesis', 'tqdm')
                if importlib.util.find_spec(m) is None))")
 if [ -n "$missing" ]; then
     step install pip install --no-index --find-links "$WHEELS" $missing
