@@ -152,11 +152,12 @@ def test_concurrent_clients_share_the_batch_and_get_exact_outputs(served, client
     def call(i: int):
         kwargs = dict(model=NAME, prompt=prompts[i], max_tokens=10, temperature=0.9, seed=seeds[i])
         if i % 2:
-            text, tokens = "", 0
+            text, tokens, spec = "", 0, None
             for chunk in client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
                 text += "".join(c.text for c in chunk.choices)
-                tokens = chunk.usage.completion_tokens if chunk.usage else tokens
-            return text, tokens, None
+                if chunk.usage:
+                    tokens, spec = chunk.usage.completion_tokens, chunk.model_extra["speculative"]
+            return text, tokens, spec
         r = httpx.post(url + "/v1/completions", json=kwargs, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
         body = r.json()
         return body["choices"][0]["text"], body["usage"]["completion_tokens"], body["speculative"]
@@ -168,9 +169,10 @@ def test_concurrent_clients_share_the_batch_and_get_exact_outputs(served, client
     after = scrape(url)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert delta["vllm:generation_tokens_total"] == sum(r[1] for r in results) == sum(len(o.token_ids) for o in expected)
-    spec = [r[2] for r in results if r[2] is not None]
-    assert sum(s["accepted_tokens"] for s in spec) <= delta["vllm:spec_decode_num_accepted_tokens_total"]
-    assert delta["vllm:spec_decode_num_accepted_tokens_total"] <= delta["vllm:spec_decode_num_draft_tokens_total"]
+    for name, field in (("vllm:spec_decode_num_accepted_tokens_total", "accepted_tokens"),
+                        ("vllm:spec_decode_num_draft_tokens_total", "draft_tokens")):
+        assert delta[name] == sum(r[2][field] for r in results)  # streamed and not, every response counted
+    assert 0 < delta["vllm:spec_decode_num_accepted_tokens_total"] < delta["vllm:spec_decode_num_draft_tokens_total"]
     assert delta["vllm:prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in expected)
     assert delta['vllm:request_success_total{finished_reason="length"}'] + delta.get(
         'vllm:request_success_total{finished_reason="stop"}', 0) == len(prompts)

@@ -163,7 +163,7 @@ class Server:
                 body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
 
-        tokens = {}
+        tokens, speculative = {}, {"draft_tokens": 0, "accepted_tokens": 0}
         try:
             if parsed.chat:
                 for k in range(len(parsed.prompts) * n):
@@ -178,6 +178,8 @@ class Server:
                     break
                 index = event.index * n + event.completion_index
                 tokens[index] = tokens.get(index, 0) + len(event.new_token_ids)
+                speculative["draft_tokens"] += len(event.drafted)
+                speculative["accepted_tokens"] += event.num_accepted
                 logprobs = (logprobs_json(event.new_logprobs, event.new_token_ids, parsed.chat, parsed.logprobs or 0)
                             if parsed.logprobs is not None and event.new_logprobs else None)
                 if event.new_text or logprobs:
@@ -188,7 +190,9 @@ class Server:
                 prompt_tokens = sum(len(s.prompt_ids) for s in handle.call.seqs[::n])
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(tokens.values()),
                          "total_tokens": prompt_tokens + sum(tokens.values())}
-                yield f"data: {json.dumps({'id': ident[0], 'object': obj, 'created': ident[1], 'model': self.model_name, 'choices': [], 'usage': usage})}\n\n"
+                last = {"id": ident[0], "object": obj, "created": ident[1], "model": self.model_name, "choices": [],
+                        "usage": usage, "speculative": speculative}
+                yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # finished, or cancelled because the client went away: its requests leave the engine
             self.loop.cancel(handle)
