@@ -14,9 +14,12 @@ For every running sequence whose last token is x_L:
      are truncated (no copy). The drafter truncates its own cache the same way.
 
 `speculative_step` below is these four steps; the rule of step 3 follows it (`rejection_sample`),
-then the helpers (greedy verification, non-finite logits, logprobs).
+then the helpers (penalties per position, greedy verification, logprobs; non-finite target logits
+are handled by nonfinite.py).
 
-p and q are both warped by `warp_probs` (temperature, top-k, top-p) with the request's params.
+p and q are both warped by `warp_probs` (temperature, top-k, top-p) with the request's params,
+after the request's penalties and min_tokens (`sampling.penalize`) are applied to each position's
+logits with the tokens before that position, the drafts before it included.
 Temperature 0 makes both one-hot, and the same rule becomes greedy verification: accept while
 d_i == argmax p_i, then emit argmax p at the first mismatch. Plain autoregressive decoding is this
 step with the no-op drafter (n = 0): the target samples one token from p_1.
