@@ -144,7 +144,8 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
         EngineOptions(model=str(target), **options)  # validates every option without loading anything
     except ValueError as e:
         raise flagged(e) from None
-    check_context(target, args)
+    if args.command != "serve":  # (a server's requests say their own max_tokens)
+        check_context(target, args)
     return target, draft, params, options
 
 
