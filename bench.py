@@ -765,7 +765,8 @@ def main(argv=None) -> dict:
         from minispec.io.paths import default_target
 
         target_path = default_target()
-    draft_path = args.draft
+    # The draft model's path, when a row uses it (the default CPU run benches the EAGLE head only).
+    draft_path = args.draft if {"draft", "adaptive"} & {d.removesuffix("+lookup") for d in p["drafters"]} else None
     dtype_note = ""
     if args.dtype != "auto":
         dtype = getattr(torch, args.dtype)
@@ -778,7 +779,7 @@ def main(argv=None) -> dict:
         log(dtype_note)
     matmul = getattr(target[0], "cpu_matmul", None)  # the CPU Linear entry point the loader timed fastest
     log(f"device={device} dtype={dtype_name(dtype)}{f' matmul={matmul}' if matmul else ''} target={target_path} draft={draft_path}")
-    draft = load_checkpoint(draft_path, dtype=dtype) if {"draft", "adaptive"} & {d.removesuffix("+lookup") for d in p["drafters"]} else None
+    draft = load_checkpoint(draft_path, dtype=dtype) if draft_path else None
     quantized = None  # (target, draft) with quantized weights, fp32 everywhere else
     if args.quantization:
         quantized = (load_checkpoint(target_path, dtype=torch.float32, quantization=args.quantization),
@@ -843,11 +844,11 @@ def main(argv=None) -> dict:
         correctness += f"; with {args.quantization} weights: " + (
             "identical" if not indexed else "DIFFERED for prompts " + ", ".join(
                 f"{i} (token {j}, logit gap {g:.3g})" for i, j, g in q_mismatches + q_ties))
-    title = f"{target_path.name} + {draft_path.name if draft_path else 'no draft model'}, {device.type}, {dtype_name(dtype)}"
+    title = f"{target_path.name}" + (f" + {draft_path.name}" if draft_path else "") + f", {device.type}, {dtype_name(dtype)}"
     bench_time = f"{time.perf_counter() - START:.0f} s in all"
     print()
     print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}{f', matmul={matmul}' if matmul else ''}, target={target_path.name}, "
-          f"draft={draft_path.name if draft_path else '-'}, {p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
+          + (f"draft={draft_path.name}, " if draft_path else "") + f"{p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
           f"{bench_time}")
     if dtype_note:
         print(dtype_note)
