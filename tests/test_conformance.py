@@ -28,7 +28,7 @@ from minispec.outputs import CompletionOutput, Logprob, RequestOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-from test_reliability import GREEDY, PROMPTS, idle_and_whole, sampled, spec  # noqa: E402,F401  (one definition of each)
+from test_reliability import GREEDY, PROMPTS, idle_and_whole, interrupt_at, sampled, spec  # noqa: E402,F401  (one definition of each)
 
 
 # --- 1. streamed text ---------------------------------------------------------------------------
@@ -60,22 +60,8 @@ def test_the_cli_prints_the_answer_once_with_a_long_stop_string(tiny_llama, caps
 # --- 2. interrupts ------------------------------------------------------------------------------
 
 
-def interrupt_at(obj, name: str, call: int):
-    """Make obj.name raise KeyboardInterrupt on its `call`-th call (counting from 1)."""
-    original, calls = getattr(obj, name), [0]
-
-    def wrapper(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == call:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
-    setattr(obj, name, wrapper)
-    return lambda: delattr(obj, name) if name in vars(obj) else None
-
-
 POINTS = [("drafter", "propose", 2), ("target", "forward", 2), ("engine", "_emit", 2), ("drafter", "rollback", 1),
-          ("target_table", "truncate", None)]
+          ("target_table", "truncate", 2)]
 
 
 @pytest.mark.parametrize("where, name, call", POINTS)
@@ -86,22 +72,11 @@ def test_an_interrupt_inside_a_step_fails_every_request_in_flight_and_nothing_el
     solo = [o.token_ids for o in spec.generate(PROMPTS, [sampled(i) for i in range(3)])]
     other = spec.stream(PROMPTS[:2], [sampled(0), sampled(1)])
     first = next(other)  # the other call's requests are running
-    if where == "target_table":  # inside the target's roll-back: patch the BlockTable class for one call
-        from minispec.runtime.kv_cache import BlockTable
+    from minispec.runtime.kv_cache import BlockTable  # (target_table: inside the target's roll-back, the class)
 
-        original, calls = BlockTable.truncate, [0]
-
-        def truncate(self, *a, **k):
-            calls[0] += 1
-            if calls[0] == 2:
-                raise KeyboardInterrupt
-            return original(self, *a, **k)
-
-        BlockTable.truncate = truncate
-        undo = lambda: setattr(BlockTable, "truncate", original)  # noqa: E731
-    else:
-        undo = interrupt_at({"drafter": spec.engine.drafter, "target": spec.engine.target, "engine": spec.engine}[where],
-                            name, call)
+    owner = {"drafter": spec.engine.drafter, "target": spec.engine.target, "engine": spec.engine,
+             "target_table": BlockTable}[where]
+    undo = interrupt_at(owner, name, call)
     try:
         with pytest.raises(KeyboardInterrupt):
             spec.generate(PROMPTS[2:], sampled(2))

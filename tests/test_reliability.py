@@ -38,6 +38,21 @@ def sampled(seed: int, max_tokens: int = 12) -> SamplingParams:
     return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=seed)
 
 
+def interrupt_at(obj, name: str, call: int):
+    """Make obj.name (an instance's or a class's) raise KeyboardInterrupt on its `call`-th call,
+    counting from 1. Returns the undo, which puts back exactly what was there."""
+    had, original, calls = name in vars(obj), getattr(obj, name), [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    return (lambda: setattr(obj, name, original)) if had else (lambda: delattr(obj, name))
+
+
 def idle_and_whole(llm: LLM) -> bool:
     """Nothing queued or running, and every page of every pool free."""
     return not llm.engine.has_unfinished() and all(
@@ -584,23 +599,14 @@ def test_random_interleavings_of_calls_keep_the_llm_whole(tiny_llama, tiny_llama
             drafting, in the target's forward, between emitted tokens, before the drafter's roll-back)."""
             owner = {"propose": llm.engine.drafter, "rollback": llm.engine.drafter, "forward": llm.engine.target,
                      "emit": llm.engine}[point]
-            name = "_emit" if point == "emit" else point
-            original, calls = getattr(owner, name), [0]
-
-            def interrupting(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] == call:
-                    raise KeyboardInterrupt
-                return original(*args, **kwargs)
-
-            setattr(owner, name, interrupting)
+            undo = interrupt_at(owner, "_emit" if point == "emit" else point, call)
             try:
                 outs = llm.generate([PROMPTS[p] for p, _, _ in reqs], [params_for(s, m) for _, s, m in reqs])
                 assert [o.token_ids for o in outs] == [alone(*r) for r in reqs]  # the point came too late
             except KeyboardInterrupt:
                 pass
             finally:
-                delattr(owner, name)
+                undo()
 
         @precondition(lambda self: self.streams)
         @rule(i=st.integers(0, 9), close=st.booleans())
