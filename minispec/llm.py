@@ -210,6 +210,13 @@ class LLM:
                 return 0
             return self._step()
 
+    def drain(self, call: _Call) -> tuple[list[StreamEvent], bool]:
+        """The call's events so far (taken), and whether all its requests have finished."""
+        with self._lock:
+            events = list(call.events)
+            call.events.clear()
+            return events, all(s.finished for s in call.seqs)
+
     def close(self, call: _Call) -> None:
         """Abort the call's unfinished requests (their pages are freed)."""
         self._close(call)

@@ -220,6 +220,8 @@ def scrape(url: str) -> dict[str, float]:
     (json.dumps({"prompt": "hi " * 600, "max_tokens": 5}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "hi", "model": "gpt-4"}).encode(), 404, "model"),
     (json.dumps({"prompt": "hi", "logit_bias": {"5": 10}}).encode(), 400, "logit_bias"),
+    (json.dumps({"prompt": "hi", "echo": True}).encode(), 400, "echo"),  # (echo: false is a no-op, accepted)
+    (json.dumps({"prompt": "hi", "best_of": 3}).encode(), 400, "best_of"),
     (json.dumps({"prompt": "hi", "n": 0}).encode(), 400, "n"),
     (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "x" * (3 << 20)}).encode(), 413, None),
@@ -242,6 +244,9 @@ def test_chat_with_no_messages_and_the_no_op_defaults(served):
     headers = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, headers=headers, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "suffix": None},
+                   headers=headers, timeout=60)
+    assert r.status_code == 200
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                                        "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
                                                        "user": "me", "tools": []}, headers=headers, timeout=60)

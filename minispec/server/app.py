@@ -28,7 +28,8 @@ from ..llm import LLM
 from ..runtime.kv_cache import KVPoolExhausted
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
-from .protocol import ApiError, Parsed, accumulate, logprobs_json, openai_reason, parse_chat, parse_completion, response_id
+from .protocol import (ApiError, Parsed, accumulate, logprobs_json, openai_reason, parse_chat, parse_completion,
+                       response_id, usage)
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 
@@ -141,12 +142,9 @@ class Server:
             choice["logprobs"] = (logprobs_json(c["logprobs"], c["tokens"], parsed.chat, parsed.logprobs or 0)
                                   if parsed.logprobs is not None else None)
             out.append(choice)
-        prompt_tokens = sum(len(s.prompt_ids) for s in handle.call.seqs[::n])
-        completion_tokens = sum(len(c["tokens"]) for c in choices.values())
         return {"id": ident[0], "object": "chat.completion" if parsed.chat else "text_completion", "created": ident[1],
                 "model": self.model_name, "choices": out,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens},
+                "usage": usage(handle.call, n, sum(len(c["tokens"]) for c in choices.values())),
                 "speculative": {"draft_tokens": drafted, "accepted_tokens": accepted}}
 
     async def stream(self, request: Request, handle, parsed: Parsed, ident):
@@ -187,11 +185,8 @@ class Server:
                 if event.finished:
                     yield chunk(index, {} if parsed.chat else "", openai_reason(event.finish_reason))
             if parsed.include_usage:
-                prompt_tokens = sum(len(s.prompt_ids) for s in handle.call.seqs[::n])
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(tokens.values()),
-                         "total_tokens": prompt_tokens + sum(tokens.values())}
                 last = {"id": ident[0], "object": obj, "created": ident[1], "model": self.model_name, "choices": [],
-                        "usage": usage, "speculative": speculative}
+                        "usage": usage(handle.call, n, sum(tokens.values())), "speculative": speculative}
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # finished, or cancelled because the client went away: its requests leave the engine

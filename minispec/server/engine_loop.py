@@ -124,18 +124,16 @@ class EngineLoop:
         with self.wake:
             handles = list(self.handles)
         finished = []
-        with self.llm._lock:
-            for handle in handles:
-                events = list(handle.call.events)
-                handle.call.events.clear()
-                for event in events:
-                    key = (event.index, event.completion_index)
-                    previous = handle.last_event.get(key)  # (the first token's wait is TTFT, not ITL)
-                    self.metrics.event(event, None if previous is None else now - previous)
-                    handle.last_event[key] = now
-                    handle.put(event)
-                if all(s.finished for s in handle.call.seqs) and not handle.call.events:
-                    finished.append(handle)
+        for handle in handles:
+            events, done = self.llm.drain(handle.call)
+            for event in events:
+                key = (event.index, event.completion_index)
+                previous = handle.last_event.get(key)  # (the first token's wait is TTFT, not ITL)
+                self.metrics.event(event, None if previous is None else now - previous)
+                handle.last_event[key] = now
+                handle.put(event)
+            if done:
+                finished.append(handle)
         with self.wake:
             for handle in finished:
                 if handle in self.handles:

@@ -16,7 +16,7 @@ from ..sampling import SamplingParams
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
           "user", "include_stop_str_in_output"}
-COMPLETION = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+COMPLETION = COMMON | {"prompt", "logprobs"}
 CHAT = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt"}
 NO_OP = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""), "user": None, "logit_bias": (None, {}),
          "parallel_tool_calls": None, "tools": (None, []), "tool_choice": (None, "none"), "response_format": None}
@@ -120,6 +120,13 @@ def include_usage(body: dict) -> bool:
     if not isinstance(options, dict):
         raise ApiError("'stream_options' must be an object", "stream_options")
     return bool(options.get("include_usage", False))
+
+
+def usage(call, n: int, completion_tokens: int) -> dict:
+    """OpenAI's usage object: the call's prompts counted once each (not once per completion)."""
+    prompt_tokens = sum(len(s.prompt_ids) for s in call.seqs[::n])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def response_id(chat: bool) -> tuple[str, int]:
