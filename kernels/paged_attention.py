@@ -11,6 +11,16 @@ at positions p = seq_lens[b] - q_len_b + i, i = 0..q_len_b-1. Each sees the keys
 q_len_b = 1 is decode, k + 1 is the verification of k draft tokens, anything larger is a
 prefill chunk; one launch serves a batch that mixes them.
 
+Tree mask (tree verification, tree drafting). With tree_start [B] int32 and tree_bits [T] int64,
+the keys j >= tree_start[b] of sequence b form its tree block: drafted nodes, each at its own
+key index but at RoPE position base + depth, so siblings share a position. A new token at p then
+sees such a key only if bit (j - tree_start[b]) of its tree_bits row is set (its ancestors and
+itself; at most 63 nodes per block):
+
+    j <= p  and  p - j < W  and  (j < tree_start[b]  or  tree_bits[p] >> (j - tree_start[b]) & 1)
+
+A sequence without a tree has tree_start[b] = seq_lens[b] (no key is in its block).
+
 Shapes: q [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables
 [B, max_pages_per_seq] int32, key j of sequence b lives in page block_tables[b, j // page_size]
 at offset j % page_size; seq_lens [B] int32; query_start_loc [B+1] int32; out [T, Hq, D] in q's
@@ -38,7 +48,7 @@ import torch
 
 from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window, should_validate
 from minispec_kernels._triton import tl, triton
-from minispec_kernels.reference import masked_attention
+from minispec_kernels.reference import masked_attention, tree_visible
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -56,6 +66,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [B, max_pages_per_seq] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
+    tree_start_ptr,  # [B] int32, key index where sequence b's tree block starts (HAS_TREE only)
+    tree_bits_ptr,  # [T] int64, bit j: the new token sees tree key tree_start + j (HAS_TREE only)
     stride_qt, stride_qh,  # the D stride of every tensor is 1
     stride_kp, stride_ks, stride_kh,  # k_cache: page, slot in page, head
     stride_vp, stride_vs, stride_vh,
@@ -74,6 +86,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_TREE: tl.constexpr,  # a tree mask is given (compiled out otherwise)
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -96,6 +109,9 @@ def _paged_attention_kernel(
     q_pos = context_len + q_index  # [BLOCK_M] position in the sequence
     token = (q_start + q_index).to(tl.int64)  # [BLOCK_M] row of q / out
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    if HAS_TREE:
+        tree_start = tl.load(tree_start_ptr + seq)
+        bits = tl.load(tree_bits_ptr + token, mask=row_in, other=0)  # [BLOCK_M] int64
 
     # [BLOCK_M, D]
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -133,6 +149,10 @@ def _paged_attention_kernel(
         visible = (key_in[None, :]
                    & (offs_n[None, :] <= q_pos[:, None])
                    & (q_pos[:, None] - offs_n[None, :] < window))
+        if HAS_TREE:  # a key in the tree block is seen only by its descendants (and itself)
+            rel = tl.minimum(tl.maximum(offs_n - tree_start, 0), 63).to(tl.int64)  # [BLOCK_N]
+            ancestor = ((bits[:, None] >> rel[None, :]) & 1) != 0  # [BLOCK_M, BLOCK_N]
+            visible = visible & ((offs_n[None, :] < tree_start) | ancestor)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
@@ -240,6 +260,8 @@ def paged_attention(
     validate: bool | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    tree_start: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their paged cache; returns [T, Hq, D] in q's dtype.
 
@@ -248,9 +270,11 @@ def paged_attention(
     validate checks the values of seq_lens, query_start_loc and block_tables, which syncs with
     the device; None means "unless capturing a CUDA graph" (the engine passes False on its hot
     path; shape and dtype checks always run). block_m / block_n override the tile sizes.
+    tree_start / tree_bits: the tree mask (module docstring), both or neither.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       max_query_len, max_seq_len, sliding_window, validate)
+    _check_tree_args(q, seq_lens, tree_start, tree_bits, validate)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -288,6 +312,8 @@ def paged_attention(
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, out_ptr=out,
         acc_partial_ptr=acc_partial, m_partial_ptr=m_partial, l_partial_ptr=l_partial,
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
+        tree_start_ptr=seq_lens if tree_start is None else tree_start,  # unread without a tree
+        tree_bits_ptr=query_start_loc if tree_bits is None else tree_bits,
         stride_qt=q.stride(0), stride_qh=q.stride(1),
         stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
@@ -299,7 +325,7 @@ def paged_attention(
         window=no_window() if sliding_window is None else sliding_window,
         QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        num_warps=num_warps,
+        HAS_TREE=tree_start is not None, num_warps=num_warps,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
@@ -327,6 +353,8 @@ def paged_attention_ref(
     validate: bool | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    tree_start: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
     plan: "RefPlan | None" = None,
 ) -> torch.Tensor:
     """Plain-torch twin of `paged_attention` (same signature; num_splits and tiles are ignored).
@@ -337,13 +365,14 @@ def paged_attention_ref(
     over all of them at once (`_batched_decode_ref`), the CPU backend's hot path; the others
     (prefill chunks) loop. `plan`: the index tensors of `ref_plan` for this batch, which depend on
     the metadata only, so a model builds them once per forward and shares them across its layers
-    (built here when None).
+    (built here when None; a given plan already holds the tree mask).
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       max_query_len, max_seq_len, sliding_window, validate)
+    _check_tree_args(q, seq_lens, tree_start, tree_bits, validate)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     if plan is None:
-        plan = ref_plan(block_tables, seq_lens, query_start_loc, page_size, sliding_window)
+        plan = ref_plan(block_tables, seq_lens, query_start_loc, page_size, sliding_window, tree_start, tree_bits)
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)  # [T, Hq, D]
     if plan.short is not None:
@@ -354,8 +383,9 @@ def paged_attention_ref(
         keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, Hkv, D]
         values = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, Hkv, D]
         positions = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)  # [q_len]
-        out[q_start:q_end] = masked_attention(q[q_start:q_end], keys, values, positions,
-                                              group=group, sm_scale=sm_scale, sliding_window=sliding_window)
+        tree = None if plan.tree_start is None else (plan.tree_start[seq], plan.tree_bits[q_start:q_end])
+        out[q_start:q_end] = masked_attention(q[q_start:q_end], keys, values, positions, group=group,
+                                              sm_scale=sm_scale, sliding_window=sliding_window, tree=tree)
     return out
 
 
@@ -384,21 +414,27 @@ class RefPlan:
     seq_lens: list[int]  # [B]
     short: ShortQueryPlan | None
     long_seqs: list[int]  # sequences with more new tokens than BATCHED_REF_MAX_QUERY_LEN (they loop)
+    tree_start: list[int] | None = None  # [B] host copy of the tree mask's block starts
+    tree_bits: torch.Tensor | None = None  # [T] int64
 
 
 def ref_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-             page_size: int, sliding_window: int | None) -> RefPlan:
+             page_size: int, sliding_window: int | None, tree_start: torch.Tensor | None = None,
+             tree_bits: torch.Tensor | None = None) -> RefPlan:
     """Build the layer-independent indices of `paged_attention_ref` for one batch."""
     starts, seq_lens_host = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     short = [seq for seq, n in enumerate(q_lens) if 0 < n <= BATCHED_REF_MAX_QUERY_LEN]
     long_seqs = [seq for seq, n in enumerate(q_lens) if n > BATCHED_REF_MAX_QUERY_LEN]
-    plan = _short_query_plan(block_tables, seq_lens_host, starts, short, page_size, sliding_window) if short else None
-    return RefPlan(starts, seq_lens_host, plan, long_seqs)
+    tree_host = None if tree_start is None else tree_start.tolist()
+    plan = (_short_query_plan(block_tables, seq_lens_host, starts, short, page_size, sliding_window, tree_host, tree_bits)
+            if short else None)
+    return RefPlan(starts, seq_lens_host, plan, long_seqs, tree_host, tree_bits)
 
 
 def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs: list[int], page_size: int,
-                      sliding_window: int | None) -> ShortQueryPlan:
+                      sliding_window: int | None, tree_start: list[int] | None = None,
+                      tree_bits: torch.Tensor | None = None) -> ShortQueryPlan:
     """Padded key slots (past len_b: the sequence's first key, masked; unused slots may hold
     anything, even NaN), query rows and the visibility mask of query i of sequence b, which sits
     at seq_len_b - q_len_b + i and sees keys j <= it within the window. seq_lens / starts are host
@@ -418,6 +454,10 @@ def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs
     visible = key_pos <= query_pos  # [B, Qm, L] (keys past len_b lie past every query of b)
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
+    if tree_start is not None:  # keys in a tree block: only those whose bit the row has
+        bits = tree_bits[torch.tensor(rows, device=device)].view(B, Qm, 1)  # [B, Qm, 1]
+        block = torch.tensor([tree_start[s] for s in seqs], device=device).view(B, 1, 1)  # [B, 1, 1]
+        visible &= (key_pos < block) | tree_visible(bits, key_pos - block)
     keep = keep_rows = None
     if sum(q_lens) != B * Qm:  # padded queries (never in a decode batch)
         kept = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]
@@ -449,6 +489,21 @@ def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale, out
         out[plan.row_ids] = out_b.to(q.dtype)
     else:
         out[plan.keep_rows] = out_b[plan.keep].to(q.dtype)
+
+
+def _check_tree_args(q, seq_lens, tree_start, tree_bits, validate) -> None:
+    """The tree mask: both tensors or neither, tree_start int32 [B], tree_bits int64 [T]."""
+    check((tree_start is None) == (tree_bits is None), "give tree_start and tree_bits together, or neither")
+    if tree_start is None:
+        return
+    check(tree_start.shape == seq_lens.shape and tree_start.dtype == torch.int32,
+          lambda: f"tree_start must be int32 [B={seq_lens.shape[0]}]; got {tree_start.dtype} {tuple(tree_start.shape)}")
+    check(tree_bits.shape == q.shape[:1] and tree_bits.dtype == torch.int64,
+          lambda: f"tree_bits must be int64 [T={q.shape[0]}]; got {tree_bits.dtype} {tuple(tree_bits.shape)}")
+    check_same_device(q=q, tree_start=tree_start, tree_bits=tree_bits)
+    if should_validate(validate, q) and seq_lens.numel():
+        check(bool(((seq_lens - tree_start) <= 63).all() & (tree_start >= 0).all()),
+              "a tree block holds at most 63 keys and starts at a key index >= 0")
 
 
 def _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

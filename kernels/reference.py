@@ -17,12 +17,14 @@ def masked_attention(
     group: int,
     sm_scale: float,
     sliding_window: int | None,
+    tree: tuple[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(sm_scale q k^T + mask) v in fp32 for one sequence; q [Lq, Hq, D], k, v [Lk, Hkv, D].
 
     query_pos [Lq] are the key positions of the queries (keys sit at 0..Lk-1). Query head
     kv_head * group + r uses kv head kv_head: q is viewed as [Hkv, group * Lq, D] so that
-    grouped-query attention needs no copy of K/V.
+    grouped-query attention needs no copy of K/V. tree: (tree_start, tree_bits [Lq] int64), the
+    tree mask of paged_attention.py: keys >= tree_start are seen only where the query's bit is set.
     """
     num_queries, num_q_heads, head_dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -37,8 +39,16 @@ def masked_attention(
     visible = distance >= 0
     if sliding_window is not None:
         visible &= distance < sliding_window
+    if tree is not None:
+        start, bits = tree
+        visible &= (key_pos[None, :] < start) | tree_visible(bits[:, None], key_pos[None, :] - start)
     scores = scores.view(num_kv_heads, group, num_queries, num_keys).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * num_queries, num_keys)
     out = torch.bmm(probs, v_f)  # [Hkv, group * Lq, D]
     out = out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3)  # [Lq, Hkv, group, D]
     return out.reshape(num_queries, num_q_heads, head_dim).to(q.dtype)
+
+
+def tree_visible(bits: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+    """Bit `rel` of `bits` (broadcast), for rel in the tree block (0..62); False where rel < 0."""
+    return (rel >= 0) & (((bits >> rel.clamp(0, 63).to(torch.int64)) & 1) != 0)

@@ -48,9 +48,11 @@ class Config:
     group: int = 1
     query_len: int = 1
     num_splits: int = 1
+    tree: bool = False  # a tree verification: the last query_len - 1 new tokens under a tree mask
 
     def label(self) -> str:
-        extra = {"paged_attention": f" group {self.group} q_len {self.query_len} splits {self.num_splits}",
+        tree = " tree" if self.tree else ""
+        extra = {"paged_attention": f" group {self.group} q_len {self.query_len} splits {self.num_splits}{tree}",
                  "flash_prefill": f" group {self.group}", "write_kv": ""}[self.launcher]
         return f"{self.launcher} {self.dtype} D={self.head_dim}{extra}"
 
@@ -111,9 +113,11 @@ def _call_launcher(module, c: Config) -> None:
         q = torch.zeros(c.query_len, hq, d, dtype=dtype)
         cache = torch.zeros(pages, page, hkv, d, dtype=dtype)
         tables = torch.arange(pages, dtype=torch.int32)[None]  # [1, pages]
+        tree = {} if not c.tree else {"tree_start": torch.tensor([seq_len - c.query_len + 1], dtype=torch.int32),
+                                      "tree_bits": torch.zeros(c.query_len, dtype=torch.int64)}
         module.paged_attention(q, cache, cache.clone(), tables, torch.tensor([seq_len], dtype=torch.int32),
                                torch.tensor([0, c.query_len], dtype=torch.int32), c.query_len, seq_len,
-                               sm_scale=d**-0.5, num_splits=c.num_splits, validate=False)
+                               sm_scale=d**-0.5, num_splits=c.num_splits, validate=False, **tree)
     elif c.launcher == "flash_prefill":
         t = c.query_len
         q, k = torch.zeros(t, hq, d, dtype=dtype), torch.zeros(t, hkv, d, dtype=dtype)
@@ -220,7 +224,8 @@ MODELS = {  # (head_dim, query heads per kv head) of the model families the engi
 
 def default_configs(all_: bool = False) -> list[Config]:
     """What the engine launches for the supported models (bf16 / fp16 on GPU; decode, a k = 4
-    verification, prefill; one split and a split decode). all_ adds fp32, head dims 16..256,
+    verification, tree verifications of 16 and 32 nodes, prefill; one split and a split decode).
+    all_ adds fp32, head dims 16..256,
     every group 1..8 and more query lengths and split counts."""
     dtypes = ["bfloat16", "float16"] + (["float32"] if all_ else [])
     shapes = sorted(set(MODELS.values())) if not all_ else [(d, g) for d in (16, 32, 64, 128, 256) for g in range(1, 9)]
@@ -230,6 +235,8 @@ def default_configs(all_: bool = False) -> list[Config]:
             for q_len in ((1, 5) if not all_ else (1, 2, 5, 9, 17)):
                 for splits in ((1, 4) if not all_ else (1, 2, 4, 16)):
                     configs.append(Config("paged_attention", dtype, d, g, q_len, splits))
+            for nodes in (16, 32):
+                configs.append(Config("paged_attention", dtype, d, g, nodes + 1, 1, tree=True))
             configs.append(Config("flash_prefill", dtype, d, g, 128))
         for d in sorted({d for d, _ in shapes}):
             configs.append(Config("write_kv", dtype, d))

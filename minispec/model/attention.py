@@ -43,7 +43,7 @@ class AttentionBackend:
         prefill, else over the page pool; the key slots are built once per forward."""
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the invariant attention backend cannot be captured in a CUDA graph (it plans in Python)")
-        if meta.is_prefill:
+        if meta.is_prefill and meta.tree_start is None:
             pools, page_size = (k, v), None
         else:
             pools, page_size = (kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)), kv_cache[0].shape[1]
@@ -72,7 +72,8 @@ class AttentionBackend:
             raise ValueError("a forward with cached context needs a KV cache")
         if self.name == "invariant":
             return self._invariant(q, k, v, kv_cache, meta, sm_scale, sliding_window)
-        if meta.is_prefill:  # no earlier context: attend over the contiguous new K/V
+        tree = {} if meta.tree_start is None else {"tree_start": meta.tree_start, "tree_bits": meta.tree_bits}
+        if meta.is_prefill and not tree:  # no earlier context: attend over the contiguous new K/V
             return self._prefill(
                 q, k, v, meta.query_start_loc, meta.max_query_len,
                 sm_scale=sm_scale, sliding_window=sliding_window, validate=False,
@@ -81,7 +82,7 @@ class AttentionBackend:
         if self.name == "torch":  # indices shared by every layer of this forward
             if meta.ref_plan is None:
                 meta.ref_plan = self._ref_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                               kv_cache[0].shape[1], sliding_window)
+                                               kv_cache[0].shape[1], sliding_window, **tree)
             extra["plan"] = meta.ref_plan
         return self._paged(
             q,
@@ -96,4 +97,5 @@ class AttentionBackend:
             sliding_window=sliding_window,
             validate=False,
             **extra,
+            **tree,
         )

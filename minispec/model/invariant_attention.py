@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minispec_kernels.reference import tree_visible
+
 from .metadata import BatchMetadata
 
 BUCKET = 32  # keys per row are padded to a multiple of this
@@ -67,7 +69,10 @@ def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: i
     first new row + j; else the page pool's slot through the block table."""
     dev = meta.positions.device
     starts = meta.query_start_loc.tolist()  # [B+1]
-    positions = meta.positions.tolist()  # [T]
+    lens = meta.seq_lens.tolist()  # [B]
+    # Each row's key index (its RoPE position, except for tree nodes: see metadata.py)
+    positions = [lens[b] - starts[b + 1] + t for b in range(len(lens)) for t in range(starts[b], starts[b + 1])]  # [T]
+    key_index = torch.tensor(positions, device=dev)  # [T]
     groups: dict[tuple[int, int], list[int]] = {}  # (sequence, L) -> its rows with that L, in order
     for b in range(len(starts) - 1):
         for t in range(starts[b], starts[b + 1]):
@@ -79,12 +84,16 @@ def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: i
     for L, Q in sorted(shapes):
         seqs = shapes[L, Q]  # [U]
         flat = [t for b in seqs for t in groups[b, L]]  # [U*Q]
-        row_pos = meta.positions[torch.tensor(flat, device=dev)].view(len(seqs), Q, 1)  # [U, Q, 1]
+        rows = torch.tensor(flat, device=dev)  # [U*Q]
+        row_pos = key_index[rows].view(len(seqs), Q, 1)  # [U, Q, 1]
         j = torch.arange(L, device=dev)  # [L]
         visible = j <= row_pos  # [U, Q, L]
         if sliding_window is not None:
             visible &= j > row_pos - sliding_window
         seq_ids = torch.tensor(seqs, device=dev)  # [U]
+        if meta.tree_start is not None:  # tree keys: only those whose bit the row has
+            block = meta.tree_start.long()[seq_ids].view(-1, 1, 1)  # [U, 1, 1]
+            visible &= (j < block) | tree_visible(meta.tree_bits[rows].view(len(seqs), Q, 1), j - block)
         if page_size is None:
             slots = meta.query_start_loc.long()[seq_ids][:, None] + j  # [U, L]
         else:

@@ -25,6 +25,11 @@ class BatchMetadata:
     logits_indices:  [N] int64 rows whose logits are wanted (None: all T rows)
     is_prefill:      True when every sequence starts at position 0 (no cached context), so
                      attention can run on the contiguous new K/V alone
+    tree_start:      [B] int32, or None: the key index where sequence b's tree block starts
+                     (seq_lens[b] when it has none); with tree_bits [T] int64, bit j of a new
+                     token's row: it sees tree key tree_start[b] + j (its ancestors and itself).
+                     Tree nodes sit at RoPE position base + depth, so `positions` is no longer
+                     the key index; attention masks by key index (kernels/paged_attention.py)
     ref_plan:        the torch backend's index tensors for this batch (`paged_attention.RefPlan`),
                      built by the first layer and reused by the others: they depend on the
                      metadata alone
@@ -40,6 +45,8 @@ class BatchMetadata:
     logits_indices: torch.Tensor | None = None
     is_prefill: bool = False
     ref_plan: object | None = None
+    tree_start: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
 
     @classmethod
     def for_prompts(cls, lengths: list[int], device: torch.device | str = "cpu") -> "BatchMetadata":

@@ -174,3 +174,13 @@ class KVCache:
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]."""
         return self._layers
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """K/V of pool slots src -> dst in every layer (all read before any is written): how a
+        tree verification moves its accepted path's K/V to the sequence's next positions."""
+        if not src:
+            return
+        device = self.pool.device
+        src_t, dst_t = (torch.tensor(x, dtype=torch.int64, device=device) for x in (src, dst))
+        flat = self.pool.flatten(2, 3).flatten(0, 1)  # [L * 2, (pages + 1) * page_size, Hkv, D], a view
+        flat[:, dst_t] = flat[:, src_t]

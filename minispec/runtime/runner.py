@@ -23,12 +23,26 @@ from .static_shapes import StaticShapes
 
 
 @dataclass
+class TreeFeed:
+    """Tree nodes among a feed's new tokens (tree verification, tree drafting). The sequence's
+    keys from index `start` on form its tree block (nodes fed now, or by an earlier forward).
+    positions: the RoPE position of each new token (a node's is its root's + its depth);
+    bits: per new token, bit j set = it sees tree key start + j (its ancestors and itself)."""
+
+    start: int
+    positions: list[int]
+    bits: list[int]
+
+
+@dataclass
 class Feed:
-    """New tokens for one sequence: they take positions table.num_cached, table.num_cached + 1, ..."""
+    """New tokens for one sequence: they take key indices (and, without a tree, positions)
+    table.num_cached, table.num_cached + 1, ..."""
 
     table: BlockTable
     tokens: list[int]
     num_logits: int = 1  # logits wanted for this many of the last new tokens
+    tree: TreeFeed | None = None
 
 
 class ModelRunner:
@@ -70,7 +84,8 @@ class ModelRunner:
             if n == 0 or not 0 < f.num_logits <= n:
                 raise ValueError(f"bad feed: {n} tokens, {f.num_logits} logits")
             f.table.reserve(start + n, allocator)
-        if self.static is not None and self.static.fits(feeds):  # decode / verification / draft steps
+        trees = any(f.tree is not None for f in feeds)
+        if self.static is not None and not trees and self.static.fits(feeds):  # decode / verification / draft steps
             out = self.static.forward(feeds, **model_args)
         else:
             out = self._forward(feeds, cached, q_lens, model_args)
@@ -96,6 +111,7 @@ class ModelRunner:
         input_ids = np.fromiter(itertools.chain.from_iterable(f.tokens for f in feeds), np.int64, starts[-1])  # [T]
 
         dev = self.device
+        tree = tree_layout(feeds, seq_lens, starts, positions) if any(f.tree is not None for f in feeds) else None
 
         def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a).to(device=dev, dtype=dtype)
@@ -109,6 +125,26 @@ class ModelRunner:
             slot_mapping=to_dev(slots, torch.int64),  # [T] pool slot = page * page_size + offset
             block_tables=to_dev(block_tables, torch.int32),  # [B, max_pages]
             logits_indices=torch.tensor(logit_rows(feeds, starts), dtype=torch.int64, device=dev),  # [N]
-            is_prefill=not any(cached),
+            is_prefill=not any(cached) and tree is None,
         )
+        if tree is not None:
+            meta.tree_start, meta.tree_bits = to_dev(tree[0], torch.int32), to_dev(tree[1], torch.int64)  # [B], [T]
         return self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
+
+
+def tree_layout(feeds: list[Feed], seq_lens: np.ndarray, starts: np.ndarray, positions: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The tree mask of a forward (metadata.py): tree_start [B] (seq_len for a feed without a
+    tree) and tree_bits [T]; writes each tree feed's node positions into positions [T]."""
+    tree_start = seq_lens.astype(np.int32)  # [B]
+    bits = np.zeros(int(starts[-1]), dtype=np.int64)  # [T]
+    for b, f in enumerate(feeds):
+        if f.tree is not None:
+            if len(f.tree.positions) != len(f.tokens) or len(f.tree.bits) != len(f.tokens):
+                raise ValueError(f"a tree feed needs a position and a bit row per token ({len(f.tokens)})")
+            if not 0 <= seq_lens[b] - f.tree.start <= 63:
+                raise ValueError(f"a tree block holds 1..63 keys; this one starts at {f.tree.start} of {seq_lens[b]}")
+            tree_start[b] = f.tree.start
+            positions[starts[b] : starts[b + 1]] = f.tree.positions
+            bits[starts[b] : starts[b + 1]] = f.tree.bits
+    return tree_start, bits
