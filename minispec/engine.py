@@ -27,6 +27,7 @@ from .runtime.scheduler import Scheduler
 from .runtime.sequence import Sequence
 from .sampling import SamplingParams
 from .speculative import speculative_step
+from .speculative_tree import tree_step
 
 
 @dataclass
@@ -59,7 +60,9 @@ class LLMEngine:
         self.k = num_speculative_tokens if drafter is not None else 0
         runners = [(target, "target")] + ([(draft_runner, "draft")] if draft_runner is not None else [])
         self.runners = runners
-        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens)
+        # A tree step writes its whole tree (and the head its fed frontiers) past the sequence.
+        tree_slots = self.drafter.tree_slots(self.k) if self.drafter.drafts_trees else 0
+        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, tree_slots)
         self.eos_ids = target.model.cfg.eos_token_ids
         self.max_model_len = target.max_positions
         self.times = StepTimes()
@@ -80,7 +83,7 @@ class LLMEngine:
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} "
                 f"exceeds the model's context length {self.max_model_len}"
             )
-        positions = total - 1  # the final token is emitted but never fed (see Scheduler.step_tokens)
+        positions = total - 1 + self.scheduler.tree_slots  # the final token is never fed (Scheduler.step_tokens)
         for runner, which in self.runners:
             cache = runner.cache
             need = -(-positions // cache.page_size)
@@ -137,7 +140,8 @@ class LLMEngine:
             return []
         before = [len(s.output_ids) for s in seqs]
         self.catch_up(seqs)
-        verdicts = speculative_step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
+        step = tree_step if self.drafter.drafts_trees else speculative_step
+        verdicts = step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
         now = time.perf_counter()  # the step's tokens are on the host: TTFT / TPOT stamps
         outputs = []
         for s, n, (drafted, num_accepted) in zip(seqs, before, verdicts):

@@ -2,8 +2,9 @@
 
 vLLM's spellings are accepted and translated here, so the rest of minispec sees one of each:
 `speculative_model=` (older vLLM) and `speculative_config={"method", "model",
-"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}` (current vLLM) become
-`draft_model`, `num_speculative_tokens` (k) and the lookup window. Every bad value is a
+"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "tree_budget", "tree_top_k"}`
+(current vLLM, plus our tree keys) become `draft_model`, `num_speculative_tokens` (k), the lookup
+window and the draft tree. Every bad value is a
 ValueError naming the option before anything is loaded.
 """
 
@@ -50,7 +51,10 @@ class EngineOptions:
     they are submitted (vLLM's `seed`), so a script's outputs repeat run after run.
     tokenizer: a directory with tokenizer.json (and tokenizer_config.json) to use instead of the
     target checkpoint's. enforce_eager=True: no CUDA graphs (vLLM's spelling of cuda_graphs=False).
-    tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half" and "float"."""
+    tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half" and "float".
+    draft_tree_budget (with an EAGLE-3 head): draft a tree of this many nodes (1..63) per step
+    instead of a chain, k levels deep at most, each expanded node getting its draft_tree_top_k
+    (default 8) likeliest children (drafters/tree.py; verified by speculative_tree.py)."""
 
     model: Model
     draft_model: Model | EagleModel | None = None
@@ -72,6 +76,8 @@ class EngineOptions:
     ngram_min: int | None = None
     draft_confidence_threshold: float | None = None
     prompt_lookup_min: int | None = None
+    draft_tree_budget: int | None = None
+    draft_tree_top_k: int | None = None
     cuda_graphs: bool | None = None
     static_shapes: bool | None = None
     seed: int | None = None
@@ -168,10 +174,16 @@ class EngineOptions:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
         window = ("prompt_lookup_min", "prompt_lookup_max")
-        unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", *window})
+        tree = {"tree_budget": "draft_tree_budget", "tree_top_k": "draft_tree_top_k"}
+        unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", *window, *tree})
         if unknown:
-            raise ValueError(f"speculative_config keys not supported: {unknown} (use method, model, "
-                             "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, draft_tensor_parallel_size)")
+            raise ValueError(f"speculative_config keys not supported: {unknown} (use method, model, num_speculative_tokens, "
+                             "prompt_lookup_min, prompt_lookup_max, tree_budget, tree_top_k, draft_tensor_parallel_size)")
+        for key, name in tree.items():
+            if config.get(key) is not None:
+                if getattr(self, name) is not None and getattr(self, name) != config[key]:
+                    raise ValueError(f"{name}={getattr(self, name)} disagrees with speculative_config's {key} {config[key]}")
+                setattr(self, name, config[key])
         if config.get("draft_tensor_parallel_size", 1) not in (None, 1):
             raise ValueError(f"speculative_config's draft_tensor_parallel_size must be 1 (one device), "
                              f"got {config['draft_tensor_parallel_size']!r}")
@@ -223,6 +235,27 @@ class EngineOptions:
         if self.prompt_lookup_min is not None and not self.uses_model_drafter:
             raise ValueError("prompt_lookup_min puts prompt lookup in front of a draft model or EAGLE head; "
                              "give one as draft_model (the n-gram drafter alone takes ngram_min / ngram_max)")
+        self.check_tree()
+
+    def check_tree(self) -> None:
+        """The draft tree's options: a budget of 1..63 nodes, top_k >= 1, and the head's scratch
+        for the fed frontiers ((k - 1) * top_k nodes) within one 63-bit mask; a head drafts it."""
+        if self.draft_tree_top_k is not None and self.draft_tree_budget is None:
+            raise ValueError("draft_tree_top_k shapes a draft tree; set draft_tree_budget (its node count) too")
+        if self.draft_tree_budget is None:
+            return
+        check_int("draft_tree_budget", self.draft_tree_budget, 1, 63)
+        self.draft_tree_top_k = 8 if self.draft_tree_top_k is None else self.draft_tree_top_k
+        check_int("draft_tree_top_k", self.draft_tree_top_k, 1, 63)
+        if not self.uses_model_drafter:
+            raise ValueError("draft_tree_budget needs an EAGLE-3 head as draft_model (the tree is grown by the head)")
+        if self.draft_confidence_threshold is not None:
+            raise ValueError("draft_confidence_threshold shortens chains; a draft tree is shaped by "
+                             "draft_tree_budget and draft_tree_top_k instead")
+        fed = (self.num_speculative_tokens - 1) * self.draft_tree_top_k
+        if fed > 63:
+            raise ValueError(f"a draft tree {self.num_speculative_tokens} levels deep with top_k {self.draft_tree_top_k} feeds "
+                             f"{fed} nodes to the head; at most 63 fit its tree mask (lower num_speculative_tokens or draft_tree_top_k)")
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> None:

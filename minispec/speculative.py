@@ -81,7 +81,9 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
             tokens, num_accepted = greedy_verify(logits, proposal.tokens, best)
         else:
             tokens, num_accepted = sample_verify(logits, seqs, proposal)
-    emit_accepted(seqs, tokens, num_accepted, proposal.tokens, top, failures, emit)
+    num_drafted = [len(d) for d in proposal.tokens]
+    failed = {b: pos for b, pos in failures.items() if num_accepted[b] == num_drafted[b]}  # the final token's row is broken
+    emit_accepted(seqs, tokens, num_accepted, num_drafted, top, failed, emit)
 
     # 4. Roll back: keep the K/V of accepted tokens (the newest token is fed next step); the
     # drafter keeps the target's features of those same positions and forgets the rest.
@@ -232,15 +234,15 @@ def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ..
     return target.forward(feeds), None
 
 
-def emit_accepted(seqs: list[Sequence], tokens: list[list[int]], num_accepted: list[int], drafts: list[list[int]],
+def emit_accepted(seqs: list[Sequence], tokens: list[list[int]], num_accepted: list[int], num_drafted: list[int],
                   top: list, failures: dict[int, int], emit: Callable[[Sequence, int], bool]) -> None:
     """Emit each sequence's accepted run plus one token, stopping early at EOS / stop strings /
     max_tokens, with requested logprobs (`top_logprobs`: emitted token j of sequence b was sampled
-    at its verified position j). A sequence in `failures` whose verification reached its
-    non-finite row emits its accepted drafts and finishes with finish_reason "error" (see
-    `guard_nonfinite`)."""
-    for b, (s, toks, n_acc, n_draft, rows) in enumerate(zip(seqs, tokens, num_accepted, map(len, drafts), top)):
-        fails = b in failures and n_acc == n_draft  # the final token would come from a non-finite row
+    at its verified position j), and count drafted / accepted positions. A sequence in `failures`
+    (whose final token would come from a non-finite row, see `guard_nonfinite`) emits only its
+    accepted drafts and finishes with finish_reason "error"."""
+    for b, (s, toks, n_acc, n_draft, rows) in enumerate(zip(seqs, tokens, num_accepted, num_drafted, top)):
+        fails = b in failures
         s.metrics.record(n_draft, n_acc)
         for j, t in enumerate(toks[: n_acc + (0 if fails else 1)]):
             if rows is not None:

@@ -11,6 +11,9 @@ distribution q each was drawn from. `speculative_step` calls exactly these metho
 `target_layers` names the target layers whose input residual stream the drafter reads (an
 EAGLE-3 head); for every other drafter it is empty and the target computes no features.
 
+A tree drafter (`drafts_trees`, drafters/tree.py) proposes with `propose_trees` instead, one
+`DraftTree` per sequence, and is verified by speculative_tree.py; observe and rollback are the same.
+
 A new drafter is one file: a `Drafter` subclass, or an `AutoregressiveDrafter` subclass when a
 model drafts token by token (it then supplies the forwards; the sampling loop is shared here).
 """
@@ -47,8 +50,17 @@ class Drafter:
     """The interface (see the module docstring); the defaults suit a drafter with no state."""
 
     target_layers: tuple[int, ...] = ()
+    drafts_trees: bool = False  # proposes with propose_trees
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> Proposal:
+        raise NotImplementedError
+
+    def propose_trees(self, seqs: list[Sequence], max_depth: list[int]) -> list:
+        """A tree drafter's proposal: one drafters.tree.DraftTree per sequence, at most max_depth[b] deep."""
+        raise NotImplementedError
+
+    def tree_slots(self, depth: int) -> int:
+        """A tree drafter's: the cache slots one step may write past a sequence, in any pool."""
         raise NotImplementedError
 
     def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ import torch
 from ..runtime.sequence import Sequence
 from .base import AutoregressiveDrafter, Drafter, Proposal, one_hot_q
 from .ngram import NgramDrafter
+from .tree import DraftTree
 
 
 class LookupFirstDrafter(Drafter):
@@ -54,6 +55,22 @@ class LookupFirstDrafter(Drafter):
             if found:
                 probs[b, : len(found)] = one_hot_q(found, V, device)
         return Proposal(tokens, probs)
+
+    @property
+    def drafts_trees(self) -> bool:
+        return self.model_drafter.drafts_trees
+
+    def tree_slots(self, depth: int) -> int:
+        return self.model_drafter.tree_slots(depth)
+
+    def propose_trees(self, seqs: list[Sequence], max_depth: list[int]) -> list[DraftTree]:
+        """In front of a tree drafter: lookup's tokens as a chain for the sequences with a match
+        (any tree is exact under speculative_tree.py's rule), the drafter's trees for the others."""
+        looked_up = [self.lookup.lookup(s.tokens, n) if n > 0 else [] for s, n in zip(seqs, max_depth)]
+        trees = self.model_drafter.propose_trees(seqs, [0 if found else n for found, n in zip(looked_up, max_depth)])
+        self.lookup_drafts += sum(1 for found in looked_up if found)
+        self.model_drafts += sum(1 for t in trees if len(t))
+        return [DraftTree.chain(found) if found else t for found, t in zip(looked_up, trees)]
 
     def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:
         self.model_drafter.observe(seqs, starts, num_fed, hidden)

@@ -26,13 +26,15 @@ from .sequence import Sequence, Status
 
 class Scheduler:
     def __init__(
-        self, runners: list[tuple[ModelRunner, str]], k: int, max_num_seqs: int, max_num_batched_tokens: int
+        self, runners: list[tuple[ModelRunner, str]], k: int, max_num_seqs: int, max_num_batched_tokens: int,
+        tree_slots: int = 0,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1, "
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
         self.runners = runners  # (runner, "target" | "draft"): the pools every sequence needs pages in
         self.k = k
+        self.tree_slots = tree_slots  # a tree drafter's: the slots one step writes past the sequence
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -48,7 +50,10 @@ class Scheduler:
     def step_tokens(self, seq: Sequence) -> int:
         """Positions the next step of seq may write: its tokens plus up to k drafts, never more
         drafts than it may still emit minus one (as `speculative_step` drafts). Over a request's
-        life this never exceeds len(prompt) + max_tokens - 1: the final token is never fed."""
+        life this never exceeds len(prompt) + max_tokens - 1: the final token is never fed.
+        A tree step writes `tree_slots` past the sequence instead (when it may draft at all)."""
+        if self.tree_slots:
+            return len(seq) + (self.tree_slots if seq.remaining > 1 else 0)
         return len(seq) + max(0, min(self.k, seq.remaining - 1))
 
     def _reserve(self, seq: Sequence) -> bool:

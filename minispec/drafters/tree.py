@@ -1,0 +1,180 @@
+"""Tree drafting: EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858), grown by the
+EAGLE-3 head, verified by speculative_tree.py in one target forward.
+
+A chain of k drafts loses everything after its first wrong guess, though the target's token was
+often the head's second or third choice. A tree keeps several guesses per position. With
+log q(x | path) the head's log-probability (temperature 1, no penalties: the tree is a
+deterministic function of the accepted prefix, which is what makes the verification rule exact)
+and a node's score = the sum of log q along its path (the draft's own estimate of the chance
+the target walks to it):
+
+  level 1:   the root (the sequence's last token) gets its top_k children;
+  level d+1: the top_k nodes of level d by score (the frontier) are fed to the head in ONE
+             forward, each at position root + d, attending to the cached prefix and its own
+             ancestors only (a tree mask over the head's cache); each gets its top_k children;
+  finally:   the `budget` best nodes of all levels by score (ties: the earlier node), in the
+             order they were made, so parents come first. A child's score is at most its
+             parent's, so every kept node's parent is kept too.
+
+`budget` nodes are verified by the target whatever the tree's shape (a static shape); depth is
+at most `depth` (num_speculative_tokens) and at most what the request may still emit minus one.
+The head's K/V for the fed nodes are scratch: its rollback drops them and the next catch-up
+rewrites the accepted positions from the target's real features (drafters/eagle.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..runtime.runner import Feed, TreeFeed
+from ..runtime.sequence import Sequence
+from .base import Drafter, drop_nonfinite
+from .eagle import EagleDrafter
+
+MAX_TREE_NODES = 63  # a tree mask row is one int64 bitmask
+
+
+@dataclass
+class DraftTree:
+    """Drafted tokens of one sequence as a tree, nodes in parents-first order: tokens[i] is node
+    i's token, parents[i] its parent node (-1: a child of the root, the sequence's last token)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        """A chain of drafts as a tree (prompt lookup's proposal)."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def depths(self) -> list[int]:
+        """Depth of each node (1 for the root's children)."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def ancestor_bits(self) -> list[int]:
+        """The tree mask rows: bit j of row i is set when node j is node i or one of its ancestors."""
+        out: list[int] = []
+        for i, p in enumerate(self.parents):
+            out.append((1 << i) | (0 if p < 0 else out[p]))
+        return out
+
+    def children(self) -> list[list[int]]:
+        """children[0]: the root's children; children[i + 1]: node i's (in node order)."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            out[p + 1].append(i)
+        return out
+
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens from the root's child down to `node` (none for node -1, the root)."""
+        path = []
+        while node >= 0:
+            path.append(self.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
+
+
+@dataclass
+class Candidate:
+    """A node of the search: its target-id token, parent candidate (-1: the root), score (sum of
+    log q on its path), and, once fed to the head, its key in the head's tree block and mask row."""
+
+    token: int
+    parent: int
+    score: float
+    fed: int = -1
+    bits: int = 0
+
+
+class EagleTreeDrafter(Drafter):
+    """Grows one dynamic tree per sequence with an EAGLE head (see the module docstring)."""
+
+    drafts_trees = True
+
+    def __init__(self, head: EagleDrafter, budget: int, top_k: int):
+        if not 1 <= budget <= MAX_TREE_NODES:
+            raise ValueError(f"draft tree budget must be in 1..{MAX_TREE_NODES} nodes, got {budget}")
+        if top_k < 1:
+            raise ValueError(f"draft tree top_k must be >= 1, got {top_k}")
+        self.head, self.budget, self.top_k = head, budget, top_k
+        self.target_layers = head.target_layers
+
+    def tree_slots(self, depth: int) -> int:
+        """The target's tree (budget nodes) or the head's fed frontiers ((depth - 1) * top_k)."""
+        return max(self.budget, depth, max(0, depth - 1) * self.top_k)  # (a looked-up chain: depth)
+
+    def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:
+        self.head.observe(seqs, starts, num_fed, hidden)
+
+    def rollback(self, seqs: list[Sequence]) -> None:
+        self.head.rollback(seqs)
+
+    def propose_trees(self, seqs: list[Sequence], max_depth: list[int]) -> list[DraftTree]:
+        """One tree per sequence of at most max_depth[b] levels and `budget` nodes (empty where
+        the head cannot draft yet)."""
+        depth = [self.head.draftable(s, d) if d > 0 else 0 for s, d in zip(seqs, max_depth)]
+        active = [b for b, d in enumerate(depth) if d > 0]
+        found: dict[int, list[Candidate]] = {b: [] for b in active}
+        if not active:
+            return [DraftTree() for _ in seqs]
+        logits, g = self.head.first_forward(seqs, active)  # [A, V_d], [A, H]
+        block_start = {b: seqs[b].draft_table.num_cached for b in active}  # the head's tree block
+        expanding = [(b, -1) for b in active]  # (sequence, candidate) each row of logits expands
+        for level in range(1, max(depth) + 1):
+            made = self.expand(found, expanding, logits)  # {b: new candidate ids}
+            frontier = {b: sorted(ids, key=lambda i: (-found[b][i].score, i))[: self.top_k]
+                        for b, ids in made.items() if depth[b] > level and ids}
+            if not frontier:
+                break
+            row_of = {key: r for r, key in enumerate(expanding)}  # (sequence, candidate) -> row of logits / g
+            feeds, rows, expanding = [], [], []
+            for b, ids in frontier.items():
+                fed_so_far = seqs[b].draft_table.num_cached - block_start[b]
+                for n, i in enumerate(ids):
+                    c = found[b][i]
+                    c.fed = fed_so_far + n
+                    c.bits = (1 << c.fed) | (found[b][c.parent].bits if c.parent >= 0 else 0)
+                    rows.append(row_of[(b, c.parent)])  # the fed node reads its parent's output g
+                    expanding.append((b, i))
+                nodes = [found[b][i] for i in ids]
+                feeds.append(Feed(seqs[b].draft_table, [c.token for c in nodes], len(nodes),
+                                  TreeFeed(block_start[b], [len(seqs[b]) - 2 + level] * len(nodes), [c.bits for c in nodes])))
+            hidden = g[torch.tensor(rows, device=g.device)]  # [R, H]
+            logits, g = self.head.runner.forward(feeds, hidden=hidden, project=False)
+        return [self.select(found.get(b, [])) for b in range(len(seqs))]
+
+    def expand(self, found: dict[int, list[Candidate]], expanding: list[tuple[int, int]], logits: torch.Tensor
+               ) -> dict[int, list[int]]:
+        """Give each expanded node (one row of logits [R, V_d]) its top_k children; returns the
+        new candidates' ids per sequence. One host copy."""
+        if not expanding:
+            return {}
+        logits, _ = drop_nonfinite(logits)
+        k = min(self.top_k, logits.shape[-1])
+        values, ids = logits.float().log_softmax(-1).topk(k, dim=-1)  # [R, k]
+        tokens = self.head.draft_ids[ids] if self.head.draft_ids is not None else ids  # [R, k] target ids
+        values, tokens = values.tolist(), tokens.tolist()
+        made: dict[int, list[int]] = {}
+        for (b, parent), vals, toks in zip(expanding, values, tokens):
+            base = found[b][parent].score if parent >= 0 else 0.0
+            for v, t in zip(vals, toks):
+                if v > float("-inf"):
+                    made.setdefault(b, []).append(len(found[b]))
+                    found[b].append(Candidate(t, parent, base + v))
+        return made
+
+    def select(self, candidates: list[Candidate]) -> DraftTree:
+        """The `budget` best candidates by score (ties: the earlier), in creation order."""
+        keep = sorted(sorted(range(len(candidates)), key=lambda i: (-candidates[i].score, i))[: self.budget])
+        index = {c: n for n, c in enumerate(keep)}
+        return DraftTree([candidates[i].token for i in keep],
+                         [index[candidates[i].parent] if candidates[i].parent >= 0 else -1 for i in keep])
+

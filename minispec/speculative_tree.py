@@ -1,0 +1,220 @@
+"""Tree speculative decoding: one step, top to bottom (the chain step is speculative.py; read it first).
+
+For every running sequence whose last token is x_L (the root of its tree):
+  1. Draft a tree (drafters/tree.py): N nodes n_1..n_N, each a token whose parent is the root or
+     an earlier node, chosen deterministically from the draft (no random number is drawn).
+  2. Verify. ONE target forward over [x_L, n_1, .., n_N]: node i sits at position L + depth(i)
+     (siblings share a position) and attends to the cached prefix, the root, its ancestors and
+     itself only (the tree mask of kernels/paged_attention.py). Row 0 gives p_root, the target's
+     distribution after x_L; row i gives p_i, its distribution after the path to node i.
+  3. Accept / reject: walk down from the root. At node v, with r = p_v, try v's children c_1..c_m
+     in the order they were drafted (best draft score first):
+         accept c_j with probability r(c_j) / sum(r); on acceptance move to c_j and start over
+         there; on rejection set r(c_j) = 0 and try c_{j+1}.
+     When every child of v is rejected (or v is a leaf), sample one token from r / sum(r) and
+     stop. The step emits the accepted path and that token: at least one, at most depth + 1.
+  4. KV. The target cached K/V for the root and all N nodes; the path's nodes move to the
+     sequence's next positions (at most depth rows per layer, `move_path`) and everything past
+     them is truncated, as for a chain. The drafter observes the target's features of the root
+     and the path, then forgets its own tree.
+
+Why it is exact. The children of v are fixed before the target's random numbers are drawn, so
+at v this is sequential sampling from p_v: P(emit c_1) = p_v(c_1), and given that c_1 was
+rejected the procedure restarts on r = p_v( . | X != c_1) with children c_2..c_m, so by induction
+on m, P(X = x | X != c_1) = p_v(x) / (1 - p_v(c_1)) for every x != c_1; with no children left X
+is drawn from r itself. Hence X ~ p_v whatever the children are. If X is a child, the next token
+is decided at X's node with p_X, the target's law given the path; by the chain rule the emitted
+tokens follow the target's autoregressive law. A repeated sibling has r = 0 and is never
+accepted. (This is EAGLE's `evaluate_posterior`, SpecInfer's rule with a one-hot q per drafted
+child. SpecInfer's multi-draft rule with the draft's q, accept with min(1, p/q) and continue on
+norm((p - q)^+), is exact only for children drawn i.i.d. from q, and biased for top-k children:
+tests/test_speculative_tree.py shows both.)
+
+Greedy (temperature 0): p_v is one-hot at the target's argmax, so the walk follows the child
+equal to it and emits the argmax where there is none: the longest root-to-leaf path the target
+agrees with, then the target's own token. No random number is drawn.
+
+Randomness: per sequence N fp64 uniforms (node i's test uses the i-th) and then the final
+sample, all from the request's own generator: a seeded request's output does not depend on
+what else is in the batch. Penalties and min_tokens apply to p at every node with the path
+before it (as speculative.py's chain); the draft's tree ignores them (any tree is exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .drafters.base import Drafter
+from .drafters.tree import DraftTree
+from .runtime.metrics import StepTimes
+from .runtime.runner import Feed, ModelRunner, TreeFeed
+from .runtime.sequence import Sequence
+from .sampling import finite_rows, penalize, sample, warp_probs
+from .speculative import emit_accepted, top_logprobs, verify_forward
+
+
+def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth: int,
+              emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[tuple[list[int], int]]:
+    """Advance every sequence by one tree step. Returns, per sequence, the accepted path's tokens
+    and its length (as `speculative_step`: the drafted tokens on that path, how many accepted).
+    Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1."""
+    # 1. Draft: never deeper than the request may still emit (the final token is free).
+    with times.timing("draft_s", target.device):
+        trees = drafter.propose_trees(seqs, [min(depth, s.remaining - 1) for s in seqs])
+
+    with times.timing("target_s", target.device):
+        # 2. Verify: one forward; row offsets[b] is sequence b's root row, offsets[b] + 1 + i node i's.
+        feeds = [tree_feed(s, t) for s, t in zip(seqs, trees)]
+        starts = [s.target_table.num_cached for s in seqs]
+        logits, hidden = verify_forward(target, feeds, drafter.target_layers)  # [sum(N_b + 1), V]
+        offsets = [0]
+        for t in trees:
+            offsets.append(offsets[-1] + len(t) + 1)
+        raw = logits
+        logits = penalized_tree(logits, seqs, trees)
+        # 3. Accept / reject.
+        paths, finals, failures = accept_tree(logits, seqs, trees, offsets)
+
+    path_rows = [[offsets[b]] + [offsets[b] + 1 + i for i in path] for b, path in enumerate(paths)]
+    top = top_logprobs(raw[torch.tensor([r for rows in path_rows for r in rows], device=raw.device)], seqs,
+                       [len(p) for p in paths])
+    drafted = [[t.tokens[i] for i in path] for t, path in zip(trees, paths)]
+    lengths = [len(s) for s in seqs]
+    emit_accepted(seqs, [d + [f] for d, f in zip(drafted, finals)], [len(p) for p in paths],
+                  [max(t.depths(), default=0) for t in trees], top, failures, emit)
+
+    # 4. KV: the path's K/V to the next positions, then roll back as a chain does.
+    move_path(target, seqs, lengths, paths)
+    for s in seqs:
+        s.target_table.truncate(len(s) - 1, target.cache.allocator)
+    if hidden is not None:  # the target's features of the fed prefix and of the path, in position order
+        keep, kept, row = [], [], 0
+        for f, t, path in zip(feeds, trees, paths):
+            fed_prefix = len(f.tokens) - len(t)
+            keep += [row + j for j in range(fed_prefix)] + [row + fed_prefix + i for i in path]
+            kept.append(fed_prefix + len(path))
+            row += len(f.tokens)
+        drafter.observe(seqs, starts, kept, hidden[torch.tensor(keep, device=hidden.device)])
+    drafter.rollback(seqs)
+    return [(d, len(d)) for d in drafted]
+
+
+def tree_feed(s: Sequence, tree: DraftTree) -> Feed:
+    """The verification feed of one sequence: its uncached tokens (the root last), then the nodes
+    at key indices len(s) + i, positions len(s) - 1 + depth, with their ancestor masks."""
+    prefix = s.tokens[s.target_table.num_cached :]
+    if not tree.tokens:
+        return Feed(s.target_table, prefix)
+    cached, root = s.target_table.num_cached, len(s) - 1
+    mask = TreeFeed(len(s), list(range(cached, len(s))) + [root + d for d in tree.depths()],
+                    [0] * len(prefix) + tree.ancestor_bits())
+    return Feed(s.target_table, prefix + tree.tokens, len(tree) + 1, mask)
+
+
+def penalized_tree(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTree]) -> torch.Tensor:
+    """The verification logits [sum(N_b + 1), V] with each request's penalties and min_tokens:
+    the root's row sees the sequence's tokens, node i's row the tokens of its path too."""
+    if not any(s.params.adjusts_logits for s in seqs):
+        return logits
+    return penalize(logits, [s.penalty_row(t.path_tokens(node)) for s, t in zip(seqs, trees) for node in range(-1, len(t))])
+
+
+def accept_tree(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTree], offsets: list[int]
+                ) -> tuple[list[list[int]], list[int], dict[int, int]]:
+    """Step 3 for every sequence: (accepted path as node ids, final token, {b: position} of the
+    sequences whose walk reached a non-finite row: they emit the path and fail there, where plain
+    decoding would have met the same logits)."""
+    finite = finite_rows(logits)  # [R]
+    logits = torch.where(finite[:, None], logits, 0.0)  # unused rows, kept in range for warping
+    greedy = all(s.params.greedy for s in seqs)
+    if greedy:
+        finite_host, best = torch.stack([finite.long(), logits.argmax(-1)]).tolist()
+        walks = [greedy_walk(t, best[o:], finite_host[o:]) for t, o in zip(trees, offsets)]
+        finals = [best[offsets[b] + 1 + path[-1] if path else offsets[b]] for b, (path, _, _) in enumerate(walks)]
+    else:
+        finite_host = finite.tolist()
+        probs = warp_probs(logits, [s.params for s, t in zip(seqs, trees) for _ in range(len(t) + 1)])  # [R, V]
+        walks, finals = sample_walks(probs, seqs, trees, offsets, finite_host)
+    failures = {b: len(seqs[b]) + len(path) for b, (path, _, broken) in enumerate(walks) if broken}  # token positions
+    return [w[0] for w in walks], finals, failures
+
+
+def greedy_walk(tree: DraftTree, best: list[int], finite: list[int]) -> tuple[list[int], list[int], bool]:
+    """Temperature 0: follow the child that is the target's argmax (best[0] at the root, best[1 + i]
+    after node i). Returns (path, rejected tokens at its end (unused), whether it met a non-finite row)."""
+    children, path, node = tree.children(), [], -1
+    while True:
+        if not finite[node + 1]:
+            return path, [], True
+        nxt = next((c for c in children[node + 1] if tree.tokens[c] == best[node + 1]), None)
+        if nxt is None:
+            return path, [], False
+        path.append(nxt)
+        node = nxt
+
+
+def sample_walks(probs: torch.Tensor, seqs: list[Sequence], trees: list[DraftTree], offsets: list[int],
+                 finite: list[bool]) -> tuple[list[tuple[list[int], list[int], bool]], list[int]]:
+    """The sampled walk of every sequence (module docstring, step 3) on the warped probs
+    [R, V]: one host copy of p_parent(node) for every node and of each row's total, then the final
+    tokens sampled on the device from the residual rows."""
+    edges = [offsets[b] + 1 + p for b, t in enumerate(trees) for p in t.parents]  # row of each node's parent
+    tokens = [x for t in trees for x in t.tokens]
+    device = probs.device
+    tested = probs[torch.tensor(edges, dtype=torch.int64, device=device), torch.tensor(tokens, dtype=torch.int64, device=device)]
+    host = torch.cat([tested.double(), probs.double().sum(-1)]).tolist()
+    node_p, totals = host[: len(tokens)], host[len(tokens):]
+    walks, final_rows, node_base = [], [], 0
+    for b, (s, t) in enumerate(zip(seqs, trees)):
+        u = torch.rand(len(t), generator=s.generator, dtype=torch.float64, device=s.generator.device).tolist() if len(t) else []
+        walk = walk_one(t, node_p[node_base : node_base + len(t)], totals[offsets[b] : offsets[b + 1]], u,
+                        finite[offsets[b] : offsets[b + 1]])
+        node_base += len(t)
+        walks.append(walk)
+        final_rows.append(offsets[b] + 1 + walk[0][-1] if walk[0] else offsets[b])
+    residual = probs[torch.tensor(final_rows, device=device)].clone()  # [B, V]
+    for b, (_, rejected, _) in enumerate(walks):
+        if rejected:
+            residual[b, torch.tensor(rejected, device=device)] = 0.0
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs[torch.tensor(final_rows, device=device)])
+    finals = sample(residual, [None if broken else s.generator for s, (_, _, broken) in zip(seqs, walks)]).tolist()
+    return walks, finals
+
+
+def walk_one(tree: DraftTree, node_p: list[float], totals: list[float], u: list[float], finite: list[bool]
+             ) -> tuple[list[int], list[int], bool]:
+    """One sequence's sampled walk. node_p[i] = p_parent(i)(token i); totals[0] / totals[1 + i]:
+    the mass of the root's / node i's row (1 up to rounding); u[i]: node i's uniform.
+    Returns (path, the tokens rejected at its end, whether it met a non-finite row)."""
+    children, path, node = tree.children(), [], -1
+    while True:
+        if not finite[node + 1]:
+            return path, [], True
+        mass, rejected = totals[node + 1], []
+        accepted = None
+        for c in children[node + 1]:
+            p_c = 0.0 if tree.tokens[c] in rejected else node_p[c]
+            if mass > 0 and u[c] < p_c / mass:
+                accepted = c
+                break
+            rejected.append(tree.tokens[c])
+            mass -= p_c
+        if accepted is None:
+            return path, rejected, False
+        path.append(accepted)
+        node = accepted
+
+
+def move_path(target: ModelRunner, seqs: list[Sequence], lengths: list[int], paths: list[list[int]]) -> None:
+    """The K/V of each accepted path to its sequence's next positions: node i sat at key index
+    L + i (L = the sequence's length when verified); the path's j-th node goes to L + j. Nodes
+    are in parents-first order, so a path's nodes only move down and never onto each other."""
+    src, dst = [], []
+    for s, L, path in zip(seqs, lengths, paths):
+        if any(i != j for j, i in enumerate(path)):
+            slots = s.target_table.slots(L, L + max(path) + 1)  # [key L .. the deepest moved node]
+            src += [slots[i] for i in path]
+            dst += [slots[j] for j in range(len(path))]
+    target.cache.copy_slots(src, dst)

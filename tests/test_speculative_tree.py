@@ -1,0 +1,411 @@
+"""Tree speculation (speculative_tree.py, drafters/tree.py) is exact.
+
+1. The rule, by exact enumeration of the real `walk_one`: its coins are scripted objects that
+   record each acceptance threshold and branch both ways, so every outcome of one tree step is
+   enumerated with its exact probability. For every node v (the root included) and token x:
+       P(the walk reaches v and emits x right after it) = P_target(path to v) * p_v(x),
+   which is the target's law for the step's emitted tokens (the next token after v is x with
+   p_v(x), for every v the walk can reach). Checked for several tree shapes (repeated siblings
+   included), temperatures, top-k and top-p, to float tolerance; two wrong rules are shown to
+   fail the same check (power).
+2. The whole pipeline, statistically: LLM.generate with tree drafting, the chi-square harness of
+   test_speculative_statistical.py (ALPHA = 1e-3, N = 2000 seeded requests, the same exact
+   law by enumeration); planted mutants (the residual not updated after a rejected sibling, a
+   node attending to non-ancestors, the accepted path's K/V left where the tree put them) are
+   rejected at the same ALPHA.
+3. Greedy: identical to plain decoding (fp32, hypothesis over prompts and tree shapes), and a
+   seeded sampled request gives the same tokens alone and in a batch.
+4. The tree mask in the attention kernel and its twin, against a float64 masked softmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minispec.speculative_tree
+from minispec import LLM, SamplingParams
+from minispec.drafters.base import Drafter
+from minispec.drafters.tree import DraftTree
+from minispec.sampling import warp_probs
+from minispec.speculative_tree import walk_one
+from minispec_kernels.paged_attention import paged_attention, paged_attention_ref
+from test_kernels import PagedBatch
+from test_speculative_statistical import ALPHA, N, PROMPT, V, exact_distribution, models, pooled_chi_square  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SP = SamplingParams
+
+
+# --- 1. the rule, enumerated -----------------------------------------------------------------
+
+
+class Coin:
+    """A uniform whose comparison `coin < threshold` is scripted: it records the threshold and
+    answers what the enumeration's tape says (False past the tape's end)."""
+
+    def __init__(self, tape: list[bool], seen: list[float]):
+        self.tape, self.seen = tape, seen
+
+    def __lt__(self, threshold: float) -> bool:
+        i = len(self.seen)
+        self.seen.append(float(threshold))
+        return self.tape[i] if i < len(self.tape) else False
+
+
+def enumerate_step(tree: DraftTree, probs: torch.Tensor, walk=walk_one) -> dict[tuple[int, ...], float]:
+    """Every outcome of one tree step (the emitted tokens) with its exact probability.
+    probs: [N + 1, V] fp64, row 0 the root's p, row 1 + i node i's."""
+    node_p = [float(probs[p + 1, t]) for t, p in zip(tree.tokens, tree.parents)]
+    totals = probs.sum(-1).tolist()
+    law: dict[tuple[int, ...], float] = {}
+    tapes = [[]]
+    while tapes:
+        tape = tapes.pop()
+        seen: list[float] = []
+        path, rejected, broken = walk(tree, node_p, totals, [Coin(tape, seen) for _ in tree.tokens], [True] * (len(tree) + 1))
+        assert not broken
+        tapes += [tape + [False] * (i - len(tape)) + [True] for i in range(len(tape), len(seen))]  # the other branches
+        outcomes = tape + [False] * (len(seen) - len(tape))
+        chance = math.prod(min(max(t, 0.0), 1.0) if o else 1 - min(max(t, 0.0), 1.0) for t, o in zip(seen, outcomes))
+        residual = probs[path[-1] + 1 if path else 0].clone()
+        residual[rejected] = 0.0
+        for x in range(probs.shape[1]):
+            if residual[x] > 0:
+                key = tuple(tree.tokens[i] for i in path) + (x,)
+                law[key] = law.get(key, 0.0) + chance * float(residual[x] / residual.sum())
+    return law
+
+
+def check_target_law(tree: DraftTree, probs: torch.Tensor, law: dict[tuple[int, ...], float]) -> float:
+    """Largest |P(reach v, emit x after v) - P_target(path v) p_v(x)| over nodes v and tokens x."""
+    worst = 0.0
+    for node in range(-1, len(tree)):
+        path = tree.path_tokens(node)
+        chance = math.prod(float(probs[(tree.parents[i] + 1), tree.tokens[i]]) for i in ancestors(tree, node))
+        for x in range(probs.shape[1]):
+            got = sum(pr for out, pr in law.items() if list(out[: len(path)]) == path and len(out) > len(path)
+                      and out[len(path)] == x)
+            worst = max(worst, abs(got - chance * float(probs[node + 1, x])))
+    return worst
+
+
+def ancestors(tree: DraftTree, node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out[::-1]
+
+
+def reachable_tree(tree: DraftTree) -> bool:
+    """No two siblings' paths give the same tokens (else 'reach v' is ambiguous in the check)."""
+    paths = [tuple(tree.path_tokens(i)) for i in range(len(tree))]
+    return len(set(paths)) == len(paths)
+
+
+TREES = {
+    "chain": DraftTree([1, 2, 3], [-1, 0, 1]),
+    "star": DraftTree([0, 1, 2, 3], [-1, -1, -1, -1]),
+    "two levels": DraftTree([0, 1, 2, 0, 3, 1, 4], [-1, -1, 0, 0, 1, 1, 2]),
+    "deep and wide": DraftTree([2, 0, 1, 3, 3, 4, 0, 1], [-1, -1, 0, 0, 1, 2, 2, 4]),
+    "repeated siblings": DraftTree([1, 1, 2, 2, 0], [-1, -1, 0, 0, 1]),
+}
+WARPS = [SP(temperature=1.0), SP(temperature=0.6), SP(temperature=1.3, top_k=3), SP(temperature=0.9, top_p=0.8),
+         SP(temperature=0.0)]
+
+
+@pytest.mark.parametrize("params", WARPS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("name", list(TREES))
+def test_one_tree_step_emits_the_target_law_exactly(name, params):
+    tree = TREES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    logits = 2.0 * torch.randn(len(tree) + 1, 5, generator=gen)  # V = 5: the target puts mass off the tree
+    probs = warp_probs(logits, [params] * (len(tree) + 1)).double()
+    probs = probs / probs.sum(-1, keepdim=True)  # rows that sum to 1 in fp64, so 1e-9 can be asked
+    law = enumerate_step(tree, probs)
+    assert abs(sum(law.values()) - 1) < 1e-9
+    if name == "repeated siblings":  # 'reach v' is ambiguous there: check the first emitted token's law
+        first = [sum(pr for out, pr in law.items() if out[0] == x) for x in range(5)]
+        torch.testing.assert_close(torch.tensor(first, dtype=torch.float64), probs[0], atol=1e-9, rtol=0)
+    else:
+        assert reachable_tree(tree)
+        assert check_target_law(tree, probs, law) < 1e-9
+
+
+def residual_not_updated(tree, node_p, totals, u, finite):
+    """Mutant: each sibling is tested against the full p (no renormalisation, rejected siblings
+    keep their mass in the final draw)."""
+    children, path, node = tree.children(), [], -1
+    while True:
+        nxt = next((c for c in children[node + 1] if u[c] < node_p[c] / totals[node + 1]), None)
+        if nxt is None:
+            return path, [], False
+        path.append(nxt)
+        node = nxt
+
+
+def specinfer_with_q(q: torch.Tensor):
+    """Mutant: SpecInfer's multi-draft rule with the draft's q (accept min(1, p/q), continue on
+    norm((p - q)^+)), applied to deterministic top-k children at the root (a star tree)."""
+    def walk(tree, node_p, totals, u, finite):
+        p = torch.tensor(PROBS_FOR_MUTANT["p"], dtype=torch.float64)
+        for c in tree.children()[0]:
+            x = tree.tokens[c]
+            if u[c] < min(1.0, float(p[x] / q[x])):
+                return [c], [], False
+            p = (p - q).clamp(min=0)
+            p = p / p.sum()
+        return [], [x for x in range(len(p)) if p[x] == 0], False
+    return walk
+
+
+PROBS_FOR_MUTANT: dict = {}
+
+
+def test_wrong_rules_fail_the_same_enumeration():
+    """Power. TREES.md's case: p = (.5, .5), q = (.9, .1), children {a, b} fixed: SpecInfer's rule
+    with q emits a with probability .556 (biased); ours .5. And a rule that does not update the
+    residual after a rejected sibling misses the target law on a random tree."""
+    star = DraftTree([0, 1], [-1, -1])
+    p = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]], dtype=torch.float64)
+    def first(law):  # P(the first emitted token is a)
+        return sum(pr for out, pr in law.items() if out[0] == 0)
+
+    assert first(enumerate_step(star, p)) == pytest.approx(0.5, abs=1e-12)
+    PROBS_FOR_MUTANT["p"] = [0.5, 0.5]
+    biased = enumerate_step(star, p, walk=specinfer_with_q(torch.tensor([0.9, 0.1], dtype=torch.float64)))
+    assert first(biased) == pytest.approx(5 / 9, abs=1e-9)  # .556, not .5
+
+    tree = TREES["two levels"]
+    probs = warp_probs(2.0 * torch.randn(len(tree) + 1, 5, generator=torch.Generator().manual_seed(3)),
+                       [SP(temperature=1.0)] * (len(tree) + 1)).double()
+    probs = probs / probs.sum(-1, keepdim=True)
+    assert check_target_law(tree, probs, enumerate_step(tree, probs, walk=residual_not_updated)) > 0.01
+
+
+def test_greedy_walk_is_the_sampled_walk_at_temperature_zero():
+    tree = TREES["deep and wide"]
+    logits = torch.randn(len(tree) + 1, 5, generator=torch.Generator().manual_seed(1))
+    probs = warp_probs(logits, [SP(temperature=0.0)] * (len(tree) + 1)).double()
+    law = enumerate_step(tree, probs)
+    (outcome,) = [o for o, pr in law.items() if pr > 0]
+    best = logits.argmax(-1).tolist()
+    path, _, _ = minispec.speculative_tree.greedy_walk(tree, best, [1] * (len(tree) + 1))
+    assert outcome == tuple(tree.tokens[i] for i in path) + (best[path[-1] + 1 if path else 0],)
+
+
+def test_draft_tree_helpers():
+    t = TREES["two levels"]  # root -> 0 (-> 2, 3), 1 (-> 4, 5); 2 -> 6
+    assert t.depths() == [1, 1, 2, 2, 2, 2, 3]
+    assert t.ancestor_bits()[6] == (1 << 6) | (1 << 2) | (1 << 0)
+    assert t.children()[0] == [0, 1] and t.children()[3] == [6]
+    assert t.path_tokens(6) == [0, 2, 4] and t.path_tokens(-1) == []
+    assert DraftTree.chain([7, 8]).parents == [-1, 0]
+
+
+# --- 2. the whole pipeline, statistically ---------------------------------------------------
+
+TREE_CASES = [
+    # (drafter, depth, budget, top_k, params, m): the head drafts from the second step on
+    ("eagle-tree", 2, 4, 2, SP(temperature=0.6), 4),  # the mutants below run here
+    ("eagle-tree", 3, 8, 4, SP(temperature=1.0, top_k=5, top_p=0.95), 5),
+    ("eagle-tree", 3, 6, 3, SP(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.7), 4),
+    ("eagle-tree", 4, 5, 1, SP(temperature=1.3), 5),  # top_k 1: a chain, verified by the tree rule
+    ("eagle-tree+lookup", 3, 6, 2, SP(temperature=1.0, top_k=5, top_p=0.95), 5),
+]
+
+
+def tree_p_value(models, drafter, depth, budget, top_k, params, m) -> tuple[float, LLM]:
+    llm = LLM(model=(models["target"], models["tok"]), draft_model=models["eagle"], num_speculative_tokens=depth,
+              draft_tree_budget=budget, draft_tree_top_k=top_k, max_num_seqs=N,
+              max_num_batched_tokens=N * (len(PROMPT) + m + budget), kv_cache_gib=0.05, page_size=8,
+              prompt_lookup_min=2 if drafter.endswith("+lookup") else None)
+    requests = [dataclasses.replace(params, max_tokens=m, seed=i, ignore_eos=True) for i in range(N)]
+    ids = torch.tensor([o.token_ids for o in llm.generate([PROMPT] * N, requests)])  # [N, m]
+    counts = torch.bincount((ids * V ** torch.arange(m - 1, -1, -1)).sum(-1), minlength=V**m)
+    pval, stat, df = pooled_chi_square(counts, exact_distribution(models["target"], params, m))
+    metrics = llm.last_metrics
+    print(f"\n{drafter} depth={depth} budget={budget} top_k={top_k} m={m} {params}: chi2={stat:.1f} df={df} "
+          f"p={pval:.3g} tokens/step={metrics.num_generated / metrics.num_steps:.2f}")
+    return pval, llm
+
+
+@pytest.mark.parametrize("case", TREE_CASES, ids=[f"{c[0]}-d{c[1]}-n{c[2]}-k{c[3]}-T{c[4].temperature}" for c in TREE_CASES])
+def test_tree_drafting_keeps_the_target_distribution(models, case):
+    pval, llm = tree_p_value(models, *case)
+    assert pval > ALPHA
+    assert llm.last_metrics.num_accepted > 0.3 * N  # the tree's paths are really taken
+
+
+def no_residual_update(monkeypatch):
+    monkeypatch.setattr(minispec.speculative_tree, "walk_one", residual_not_updated)
+
+
+def non_ancestor_attention(monkeypatch):
+    """Each node sees every earlier node (a causal mask over the tree), not only its ancestors."""
+    monkeypatch.setattr(DraftTree, "ancestor_bits", lambda self: [(1 << (i + 1)) - 1 for i in range(len(self))])
+
+
+def path_kv_not_moved(monkeypatch):
+    monkeypatch.setattr(minispec.speculative_tree, "move_path", lambda *args: None)
+
+
+def test_statistic_rejects_a_residual_not_updated_after_a_rejected_sibling(models, monkeypatch):
+    no_residual_update(monkeypatch)
+    pval, _ = tree_p_value(models, *TREE_CASES[0])
+    assert pval < ALPHA
+
+
+class OffBranchTrees(Drafter):
+    """A stub tree drafter that knows the greedy answer `answer`: each step its tree puts a wrong
+    sibling FIRST at every level and the right token second, so every accepted path runs off the
+    first branch (its nodes sit at key indices 1, 3, 5, ... and must move to 0, 1, 2, ...)."""
+
+    drafts_trees = True
+
+    def __init__(self, answer: list[int], vocab: int):
+        self.answer, self.vocab = answer, vocab
+
+    def tree_slots(self, depth: int) -> int:
+        return 2 * depth
+
+    def propose_trees(self, seqs, max_depth):
+        trees = []
+        for s, depth in zip(seqs, max_depth):
+            done, tokens, parents, parent = len(s.output_ids), [], [], -1
+            for d in range(min(depth, len(self.answer) - done)):
+                right = self.answer[done + d]
+                tokens += [(right + 1) % self.vocab, right]
+                parents += [parent, parent]
+                parent = len(tokens) - 1
+            trees.append(DraftTree(tokens, parents))
+        return trees
+
+
+def off_branch_run(tiny_llama):
+    """Greedy with logprobs, plain and with OffBranchTrees (depth 3): outputs, logprobs and the
+    target's cached K/V (every layer, the positions both cached) of both."""
+    params = SP(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompt = [5, 17, 3, 99, 42]
+    plain = LLM(model=str(tiny_llama), dtype="float32", device="cpu", backend="torch", kv_cache_gib=0.01, page_size=4)
+    want = plain.generate([prompt], params)[0]
+    llm = LLM(model=str(tiny_llama), dtype="float32", device="cpu", backend="torch", kv_cache_gib=0.01, page_size=4)
+    engine = llm.engine
+    engine.drafter, engine.k = OffBranchTrees(want.token_ids, engine.target.model.cfg.vocab_size), 3
+    engine.scheduler.tree_slots = engine.drafter.tree_slots(3)
+    got = llm.generate([prompt], params)[0]
+    return want, got, llm.last_metrics
+
+
+def test_off_branch_paths_are_exact_and_their_kv_moves(tiny_llama):
+    """Every step accepts a path off the first branch: the tokens and their logprobs equal plain
+    decoding's (each node's row saw exactly its ancestors; the next step read the moved K/V)."""
+    want, got, metrics = off_branch_run(tiny_llama)
+    assert got.token_ids == want.token_ids
+    assert metrics.num_accepted >= 6  # paths of several nodes were taken
+    for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+@pytest.mark.parametrize("mutant", [non_ancestor_attention, path_kv_not_moved], ids=lambda f: f.__name__)
+def test_planted_mask_and_kv_bugs_change_the_output(tiny_llama, monkeypatch, mutant):
+    """Power for the attention side (the chi-square harness does not see these two at N = 2000 on
+    its one-layer target: p = 0.05-0.7 when tried, since few of its steps accept a path off the
+    first branch): a node attending to non-ancestors, or the accepted path's K/V left where the
+    tree put them, change the tokens or their logprobs."""
+    mutant(monkeypatch)
+    want, got, _ = off_branch_run(tiny_llama)
+    same_logprobs = all(a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+                        for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs))
+    assert got.token_ids != want.token_ids or not same_logprobs
+
+
+# --- 3. greedy identity and batch invariance ----------------------------------------------------
+
+
+@settings(max_examples=8, deadline=None)
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=8), depth=st.integers(1, 5),
+       budget=st.integers(1, 20), top_k=st.integers(1, 4))
+def test_greedy_tree_decoding_equals_plain_decoding(models, prompt, depth, budget, top_k):
+    params = SP(temperature=0, max_tokens=12, ignore_eos=True)
+    model = (models["target"], models["tok"])
+    plain = LLM(model=model, kv_cache_gib=0.01, page_size=4).generate([prompt], params)[0].token_ids
+    top_k = min(top_k, 63 // max(depth - 1, 1))
+    llm = LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=depth, draft_tree_budget=budget,
+              draft_tree_top_k=top_k, kv_cache_gib=0.01, page_size=4)
+    assert llm.generate([prompt], params)[0].token_ids == plain
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(models):
+    llm = LLM(model=(models["target"], models["tok"]), draft_model=models["eagle"], num_speculative_tokens=3,
+              draft_tree_budget=8, draft_tree_top_k=3, kv_cache_gib=0.01, page_size=4)
+    params = SP(temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True, seed=7)
+    alone = llm.generate([PROMPT], params)[0].token_ids
+    others = [dataclasses.replace(params, seed=s) for s in range(5)]
+    batch = llm.generate([[3, 1], PROMPT, [5, 5, 2], [0], [1, 2, 3, 4]], [others[0], params, *others[2:]])
+    assert batch[1].token_ids == alone
+    assert llm.last_metrics.num_accepted > 0
+
+
+def test_tree_options_are_checked_by_name(models):
+    model = (models["target"], models["tok"])
+    with pytest.raises(ValueError, match="draft_tree_budget must be"):
+        LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=2, draft_tree_budget=64)
+    with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
+        LLM(model=model, draft_model="ngram", num_speculative_tokens=2, draft_tree_budget=8)
+    with pytest.raises(ValueError, match="at most 63 fit"):
+        LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=6, draft_tree_budget=8, draft_tree_top_k=16)
+    with pytest.raises(ValueError, match="draft_confidence_threshold"):
+        LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=2, draft_tree_budget=8,
+            draft_confidence_threshold=0.5)
+    with pytest.raises(ValueError, match="disagrees"):
+        LLM(model=model, speculative_config={"method": "eagle3", "model": models["eagle"], "tree_budget": 8},
+            draft_tree_budget=4)
+
+
+# --- 4. the tree mask in the kernel and its twin ------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 4, 16]), group=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 2**31 - 1))
+def test_tree_mask_in_kernel_and_twin_matches_a_float64_masked_softmax(data, page_size, group, seed):
+    """Sequences with and without a tree in one launch: a node sees the prefix and its ancestors."""
+    B = data.draw(st.integers(1, 3))
+    trees, prefixes, q_lens = [], [], []
+    for _ in range(B):
+        n = data.draw(st.integers(0, 20))
+        parents = [data.draw(st.integers(-1, i - 1)) for i in range(n)]
+        trees.append(DraftTree([0] * n, parents))
+        prefixes.append(data.draw(st.integers(1, 12)))
+        q_lens.append(data.draw(st.integers(1, prefixes[-1])) + n)
+    seq_lens = [p + len(t) for p, t in zip(prefixes, trees)]
+    batch = PagedBatch(seq_lens, q_lens, page_size=page_size, num_q_heads=2 * group, num_kv_heads=2, head_dim=16,
+                       dtype=torch.float32, seed=seed)
+    bits = [b for t, q in zip(trees, q_lens) for b in [0] * (q - len(t)) + t.ancestor_bits()]
+    tree = dict(tree_start=torch.tensor(prefixes, dtype=torch.int32), tree_bits=torch.tensor(bits, dtype=torch.int64))
+    out = paged_attention(*batch.args(), sm_scale=0.25, **tree, block_n=16)
+    ref = paged_attention_ref(*batch.args(), sm_scale=0.25, **tree)
+    expected = []
+    starts = batch.query_start_loc.tolist()
+    for b, (t, q_len) in enumerate(zip(trees, q_lens)):
+        k, v, L = batch.dense_k[b].double(), batch.dense_v[b].double(), seq_lens[b]
+        for r in range(q_len):
+            row = L - q_len + r
+            visible = [bool(j <= row and (j < prefixes[b] or (t.ancestor_bits()[row - prefixes[b]] >> (j - prefixes[b])) & 1))
+                       for j in range(L)]
+            keys = torch.tensor(visible)
+            q = batch.q[starts[b] + r].double().view(2, group, 16)  # [Hkv, g, D]
+            scores = torch.einsum("hgd,lhd->hgl", q, k) * 0.25
+            weights = scores.masked_fill(~keys, float("-inf")).softmax(-1)
+            expected.append(torch.einsum("hgl,lhd->hgd", weights, v).reshape(2 * group, 16))
+    expected = torch.stack(expected)
+    torch.testing.assert_close(ref.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
