@@ -58,12 +58,13 @@ DEFAULT_DRAFT = ROOT / "weights" / "draft-smollm2"
 DEFAULT_EAGLE = ROOT / "weights" / "eagle-smollm2"
 DEFAULT_PROMPTS = ROOT / "weights" / "prompts" / "bench.jsonl"
 # The names rows carry in their `drafter` key. "adaptive": the draft model with a confidence stop
-# (k up to --adaptive-k); "eagle-adaptive": the EAGLE head so; "+lookup": prompt lookup in front.
-MODEL_DRAFTERS = ("draft", "adaptive", "eagle", "eagle-adaptive")
+# (k up to --adaptive-k); "eagle-adaptive": the EAGLE head so; "eagle-tree": the head drafting a
+# tree of --tree-budgets nodes, --tree-depth deep; "+lookup": prompt lookup in front.
+MODEL_DRAFTERS = ("draft", "adaptive", "eagle", "eagle-adaptive", "eagle-tree")
 DRAFTERS = MODEL_DRAFTERS + tuple(f"{d}+lookup" for d in MODEL_DRAFTERS) + ("ngram",)
 COLORS = {"draft": "tab:blue", "adaptive": "tab:purple", "eagle": "tab:red", "eagle-adaptive": "tab:brown",
           "ngram": "tab:green", "draft+lookup": "tab:cyan", "adaptive+lookup": "tab:pink", "eagle+lookup": "tab:orange",
-          "eagle-adaptive+lookup": "tab:olive"}
+          "eagle-adaptive+lookup": "tab:olive", "eagle-tree": "tab:purple", "eagle-tree+lookup": "tab:gray"}
 START = time.perf_counter()
 
 
@@ -118,6 +119,7 @@ class Row:
     mode: str  # greedy | sampled
     batch: int
     k: int
+    budget: int | None = None  # eagle-tree rows: the tree's node count (k is its depth)
     rounds: int = 0
     tokens: int = 0
     tok_s: float = 0.0  # all rounds' tokens over all rounds' time
@@ -161,6 +163,7 @@ class Arm:
     drafter: str
     k: int
     run: Callable[[list[list[int]]], Run]
+    budget: int | None = None  # a draft tree's node count (eagle-tree rows)
     weights: str | None = None  # a quantization (None: the bench's dtype)
     note: Callable[[], str] | None = None  # what the row's note says after the rounds
     runs: list[Run] = field(default_factory=list)
@@ -209,7 +212,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, device, warmup: list[int],
-                 quantization: str | None = None) -> Arm:
+                 quantization: str | None = None, budget: int | None = None) -> Arm:
     """An LLM around the preloaded models, warmed up once; its `run` generates one round's prompts.
     quantization: the preloaded models were loaded with it (and an EAGLE head is loaded with it)."""
     from minispec import LLM
@@ -219,7 +222,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
     llm = LLM(
         model=target,
         draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft, "eagle": str(args.eagle),
-                     "eagle-adaptive": str(args.eagle)}[base],
+                     "eagle-adaptive": str(args.eagle), "eagle-tree": str(args.eagle)}[base],
         num_speculative_tokens=None if base == "none" else max(k, 1),
         max_num_seqs=batch,
         kv_cache_gib=args.kv_cache_gib,
@@ -227,6 +230,8 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
         draft_confidence_threshold=confidence,
         prompt_lookup_min=args.lookup_min if lookup else None,
         quantization=quantization,
+        draft_tree_budget=budget,
+        draft_tree_top_k=args.tree_top_k if budget else None,
     )
 
     def run(prompts: list[list[int]]) -> Run:
@@ -239,8 +244,9 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
     if base in ("none", "ngram"):
         name = "autoregressive" if base == "none" else f"ngram k={k}"
     else:  # e.g. "eagle k=4", "draft+lookup k=2", "eagle+lookup k<=8 conf0.3"
-        name = {"draft": "draft", "adaptive": "draft", "eagle": "eagle", "eagle-adaptive": "eagle"}[base] + ("+lookup" if lookup else "")
-        name += f" k<={k} conf{confidence:g}" if confidence else f" k={k}"
+        name = {"draft": "draft", "adaptive": "draft", "eagle": "eagle", "eagle-adaptive": "eagle",
+                "eagle-tree": "eagle-tree"}[base] + ("+lookup" if lookup else "")
+        name += f" k<={k} conf{confidence:g}" if confidence else f" N={budget} k={k} top{args.tree_top_k}" if budget else f" k={k}"
     if quantization:
         name = f"{quantization} {name}"
     llm.generate(warmup, dataclasses.replace(params, max_tokens=min(4, params.max_tokens)))
@@ -251,7 +257,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
 
         def note() -> str:
             return f"lookup drafted {hybrid.lookup_drafts / max(hybrid.lookup_drafts + hybrid.model_drafts, 1):.0%}"
-    return Arm(name, drafter, k, run, weights=quantization, note=note)
+    return Arm(name, drafter, k, run, budget=budget, weights=quantization, note=note)
 
 
 def sync(device: torch.device) -> None:
@@ -381,7 +387,7 @@ def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[
 def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device, dtype: torch.dtype) -> Row:
     """A row from an arm's runs: totals over all rounds, the median ratio and its interval.
     base_step_s: a plain decode step's time with the row's own weights (the unit of verify / draft)."""
-    row = Row(arm.name, arm.drafter, mode, batch, arm.k, rounds=len(arm.ratios), weights=arm.weights or dtype_name(dtype))
+    row = Row(arm.name, arm.drafter, mode, batch, arm.k, arm.budget, rounds=len(arm.ratios), weights=arm.weights or dtype_name(dtype))
     row.tokens = sum(r.tokens for r in arm.runs)
     wall = sum(r.wall_s for r in arm.runs)
     row.tok_s = row.tokens / wall if wall else 0.0
@@ -655,6 +661,9 @@ def parse_args(argv=None):
     ap.add_argument("--ngram-k", type=int, default=4, help="draft length of the n-gram drafter")
     ap.add_argument("--lookup-min", type=int, default=3,
                     help="<drafter>+lookup: prompt lookup drafts when the last >= this many tokens occurred before, the drafter otherwise")
+    ap.add_argument("--tree-budgets", help="eagle-tree: comma-separated node budgets, one row each (default: 8; 8,16,32 on GPU and with --full)")
+    ap.add_argument("--tree-depth", type=int, default=5, help="eagle-tree: the deepest a tree may grow (num_speculative_tokens)")
+    ap.add_argument("--tree-top-k", type=int, default=8, help="eagle-tree: children per expanded node")
     ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive drafter: most tokens drafted per step")
     ap.add_argument("--confidence", type=float, default=0.4, help="adaptive drafter: stop after a token the draft gave p < this")
     ap.add_argument("--eagle-confidence", type=float, default=0.3,
@@ -685,19 +694,19 @@ def parse_args(argv=None):
 def plan(args, gpu: bool) -> dict:
     """The sweep: which drafters and ks, batch sizes, rounds and tokens."""
     gpu_or_full = gpu or args.full
-    # The default run answers the main question within ~4 minutes on a 2-core CPU: plain decoding
-    # vs the EAGLE-3 head (k=4, and at adaptive length behind prompt lookup), greedy and sampled,
+    # The default run answers the main question within ~5 minutes on a 2-core CPU: plain decoding
+    # vs the EAGLE-3 head (k=4, a tree of 8 nodes, and at adaptive length behind prompt lookup), greedy and sampled,
     # answers of a realistic length (64 tokens) in 12 paired rounds, so that the 95% interval of
     # a median is [3rd, 10th] of 12 ratios rather than [min, max] of 6. --full adds every k, the
     # draft model, n-gram, larger batches and every transformers peer.
     if args.quick:
         defaults = dict(drafters="eagle,draft,ngram", ks="2", batches="1", rounds=6, tokens=8, modes="greedy")
     elif gpu_or_full:
-        defaults = dict(drafters="draft,adaptive,eagle,eagle-adaptive,eagle+lookup,eagle-adaptive+lookup,ngram",
+        defaults = dict(drafters="draft,adaptive,eagle,eagle-adaptive,eagle+lookup,eagle-adaptive+lookup,eagle-tree,eagle-tree+lookup,ngram",
                         ks="1,2,4,6,8", batches="1,16" if gpu else "1,4",
                         rounds=10, tokens=128 if gpu else 32, modes="greedy,sampled")
     else:
-        defaults = dict(drafters="eagle,eagle-adaptive+lookup", ks="2", batches="1", rounds=12, tokens=64,
+        defaults = dict(drafters="eagle,eagle-tree,eagle-adaptive+lookup", ks="2", batches="1", rounds=12, tokens=64,
                         modes="greedy,sampled")
     drafters = (args.drafters or defaults["drafters"]).split(",")
     unknown = sorted(set(drafters) - set(DRAFTERS))
@@ -725,6 +734,7 @@ def plan(args, gpu: bool) -> dict:
         modes=modes,
         all_peers=gpu_or_full,
         eagle_ks=csv_ints(args.eagle_ks) if args.eagle_ks else (csv_ints(args.ks) if args.ks or gpu_or_full else [4]),
+        tree_budgets=csv_ints(args.tree_budgets or ("8,16,32" if gpu_or_full else "8")),
     )
     p["groups"] = [(m, b) for m in modes for b in p["batches"]]
     if not (args.quick or gpu_or_full or args.modes or args.batch_sizes):  # CPU default: sampled at batch 1 only
@@ -804,12 +814,14 @@ def main(argv=None) -> dict:
         # Round r's prompts: bs consecutive prompts, wrapping around a short prompt file.
         slices = [[prompts[(r * bs + i) % len(prompts)] for i in range(bs)] for r in range(p["rounds"])]
         baseline = minispec_arm(target, draft, "none", 0, params, bs, args, device, prompts[0])
-        specs = [(d, k) for d in p["drafters"] for k in
+        specs = [(d, k, None) for d in p["drafters"] if d.removesuffix("+lookup") != "eagle-tree" for k in
                  {"draft": p["ks"], "eagle": p["eagle_ks"], "adaptive": [args.adaptive_k], "eagle-adaptive": [args.adaptive_k],
                   "ngram": [args.ngram_k]}[d.removesuffix("+lookup")]]
-        arms = [minispec_arm(target, draft, d, k, params, bs, args, device, prompts[0]) for d, k in specs]
-        q_arms = [minispec_arm(*quantized, d, k, params, bs, args, device, prompts[0], args.quantization)
-                  for d, k in [("none", 0)] + specs] if quantized else []
+        specs += [(d, args.tree_depth, n) for d in p["drafters"] if d.removesuffix("+lookup") == "eagle-tree"
+                  for n in p["tree_budgets"]]
+        arms = [minispec_arm(target, draft, d, k, params, bs, args, device, prompts[0], budget=n) for d, k, n in specs]
+        q_arms = [minispec_arm(*quantized, d, k, params, bs, args, device, prompts[0], args.quantization, budget=n)
+                  for d, k, n in [("none", 0, None)] + specs] if quantized else []
         arms += q_arms
         if mode == "greedy" and bs == 1 and not args.no_peers:
             hf, peer_rows = hf_arms(target_path, draft_path if draft is not None else None, params, dtype, device,
