@@ -99,7 +99,7 @@ class LLMEngine:
         smallest KV pool's, whole (the final token is emitted but never fed)."""
         room = self.max_model_len - prompt_len
         for runner, _ in self.runners:
-            room = min(room, runner.cache.num_pages * runner.cache.page_size - prompt_len + 1)
+            room = min(room, runner.cache.num_pages * runner.cache.page_size - prompt_len + 1 - self.scheduler.tree_slots)
         return room
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
