@@ -52,7 +52,9 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
                        o.num_speculative_tokens, o.max_num_seqs, o.max_num_batched_tokens, o.seed)
     if o.static_shapes if o.static_shapes is not None else graphs:
         layers = engine.drafter.target_layers
-        runners[0].use_static_shapes(engine.k + 1, o.max_num_seqs, graphs, **({"hidden_layers": layers} if layers else {}))
+        trees = engine.drafter.drafts_trees  # then a verification feeds the root and the tree's nodes
+        query_len = 1 + (max(o.draft_tree_budget, engine.k) if trees else engine.k)
+        runners[0].use_static_shapes(query_len, o.max_num_seqs, graphs, trees, **({"hidden_layers": layers} if layers else {}))
         if draft is not None and not isinstance(draft, EagleModel):
             # A draft model's steps feed 1 token (2 after a fully accepted step; more after steps
             # prompt lookup drafted, which run eagerly: static shapes fit the common case).

@@ -354,6 +354,29 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(models):
     assert llm.last_metrics.num_accepted > 0
 
 
+def test_static_shapes_preemption_and_stop_strings_with_trees(models):
+    """A tree verification is a static shape (the node budget): with static_shapes the tree steps
+    run the static path and give plain decoding's tokens; so do a KV pool small enough to preempt
+    and recompute sequences mid-answer, and a stop string."""
+    model = (models["target"], models["tok"])
+    params = SP(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [PROMPT, [0, 1], [4, 4, 4, 4], [2, 5, 3], [1], [3, 3, 0, 1, 2]]
+    plain = [o.token_ids for o in LLM(model=model, kv_cache_gib=0.01, page_size=4).generate(prompts, params)]
+    tree = dict(draft_model=models["eagle"], num_speculative_tokens=3, draft_tree_budget=6, draft_tree_top_k=3)
+    static = LLM(model=model, kv_cache_gib=0.01, page_size=4, static_shapes=True, **tree)
+    assert [o.token_ids for o in static.generate(prompts, params)] == plain
+    counts = static.engine.target.forward_counts
+    assert counts["static"] > 0 and counts["dynamic"] == 0  # tree verifications (and these short prompts) all static
+    small = LLM(model=model, page_size=4, kv_cache_gib=22 * 512 / 2**30, max_num_seqs=6, **tree)  # ~10 pages of 512 bytes a pool
+    assert [o.token_ids for o in small.generate(prompts, params)] == plain
+    assert small.last_metrics.num_preemptions > 0
+    text = models["tok"].decode(plain[0])
+    stop = text.split()[3]
+    out = LLM(model=model, kv_cache_gib=0.01, page_size=4, **tree).generate([PROMPT], SP(temperature=0, max_tokens=20, stop=[stop]))[0]
+    ref = LLM(model=model, kv_cache_gib=0.01, page_size=4).generate([PROMPT], SP(temperature=0, max_tokens=20, stop=[stop]))[0]
+    assert (out.text, out.token_ids, out.outputs[0].finish_reason) == (ref.text, ref.token_ids, "stop")
+
+
 def test_tree_options_are_checked_by_name(models):
     model = (models["target"], models["tok"])
     with pytest.raises(ValueError, match="draft_tree_budget must be"):

@@ -25,3 +25,21 @@ def token_layout(q_lens: np.ndarray, cached: np.ndarray, tables: np.ndarray, pag
 def logit_rows(feeds: list, starts: np.ndarray) -> list[int]:
     """The rows whose logits each feed wants: its last num_logits rows, in feed order."""
     return [row for f, end in zip(feeds, starts[1:].tolist()) for row in range(end - f.num_logits, end)]
+
+
+def tree_layout(feeds: list, seq_lens: np.ndarray, starts: np.ndarray, positions: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The tree mask of a forward (metadata.py): tree_start [B] (seq_len for a feed without a
+    tree) and tree_bits [T]; writes each tree feed's node positions into positions [T]."""
+    tree_start = seq_lens.astype(np.int32)  # [B]
+    bits = np.zeros(int(starts[-1]), dtype=np.int64)  # [T]
+    for b, f in enumerate(feeds):
+        if f.tree is not None:
+            if len(f.tree.positions) != len(f.tokens) or len(f.tree.bits) != len(f.tokens):
+                raise ValueError(f"a tree feed needs a position and a bit row per token ({len(f.tokens)})")
+            if not 0 <= seq_lens[b] - f.tree.start <= 63:
+                raise ValueError(f"a tree block holds 1..63 keys; this one starts at {f.tree.start} of {seq_lens[b]}")
+            tree_start[b] = f.tree.start
+            positions[starts[b] : starts[b + 1]] = f.tree.positions
+            bits[starts[b] : starts[b + 1]] = f.tree.bits
+    return tree_start, bits

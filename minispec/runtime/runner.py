@@ -18,7 +18,7 @@ from torch import nn
 
 from ..model.metadata import BatchMetadata
 from .kv_cache import BlockTable, KVCache
-from .layout import logit_rows, token_layout
+from .layout import logit_rows, token_layout, tree_layout
 from .static_shapes import StaticShapes
 
 
@@ -57,11 +57,13 @@ class ModelRunner:
         # dynamic path (prompts, and steps that admit a new request; what graphs cannot cover).
         self.forward_counts = {"graph": 0, "static": 0, "dynamic": 0}
 
-    def use_static_shapes(self, query_len: int, max_batch: int, cuda_graphs: bool = False, **model_args) -> None:
+    def use_static_shapes(self, query_len: int, max_batch: int, cuda_graphs: bool = False, trees: bool = False,
+                          **model_args) -> None:
         """Run feeds of up to query_len tokens for up to max_batch sequences with static shapes
-        (static_shapes.py); with cuda_graphs, capture each shape now (falling back to eager on
-        failure). model_args: what every forward of this runner passes (baked into a graph)."""
-        self.static = StaticShapes(self, query_len, max_batch)
+        (static_shapes.py; with trees, tree feeds too); with cuda_graphs, capture each shape now
+        (falling back to eager on failure). model_args: what every forward of this runner passes
+        (baked into a graph)."""
+        self.static = StaticShapes(self, query_len, max_batch, trees)
         if cuda_graphs:
             self.static.capture(model_args)
 
@@ -84,8 +86,7 @@ class ModelRunner:
             if n == 0 or not 0 < f.num_logits <= n:
                 raise ValueError(f"bad feed: {n} tokens, {f.num_logits} logits")
             f.table.reserve(start + n, allocator)
-        trees = any(f.tree is not None for f in feeds)
-        if self.static is not None and not trees and self.static.fits(feeds):  # decode / verification / draft steps
+        if self.static is not None and self.static.fits(feeds):  # decode / verification / draft steps
             out = self.static.forward(feeds, **model_args)
         else:
             out = self._forward(feeds, cached, q_lens, model_args)
@@ -131,20 +132,3 @@ class ModelRunner:
             meta.tree_start, meta.tree_bits = to_dev(tree[0], torch.int32), to_dev(tree[1], torch.int64)  # [B], [T]
         return self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
 
-
-def tree_layout(feeds: list[Feed], seq_lens: np.ndarray, starts: np.ndarray, positions: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """The tree mask of a forward (metadata.py): tree_start [B] (seq_len for a feed without a
-    tree) and tree_bits [T]; writes each tree feed's node positions into positions [T]."""
-    tree_start = seq_lens.astype(np.int32)  # [B]
-    bits = np.zeros(int(starts[-1]), dtype=np.int64)  # [T]
-    for b, f in enumerate(feeds):
-        if f.tree is not None:
-            if len(f.tree.positions) != len(f.tokens) or len(f.tree.bits) != len(f.tokens):
-                raise ValueError(f"a tree feed needs a position and a bit row per token ({len(f.tokens)})")
-            if not 0 <= seq_lens[b] - f.tree.start <= 63:
-                raise ValueError(f"a tree block holds 1..63 keys; this one starts at {f.tree.start} of {seq_lens[b]}")
-            tree_start[b] = f.tree.start
-            positions[starts[b] : starts[b + 1]] = f.tree.positions
-            bits[starts[b] : starts[b + 1]] = f.tree.bits
-    return tree_start, bits

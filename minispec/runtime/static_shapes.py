@@ -10,6 +10,10 @@ decode, verification and draft steps (each sequence feeds 1..Q tokens) are laid 
                     in persistent per-bucket buffers filled in place before each forward
     launch sizes:   max_query_len = Q and max_seq_len = the runner's context limit, fixed per bucket
 
+With `trees`, every bucket also carries the tree mask (tree_start [B+1], tree_bits [B*Q]): a
+tree verification of a fixed node budget is a static shape too; sequences without a tree get
+tree_start = their length (no key in a tree block), so the same graph serves both.
+
 Real sequences get exactly the metadata of the dynamic path (their rows, context lengths and block
 tables), so their logits are the dynamic path's. The padding sequence starts at position 0, owns
 only the scratch page (KVCache.scratch_page: its K/V writes land there) and its outputs are
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 
 from ..model.metadata import BatchMetadata
-from .layout import logit_rows, token_layout
+from .layout import logit_rows, token_layout, tree_layout
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -49,9 +53,10 @@ class Bucket:
 class StaticShapes:
     """The static-shape forward of one ModelRunner (see the module docstring)."""
 
-    def __init__(self, runner, query_len: int, max_batch: int):
+    def __init__(self, runner, query_len: int, max_batch: int, trees: bool = False):
         self.runner = runner
         self.query_len = query_len
+        self.trees = trees  # buckets carry the tree mask
         self.batches = [b for b in BATCH_BUCKETS if b < max_batch] + [b for b in BATCH_BUCKETS if b >= max_batch][:1]
         # Block-table width: a real sequence's pages, or the padding sequence's rows (all on the scratch page).
         ps = runner.cache.page_size
@@ -61,7 +66,8 @@ class StaticShapes:
         self.graphs_failed = False
 
     def fits(self, feeds) -> bool:
-        return len(feeds) <= self.batches[-1] and max(len(f.tokens) for f in feeds) <= self.query_len
+        return (len(feeds) <= self.batches[-1] and max(len(f.tokens) for f in feeds) <= self.query_len
+                and (self.trees or all(f.tree is None for f in feeds)))
 
     def bucket(self, batch: int) -> Bucket:
         size = next(b for b in self.batches if b >= batch)
@@ -77,6 +83,9 @@ class StaticShapes:
                 block_tables=torch.zeros(size + 1, self.pages_per_seq, dtype=torch.int32, device=dev),
                 logits_indices=None,  # every row: the real ones are picked afterwards
             )
+            if self.trees:
+                meta.tree_start = torch.zeros(size + 1, dtype=torch.int32, device=dev)  # [B+1]
+                meta.tree_bits = torch.zeros(T, dtype=torch.int64, device=dev)  # [B*Q]
             self.buckets[size] = Bucket(size, self.query_len, torch.zeros(T, dtype=torch.int64, device=dev), meta)
         return self.buckets[size]
 
@@ -97,8 +106,11 @@ class StaticShapes:
         ids = np.zeros(T, dtype=np.int64)
         ids[: starts[len(feeds)]] = [t for f in feeds for t in f.tokens]
         m = bucket.meta
-        for buf, array in ((bucket.input_ids, ids), (m.positions, positions), (m.query_start_loc, starts),
-                           (m.seq_lens, cached + q_lens), (m.slot_mapping, slots), (m.block_tables, tables)):
+        buffers = [(bucket.input_ids, ids), (m.query_start_loc, starts), (m.seq_lens, cached + q_lens),
+                   (m.slot_mapping, slots), (m.block_tables, tables)]
+        if self.trees:  # (writes the nodes' positions into positions first)
+            buffers += zip((m.tree_start, m.tree_bits), tree_layout(feeds, cached + q_lens, starts, positions))
+        for buf, array in buffers + [(m.positions, positions)]:
             buf.copy_(torch.from_numpy(array.astype(np.int64 if buf.dtype == torch.int64 else np.int32)))
         m.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
         return logit_rows(feeds, starts), list(range(int(starts[len(feeds)])))
