@@ -540,7 +540,8 @@ def print_table(rows: list[Row]) -> None:
 
 def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     """speedup.png (speedup vs k per drafter, intervals, predicted), acceptance.png (per-position
-    acceptance per drafter), time_split.png (draft / target / other per row)."""
+    acceptance per drafter), time_split.png (draft / target / other per row), and with tree rows
+    trees.png (tokens per step and speedup against the node budget)."""
     import matplotlib
     import matplotlib.ticker
 
@@ -555,7 +556,7 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True, squeeze=False)
     for ax, (mode, batch) in zip(axes[0], groups):
         ax.axhline(1.0, color="black", lw=1, label="plain decoding")
-        for drafter in DRAFTERS:
+        for drafter in (d for d in DRAFTERS if not d.startswith("eagle-tree")):  # trees: trees.png
             rs = sorted((r for r in ours if r.drafter == drafter and (r.mode, r.batch) == (mode, batch)), key=lambda r: r.k)
             if not rs:
                 continue
@@ -614,7 +615,39 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     paths.append(out_dir / "time_split.png")
     fig.savefig(paths[-1], dpi=90)
     plt.close(fig)
+    trees = [r for r in ours if r.budget]
+    if trees:
+        paths.append(tree_plot(trees, [r for r in ours if r.drafter == "eagle"], out_dir, plt))
     return paths
+
+
+def tree_plot(trees: list[Row], chains: list[Row], out_dir: Path, plt) -> Path:
+    """trees.png: tokens per target step and speedup (median, 95% interval) against the node
+    budget, per tree drafter and (mode, batch); the chain rows (eagle) as dashed lines."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    styles = {"greedy": "-", "sampled": ":"}
+    for (drafter, mode, batch) in sorted({(r.drafter, r.mode, r.batch) for r in trees}):
+        rs = sorted((r for r in trees if (r.drafter, r.mode, r.batch) == (drafter, mode, batch)), key=lambda r: r.budget)
+        x, label = [r.budget for r in rs], f"{drafter}, {mode}, bs {batch}"
+        left.plot(x, [r.accepted_per_step for r in rs], "o" + styles[mode], color=COLORS[drafter], label=label)
+        lo = [r.speedup - r.speedup_ci[0] if r.speedup_ci else 0 for r in rs]
+        hi = [r.speedup_ci[1] - r.speedup if r.speedup_ci else 0 for r in rs]
+        right.errorbar(x, [r.speedup for r in rs], yerr=[lo, hi], fmt="o" + styles[mode], capsize=4, color=COLORS[drafter], label=label)
+    for r in chains:
+        left.axhline(r.accepted_per_step, color=COLORS["eagle"], ls="--", lw=1, label=f"{r.name} (chain), {r.mode}")
+        right.axhline(r.speedup, color=COLORS["eagle"], ls="--", lw=1, label=f"{r.name} (chain), {r.mode}")
+    right.axhline(1.0, color="black", lw=1)
+    for ax, what in ((left, "tokens per target step"), (right, "speedup over plain decoding")):
+        ax.set_xlabel("tree node budget N")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=6)
+    fig.suptitle("Draft trees: what a bigger tree buys and costs", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "trees.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,9 +65,10 @@ def check_result(result: dict, modes: set[str], batches: set[int], drafters: set
 
 
 def check_plots(result: dict, folder: Path) -> None:
-    """The three plots exist in `folder` as real PNG images."""
+    """The three plots (four with tree rows) exist in `folder` as real PNG images."""
     names = {Path(p).name for p in result["plots"]}
-    assert names == {"speedup.png", "acceptance.png", "time_split.png"}
+    trees = any(r.get("budget") for r in result["rows"])
+    assert names == {"speedup.png", "acceptance.png", "time_split.png"} | ({"trees.png"} if trees else set())
     for p in result["plots"]:
         assert Path(p).parent == folder
         data = Path(p).read_bytes()

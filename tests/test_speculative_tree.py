@@ -262,6 +262,9 @@ def test_statistic_rejects_a_residual_not_updated_after_a_rejected_sibling(model
     assert pval < ALPHA
 
 
+GREEDY_PROMPTS = [[1, 2, 3, 1, 2], [0], [5, 4, 3, 2, 1, 0], [2, 2, 2], [3, 0, 4, 1], [1, 5, 1, 5, 1]]
+
+
 class OffBranchTrees(Drafter):
     """A stub tree drafter that knows the greedy answer `answer`: each step its tree puts a wrong
     sibling FIRST at every level and the right token second, so every accepted path runs off the
@@ -341,6 +344,20 @@ def test_greedy_tree_decoding_equals_plain_decoding(models, prompt, depth, budge
     llm = LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=depth, draft_tree_budget=budget,
               draft_tree_top_k=top_k, kv_cache_gib=0.01, page_size=4)
     assert llm.generate([prompt], params)[0].token_ids == plain
+
+
+def test_a_tree_of_top_k_one_is_the_chain(models):
+    """top_k 1: each level's one child is the head's argmax, which is the greedy chain's draft; the
+    same drafts are accepted step for step (the tree search adds nothing and loses nothing)."""
+    model, params = (models["target"], models["tok"]), SP(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = GREEDY_PROMPTS
+    chain = LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=3, kv_cache_gib=0.01, page_size=4)
+    tree = LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=3, draft_tree_budget=3,
+               draft_tree_top_k=1, kv_cache_gib=0.01, page_size=4)
+    assert [o.token_ids for o in tree.generate(prompts, params)] == [o.token_ids for o in chain.generate(prompts, params)]
+    a, b = chain.last_metrics, tree.last_metrics
+    assert (a.num_steps, a.num_accepted, a.num_drafted) == (b.num_steps, b.num_accepted, b.num_drafted)
+    assert a.num_accepted > 0
 
 
 def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(models):
