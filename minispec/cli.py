@@ -34,7 +34,8 @@ FLAGS = {"num_speculative_tokens": "-k", "prompt_lookup_min": "--lookup-min", "d
          "ngram_min": "--ngram-min", "ngram_max": "--ngram-max", "max_model_len": "--ctx-size", "temperature": "--temperature",
          "top_p": "--top-p", "top_k": "--top-k", "max_tokens": "--max-tokens", "min_tokens": "--min-tokens",
          "seed": "--seed", "repetition_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
-         "frequency_penalty": "--frequency-penalty", "stop": "--stop", "dtype": "--dtype", "quantization": "--quantization"}
+         "frequency_penalty": "--frequency-penalty", "stop": "--stop", "dtype": "--dtype", "quantization": "--quantization",
+         "draft_tree_budget": "--tree-budget", "draft_tree_top_k": "--tree-top-k"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive length: stop drafting after a token the drafter gave p < this (llama.cpp's name)")
     m.add_argument("--lookup-min", type=int, help="with a draft model or EAGLE head: draft by prompt lookup where "
                                                  "the last >= N tokens occurred before, by the model elsewhere")
+    m.add_argument("--tree-budget", type=int, help="with an EAGLE-3 head: draft a tree of this many nodes (1..63), "
+                                                   "-k levels deep at most, instead of a chain")
+    m.add_argument("--tree-top-k", type=int, help="with --tree-budget: children per expanded node (8)")
     m.add_argument("--ngram-min", type=int, help="the n-gram drafter's shortest match (1)")
     m.add_argument("--ngram-max", type=int, help="the n-gram drafter's (or the lookup's) longest match (3)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -107,8 +111,9 @@ class CliError(Exception):
 def flagged(e: Exception) -> CliError:
     """The error with the flag behind the API field it names in front."""
     message = " ".join(str(e).split())
-    field = next((f for f in sorted(FLAGS, key=len, reverse=True) if message.startswith(f) or f"{f}=" in message
-                  or f" {f} " in f" {message}"), None)
+    fields = sorted(FLAGS, key=len, reverse=True)
+    field = next((f for f in fields if message.startswith(f)), None) or next(  # the field the message is about first
+        (f for f in fields if f"{f}=" in message or f" {f} " in f" {message}"), None)
     return CliError(f"{FLAGS[field]}: {message}" if field else message)
 
 
@@ -140,7 +145,7 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
         options = dict(draft_model=None if draft == "none" else draft, num_speculative_tokens=None if draft == "none" else args.k,
                        dtype=args.dtype, quantization=args.quantization, prompt_lookup_min=args.lookup_min,
                        draft_confidence_threshold=args.draft_confidence, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                       max_model_len=args.ctx_size)
+                       max_model_len=args.ctx_size, draft_tree_budget=args.tree_budget, draft_tree_top_k=args.tree_top_k)
         EngineOptions(model=str(target), **options)  # validates every option without loading anything
     except ValueError as e:
         raise flagged(e) from None
@@ -190,6 +195,7 @@ def load_llm(args, target: Path, draft: str, options: dict) -> LLM:
         raise flagged(e) from None
     print(f"[minispec] target {target.name}, draft {Path(draft).name if draft not in ('ngram', 'none') else draft}"
           + (f", k={args.k}" if draft != "none" else "")
+          + (f", a tree of {args.tree_budget} nodes" if args.tree_budget else "")
           + (f", prompt lookup of >= {args.lookup_min} tokens first" if args.lookup_min else ""), file=sys.stderr)
     return llm
 

@@ -272,6 +272,9 @@ def test_version_and_every_llm_option_reach_the_llm(tiny_llama, tiny_llama_draft
     (["--prompts", "/no/such/file"], "--prompts /no/such/file: no such file"),
     (["--trace", "/no/such/folder/run.html"], "--trace /no/such/folder/run.html: /no/such/folder is not a writable folder"),
     (["--threads", "0"], "--threads must be >= 1"),
+    (["--tree-budget", "64"], "--tree-budget: draft_tree_budget must be an int in [1, 63]"),
+    (["--tree-top-k", "4"], "--tree-top-k: draft_tree_top_k shapes a draft tree"),
+    (["--tree-budget", "8"], "--tree-budget: draft_tree_budget needs an EAGLE-3 head"),  # base()'s draft: ngram
 ])
 def test_arguments_are_checked_before_the_model_loads_and_name_the_flag(tiny_llama, tiny_llama_draft, capsys, monkeypatch,
                                                                         argv, message):
@@ -280,6 +283,12 @@ def test_arguments_are_checked_before_the_model_loads_and_name_the_flag(tiny_lla
     argv = [str(tiny_llama_draft) if a == "DRAFT" else a for a in argv]
     status, _, err = run_cli(capsys, "generate", *base(tiny_llama), *argv, PROMPT)
     assert status == 1 and err.strip().splitlines()[-1].startswith("minispec: error:") and message in err
+
+
+def test_a_draft_tree_from_the_command_line(tiny_llama, tiny_llama_eagle, capsys):
+    status, out, err = run_cli(capsys, "generate", *base(tiny_llama, str(tiny_llama_eagle)), "-k", "3", "--tree-budget", "6",
+                               "--tree-top-k", "3", PROMPT)
+    assert status == 0 and out.strip() and "a tree of 6 nodes" in err
 
 
 def test_prompts_are_answered_in_one_batched_call_in_order_and_as_json(tiny_llama, tmp_path, capsys, monkeypatch):

@@ -371,10 +371,10 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(models):
     assert llm.last_metrics.num_accepted > 0
 
 
-def test_static_shapes_preemption_and_stop_strings_with_trees(models):
+def test_static_shapes_preemption_streaming_and_stop_strings_with_trees(models):
     """A tree verification is a static shape (the node budget): with static_shapes the tree steps
     run the static path and give plain decoding's tokens; so do a KV pool small enough to preempt
-    and recompute sequences mid-answer, and a stop string."""
+    and recompute sequences mid-answer, streaming, and a stop string."""
     model = (models["target"], models["tok"])
     params = SP(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [PROMPT, [0, 1], [4, 4, 4, 4], [2, 5, 3], [1], [3, 3, 0, 1, 2]]
@@ -387,6 +387,10 @@ def test_static_shapes_preemption_and_stop_strings_with_trees(models):
     small = LLM(model=model, page_size=4, kv_cache_gib=22 * 512 / 2**30, max_num_seqs=6, **tree)  # ~10 pages of 512 bytes a pool
     assert [o.token_ids for o in small.generate(prompts, params)] == plain
     assert small.last_metrics.num_preemptions > 0
+    streamed = {}
+    for e in LLM(model=model, kv_cache_gib=0.01, page_size=4, **tree).stream(prompts, params):
+        streamed.setdefault(e.index, []).extend(e.new_token_ids)
+    assert [streamed[i] for i in range(len(prompts))] == plain  # streaming: the same tokens, step by step
     text = models["tok"].decode(plain[0])
     stop = text.split()[3]
     out = LLM(model=model, kv_cache_gib=0.01, page_size=4, **tree).generate([PROMPT], SP(temperature=0, max_tokens=20, stop=[stop]))[0]
