@@ -57,8 +57,9 @@ from .speculative import emit_accepted, top_logprobs, verify_forward
 
 def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth: int,
               emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[tuple[list[int], int]]:
-    """Advance every sequence by one tree step. Returns, per sequence, the accepted path's tokens
-    and its length (as `speculative_step`: the drafted tokens on that path, how many accepted).
+    """Advance every sequence by one tree step. Returns, per sequence, (the accepted path's tokens
+    plus the draft's first choice that was rejected below it, the path's length): as
+    `speculative_step`'s (drafted tokens, how many accepted), a tree seen along its taken branch.
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1."""
     # 1. Draft: never deeper than the request may still emit (the final token is free).
     with times.timing("draft_s", target.device):
@@ -98,7 +99,14 @@ def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth
             row += len(f.tokens)
         drafter.observe(seqs, starts, kept, hidden[torch.tensor(keep, device=hidden.device)])
     drafter.rollback(seqs)
-    return [(d, len(d)) for d in drafted]
+    return [(d + first_rejected(t, path), len(d)) for d, t, path in zip(drafted, trees, paths)]
+
+
+def first_rejected(tree: DraftTree, path: list[int]) -> list[int]:
+    """What a step reports as drafted past its accepted path (for traces and stream events):
+    the draft's first choice below the path's end, which the target rejected; none at a leaf."""
+    children = tree.children()[path[-1] + 1 if path else 0]
+    return [tree.tokens[children[0]]] if children else []
 
 
 def tree_feed(s: Sequence, tree: DraftTree) -> Feed:
