@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "the last >= N tokens occurred before, by the model elsewhere")
     m.add_argument("--tree-budget", type=int, help="with an EAGLE-3 head: draft a tree of this many nodes (1..63), "
                                                    "-k levels deep at most, instead of a chain")
-    m.add_argument("--tree-top-k", type=int, help="with --tree-budget: children per expanded node (8)")
+    m.add_argument("--tree-top-k", type=int, help="with --tree-budget: children per expanded node (4)")
     m.add_argument("--ngram-min", type=int, help="the n-gram drafter's shortest match (1)")
     m.add_argument("--ngram-max", type=int, help="the n-gram drafter's (or the lookup's) longest match (3)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

@@ -54,7 +54,7 @@ class EngineOptions:
     tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half" and "float".
     draft_tree_budget (with an EAGLE-3 head): draft a tree of this many nodes (1..63) per step
     instead of a chain, k levels deep at most, each expanded node getting its draft_tree_top_k
-    (default 8) likeliest children (drafters/tree.py; verified by speculative_tree.py)."""
+    (default 4) likeliest children (drafters/tree.py; verified by speculative_tree.py)."""
 
     model: Model
     draft_model: Model | EagleModel | None = None
@@ -245,7 +245,7 @@ class EngineOptions:
         if self.draft_tree_budget is None:
             return
         check_int("draft_tree_budget", self.draft_tree_budget, 1, 63)
-        self.draft_tree_top_k = 8 if self.draft_tree_top_k is None else self.draft_tree_top_k
+        self.draft_tree_top_k = 4 if self.draft_tree_top_k is None else self.draft_tree_top_k
         check_int("draft_tree_top_k", self.draft_tree_top_k, 1, 63)
         if not self.uses_model_drafter:
             raise ValueError("draft_tree_budget needs an EAGLE-3 head as draft_model (the tree is grown by the head)")
