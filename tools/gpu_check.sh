@@ -11,7 +11,7 @@
 #
 # Steps, most valuable first: the environment; the bf16 kernel tests against their torch twins;
 # the real target reassembled from its halves (sha256 checked; else the random pair, said so);
-# bench.py on the real pair (CUDA graphs on, bf16): plain vs the EAGLE head (+ prompt lookup), the
+# bench.py on the real pair (CUDA graphs on, bf16): plain vs the EAGLE head (+ prompt lookup, and a tree of 32 nodes), the
 # distilled draft and n-gram, greedy and sampled, batch 1 and 16, 128-token answers, paired
 # rounds, with transformers' generate and assisted generation as peers and greedy identity
 # checked; the batch-1 TPOT against the speed of light and the launch-bound estimate, and what
@@ -97,7 +97,7 @@ from minispec.io.convert import convert_gguf
 out = Path('$CARRY/cache/SmolLM2-135M-Instruct')
 print(out if (out / 'config.json').exists() else convert_gguf('$CARRY/target.gguf', out))" 2>> "$LOG")
     PAIR=(--target "$TARGET" --draft weights/draft-smollm2 --eagle weights/eagle-smollm2)
-    DRAFTERS=eagle,eagle+lookup,draft,ngram
+    DRAFTERS=eagle,eagle+lookup,eagle-tree,draft,ngram
 else
     log "target: the halves did not make the GGUF (see above); falling back to the random-init pair"
     step random-pair python tools/random_pair.py "$OUT/pair" --size "$([ "$DRY" = 1 ] && echo tiny || echo 1b)"
@@ -111,7 +111,7 @@ if [ "$DRY" = 1 ]; then
     BENCH=(--quick --no-peers --drafters "${DRAFTERS/eagle+lookup,/}" --rounds 6 --max-tokens 6)
     ROOF=(--tokens 4 --requests 6)
 else
-    BENCH=(--drafters "$DRAFTERS" --ks 4 --eagle-ks 4 --batch-sizes 1,16 --modes greedy,sampled --rounds 8 --max-tokens 128)
+    BENCH=(--drafters "$DRAFTERS" --ks 4 --eagle-ks 4 --tree-budgets 32 --tree-top-k 8 --batch-sizes 1,16 --modes greedy,sampled --rounds 8 --max-tokens 128)
     ROOF=(--tokens 128 --requests 32)
 fi
 step bench python bench.py "${PAIR[@]}" "${BENCH[@]}" --no-plots --no-progress --json "$OUT/bench.json"
