@@ -15,7 +15,7 @@ from .drafters.draft_model import ModelDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.lookup import LookupFirstDrafter
 from .drafters.ngram import NgramDrafter
-from .drafters.tree import EagleTreeDrafter
+from .drafters.tree import TreeDrafter
 from .engine import LLMEngine
 from .fast.int8 import quantize_model
 from .io.checkpoint import load_checkpoint
@@ -92,18 +92,16 @@ def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, back
 
 def make_drafter(o: EngineOptions, target: Transformer, draft_runner: ModelRunner | None) -> Drafter | None:
     """The drafter the options name (None: plain decoding), with prompt lookup in front if asked."""
-    if o.draft_tree_budget is not None and not (draft_runner is not None and isinstance(draft_runner.model, EagleModel)):
-        raise ValueError("draft_tree_budget needs an EAGLE-3 head as draft_model; this draft is a plain model")
     if draft_runner is not None and isinstance(draft_runner.model, EagleModel):
         drafter = EagleDrafter(draft_runner, o.draft_confidence_threshold)
-        if o.draft_tree_budget is not None:
-            drafter = EagleTreeDrafter(drafter, o.draft_tree_budget, o.draft_tree_top_k)
     elif draft_runner is not None:
         drafter = ModelDrafter(draft_runner, o.draft_confidence_threshold, target.cfg.vocab_size)
     elif o.uses_ngram:
         return NgramDrafter(o.ngram_max, o.ngram_min)
     else:
         return None
+    if o.draft_tree_budget is not None:
+        drafter = TreeDrafter(drafter, o.draft_tree_budget, o.draft_tree_top_k)
     return drafter if o.prompt_lookup_min is None else LookupFirstDrafter(drafter, o.prompt_lookup_min, o.ngram_max)
 
 

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive length: stop drafting after a token the drafter gave p < this (llama.cpp's name)")
     m.add_argument("--lookup-min", type=int, help="with a draft model or EAGLE head: draft by prompt lookup where "
                                                  "the last >= N tokens occurred before, by the model elsewhere")
-    m.add_argument("--tree-budget", type=int, help="with an EAGLE-3 head: draft a tree of this many nodes (1..63), "
+    m.add_argument("--tree-budget", type=int, help="with a draft model or EAGLE-3 head: draft a tree of this many nodes (1..63), "
                                                    "-k levels deep at most, instead of a chain")
     m.add_argument("--tree-top-k", type=int, help="with --tree-budget: children per expanded node (4)")
     m.add_argument("--ngram-min", type=int, help="the n-gram drafter's shortest match (1)")

@@ -52,7 +52,7 @@ class EngineOptions:
     tokenizer: a directory with tokenizer.json (and tokenizer_config.json) to use instead of the
     target checkpoint's. enforce_eager=True: no CUDA graphs (vLLM's spelling of cuda_graphs=False).
     tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half" and "float".
-    draft_tree_budget (with an EAGLE-3 head): draft a tree of this many nodes (1..63) per step
+    draft_tree_budget (with a draft model or EAGLE-3 head): draft a tree of this many nodes (1..63) per step
     instead of a chain, k levels deep at most, each expanded node getting its draft_tree_top_k
     (default 4) likeliest children (drafters/tree.py; verified by speculative_tree.py)."""
 
@@ -248,14 +248,14 @@ class EngineOptions:
         self.draft_tree_top_k = 4 if self.draft_tree_top_k is None else self.draft_tree_top_k
         check_int("draft_tree_top_k", self.draft_tree_top_k, 1, 63)
         if not self.uses_model_drafter:
-            raise ValueError("draft_tree_budget needs an EAGLE-3 head as draft_model (the tree is grown by the head)")
+            raise ValueError("draft_tree_budget needs a draft model or an EAGLE-3 head as draft_model (it grows the tree)")
         if self.draft_confidence_threshold is not None:
             raise ValueError("draft_confidence_threshold shortens chains; a draft tree is shaped by "
                              "draft_tree_budget and draft_tree_top_k instead")
         fed = (self.num_speculative_tokens - 1) * self.draft_tree_top_k
         if fed > 63:
             raise ValueError(f"a draft tree {self.num_speculative_tokens} levels deep with top_k {self.draft_tree_top_k} feeds "
-                             f"{fed} nodes to the head; at most 63 fit its tree mask (lower num_speculative_tokens or draft_tree_top_k)")
+                             f"{fed} nodes to the drafter; at most 63 fit its tree mask (lower num_speculative_tokens or draft_tree_top_k)")
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> None:

@@ -274,7 +274,7 @@ def test_version_and_every_llm_option_reach_the_llm(tiny_llama, tiny_llama_draft
     (["--threads", "0"], "--threads must be >= 1"),
     (["--tree-budget", "64"], "--tree-budget: draft_tree_budget must be an int in [1, 63]"),
     (["--tree-top-k", "4"], "--tree-top-k: draft_tree_top_k shapes a draft tree"),
-    (["--tree-budget", "8"], "--tree-budget: draft_tree_budget needs an EAGLE-3 head"),  # base()'s draft: ngram
+    (["--tree-budget", "8"], "--tree-budget: draft_tree_budget needs a draft model or an EAGLE-3 head"),  # draft: ngram
 ])
 def test_arguments_are_checked_before_the_model_loads_and_name_the_flag(tiny_llama, tiny_llama_draft, capsys, monkeypatch,
                                                                         argv, message):

@@ -8,11 +8,12 @@
    p_v(x), for every v the walk can reach). Checked for several tree shapes (repeated siblings
    included), temperatures, top-k and top-p, to float tolerance; two wrong rules are shown to
    fail the same check (power).
-2. The whole pipeline, statistically: LLM.generate with tree drafting, the chi-square harness of
-   test_speculative_statistical.py (ALPHA = 1e-3, N = 2000 seeded requests, the same exact
-   law by enumeration); planted mutants (the residual not updated after a rejected sibling, a
-   node attending to non-ancestors, the accepted path's K/V left where the tree put them) are
-   rejected at the same ALPHA.
+2. The whole pipeline, statistically: LLM.generate with trees grown by the EAGLE head and by a
+   draft model, the chi-square harness of test_speculative_statistical.py (ALPHA = 1e-3,
+   N = 2000 seeded requests, the same exact law by enumeration); planted mutants (the residual
+   not updated after a rejected sibling, a node attending to non-ancestors, the accepted path's
+   K/V left where the tree put them) are rejected at the same ALPHA, and the last two also by a
+   deterministic greedy test whose every accepted path runs off the first branch.
 3. Greedy: identical to plain decoding (fp32, hypothesis over prompts and tree shapes), and a
    seeded sampled request gives the same tokens alone and in a batch.
 4. The tree mask in the attention kernel and its twin, against a float64 masked softmax.
@@ -218,11 +219,14 @@ TREE_CASES = [
     ("eagle-tree", 3, 6, 3, SP(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.7), 4),
     ("eagle-tree", 4, 5, 1, SP(temperature=1.3), 5),  # top_k 1: a chain, verified by the tree rule
     ("eagle-tree+lookup", 3, 6, 2, SP(temperature=1.0, top_k=5, top_p=0.95), 5),
+    ("near-tree", 3, 8, 2, SP(temperature=0.6), 5),  # a draft model grows the tree; the mutants run here too
+    ("near-tree", 2, 5, 2, SP(temperature=1.0, top_k=4, presence_penalty=0.8), 3),
 ]
 
 
 def tree_p_value(models, drafter, depth, budget, top_k, params, m) -> tuple[float, LLM]:
-    llm = LLM(model=(models["target"], models["tok"]), draft_model=models["eagle"], num_speculative_tokens=depth,
+    draft = (models["near"], models["tok"]) if drafter.startswith("near") else models["eagle"]
+    llm = LLM(model=(models["target"], models["tok"]), draft_model=draft, num_speculative_tokens=depth,
               draft_tree_budget=budget, draft_tree_top_k=top_k, max_num_seqs=N,
               max_num_batched_tokens=N * (len(PROMPT) + m + budget), kv_cache_gib=0.05, page_size=8,
               prompt_lookup_min=2 if drafter.endswith("+lookup") else None)
@@ -256,9 +260,18 @@ def path_kv_not_moved(monkeypatch):
     monkeypatch.setattr(minispec.speculative_tree, "move_path", lambda *args: None)
 
 
-def test_statistic_rejects_a_residual_not_updated_after_a_rejected_sibling(models, monkeypatch):
-    no_residual_update(monkeypatch)
-    pval, _ = tree_p_value(models, *TREE_CASES[0])
+TREE_MUTANTS = [("eagle-tree", no_residual_update), ("near-tree", no_residual_update),
+                ("near-tree", non_ancestor_attention), ("near-tree", path_kv_not_moved)]
+
+
+@pytest.mark.parametrize("drafter,mutant", TREE_MUTANTS, ids=[f"{d}-{m.__name__}" for d, m in TREE_MUTANTS])
+def test_statistic_rejects_planted_tree_bugs(models, monkeypatch, drafter, mutant):
+    """Power: each mutant is REJECTED (p < ALPHA) in a configuration the real code passes. The
+    attention-side mutants need the draft model's trees, whose paths often run off the first
+    branch (with the random head's, p = 0.05-0.7 when tried: few accepted paths leave it)."""
+    case = next(c for c in TREE_CASES if c[0] == drafter)
+    mutant(monkeypatch)
+    pval, _ = tree_p_value(models, *case)
     assert pval < ALPHA
 
 
@@ -319,10 +332,9 @@ def test_off_branch_paths_are_exact_and_their_kv_moves(tiny_llama):
 
 @pytest.mark.parametrize("mutant", [non_ancestor_attention, path_kv_not_moved], ids=lambda f: f.__name__)
 def test_planted_mask_and_kv_bugs_change_the_output(tiny_llama, monkeypatch, mutant):
-    """Power for the attention side (the chi-square harness does not see these two at N = 2000 on
-    its one-layer target: p = 0.05-0.7 when tried, since few of its steps accept a path off the
-    first branch): a node attending to non-ancestors, or the accepted path's K/V left where the
-    tree put them, change the tokens or their logprobs."""
+    """Power for the attention side, deterministically and on a multi-layer target: a node
+    attending to non-ancestors, or the accepted path's K/V left where the tree put them, change
+    the tokens or their logprobs of greedy decoding."""
     mutant(monkeypatch)
     want, got, _ = off_branch_run(tiny_llama)
     same_logprobs = all(a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
@@ -333,15 +345,16 @@ def test_planted_mask_and_kv_bugs_change_the_output(tiny_llama, monkeypatch, mut
 # --- 3. greedy identity and batch invariance ----------------------------------------------------
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=8), depth=st.integers(1, 5),
-       budget=st.integers(1, 20), top_k=st.integers(1, 4))
-def test_greedy_tree_decoding_equals_plain_decoding(models, prompt, depth, budget, top_k):
+       budget=st.integers(1, 20), top_k=st.integers(1, 4), drafter=st.sampled_from(["eagle", "near"]))
+def test_greedy_tree_decoding_equals_plain_decoding(models, prompt, depth, budget, top_k, drafter):
     params = SP(temperature=0, max_tokens=12, ignore_eos=True)
     model = (models["target"], models["tok"])
     plain = LLM(model=model, kv_cache_gib=0.01, page_size=4).generate([prompt], params)[0].token_ids
     top_k = min(top_k, 63 // max(depth - 1, 1))
-    llm = LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=depth, draft_tree_budget=budget,
+    draft = (models["near"], models["tok"]) if drafter == "near" else models["eagle"]
+    llm = LLM(model=model, draft_model=draft, num_speculative_tokens=depth, draft_tree_budget=budget,
               draft_tree_top_k=top_k, kv_cache_gib=0.01, page_size=4)
     assert llm.generate([prompt], params)[0].token_ids == plain
 
@@ -402,7 +415,7 @@ def test_tree_options_are_checked_by_name(models):
     model = (models["target"], models["tok"])
     with pytest.raises(ValueError, match="draft_tree_budget must be"):
         LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=2, draft_tree_budget=64)
-    with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
+    with pytest.raises(ValueError, match="needs a draft model or an EAGLE-3 head"):
         LLM(model=model, draft_model="ngram", num_speculative_tokens=2, draft_tree_budget=8)
     with pytest.raises(ValueError, match="at most 63 fit"):
         LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=6, draft_tree_budget=8, draft_tree_top_k=16)

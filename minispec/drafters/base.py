@@ -93,6 +93,7 @@ class AutoregressiveDrafter(Drafter):
     runner: ModelRunner
     vocab_size: int  # the target's: the width of q
     draft_ids: torch.Tensor | None = None  # target id of each logit column (None: the columns are target ids)
+    tree_root_offset: int = -1  # drafters/tree.py: the first forward's row for seq sits at position len(seq) + this
 
     def __init__(self, confidence_threshold: float | None = None):
         if confidence_threshold is not None and not 0 < confidence_threshold < 1:
@@ -110,6 +111,11 @@ class AutoregressiveDrafter(Drafter):
     def next_forward(self, seqs: list[Sequence], active: list[int], tokens: list[list[int]], carry: object
                      ) -> tuple[torch.Tensor, object]:
         """Feed each active sequence its last drafted token; carry: the previous forward's, at those rows."""
+        raise NotImplementedError
+
+    def tree_forward(self, feeds: list, carry: object, rows: list[int]) -> tuple[torch.Tensor, object]:
+        """Feed tree nodes (drafters/tree.py; `Feed`s with a `TreeFeed`): logits [R, V_d] of every
+        fed node, and the carry for the next level; fed node i continues row rows[i] of `carry`."""
         raise NotImplementedError
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> Proposal:

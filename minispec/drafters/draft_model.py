@@ -35,6 +35,10 @@ class ModelDrafter(AutoregressiveDrafter):
                      ) -> tuple[torch.Tensor, None]:
         return self.logits([Feed(seqs[b].draft_table, [tokens[b][-1]]) for b in active]), None
 
+    def tree_forward(self, feeds: list[Feed], carry: None, rows: list[int]) -> tuple[torch.Tensor, None]:
+        """Tree nodes need only their tokens (the tree mask says what each sees)."""
+        return self.logits(feeds), None
+
     def logits(self, feeds: list[Feed]) -> torch.Tensor:
         """Draft logits on the target's vocabulary [n, V]."""
         logits = self.runner.forward(feeds)  # [n, V_draft]

@@ -91,6 +91,12 @@ class EagleDrafter(AutoregressiveDrafter):
         feeds = [Feed(seqs[b].draft_table, [tokens[b][-1]]) for b in active]
         return self.runner.forward(feeds, hidden=carry, project=False)
 
+    tree_root_offset = -2  # the catch-up's last row (position len - 2) proposes the root's children
+
+    def tree_forward(self, feeds: list[Feed], carry: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree nodes read the token and their parent's output g (rows of the previous forward's)."""
+        return self.runner.forward(feeds, hidden=carry[torch.tensor(rows, device=carry.device)], project=False)
+
     def rollback(self, seqs: list[Sequence]) -> None:
         """Forget the chained positions: the next catch-up starts at the first position whose
         target features are pending (the target's verified positions since the last catch-up)."""

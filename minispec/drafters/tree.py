@@ -1,25 +1,27 @@
-"""Tree drafting: EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858), grown by the
-EAGLE-3 head, verified by speculative_tree.py in one target forward.
+"""Tree drafting: EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858), grown by any
+model drafter (the EAGLE-3 head, or a draft model), verified by speculative_tree.py in one target
+forward.
 
 A chain of k drafts loses everything after its first wrong guess, though the target's token was
 often the head's second or third choice. A tree keeps several guesses per position. With
-log q(x | path) the head's log-probability (temperature 1, no penalties: the tree is a
+log q(x | path) the drafter's log-probability (temperature 1, no penalties: the tree is a
 deterministic function of the accepted prefix, which is what makes the verification rule exact)
 and a node's score = the sum of log q along its path (the draft's own estimate of the chance
 the target walks to it):
 
   level 1:   the root (the sequence's last token) gets its top_k children;
-  level d+1: the top_k nodes of level d by score (the frontier) are fed to the head in ONE
+  level d+1: the top_k nodes of level d by score (the frontier) are fed to the drafter in ONE
              forward, each at position root + d, attending to the cached prefix and its own
-             ancestors only (a tree mask over the head's cache); each gets its top_k children;
+             ancestors only (a tree mask over the drafter's cache); each gets its top_k children;
   finally:   the `budget` best nodes of all levels by score (ties: the earlier node), in the
              order they were made, so parents come first. A child's score is at most its
              parent's, so every kept node's parent is kept too.
 
 `budget` nodes are verified by the target whatever the tree's shape (a static shape); depth is
 at most `depth` (num_speculative_tokens) and at most what the request may still emit minus one.
-The head's K/V for the fed nodes are scratch: its rollback drops them and the next catch-up
-rewrites the accepted positions from the target's real features (drafters/eagle.py).
+The drafter's K/V for the fed nodes are scratch: its rollback drops them, and the next step's
+catch-up feeds the accepted tokens again (a draft model) or rewrites the accepted positions from
+the target's real features (an EAGLE head, drafters/eagle.py).
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ import torch
 
 from ..runtime.runner import Feed, TreeFeed
 from ..runtime.sequence import Sequence
-from .base import Drafter, drop_nonfinite
-from .eagle import EagleDrafter
+from .base import AutoregressiveDrafter, Drafter, drop_nonfinite
 
 MAX_TREE_NODES = 63  # a tree mask row is one int64 bitmask
 
@@ -94,39 +95,47 @@ class Candidate:
     bits: int = 0
 
 
-class EagleTreeDrafter(Drafter):
-    """Grows one dynamic tree per sequence with an EAGLE head (see the module docstring)."""
+class TreeDrafter(Drafter):
+    """Grows one dynamic tree per sequence with a model drafter (see the module docstring)."""
 
     drafts_trees = True
 
-    def __init__(self, head: EagleDrafter, budget: int, top_k: int):
+    def __init__(self, head: AutoregressiveDrafter, budget: int, top_k: int):
         if not 1 <= budget <= MAX_TREE_NODES:
             raise ValueError(f"draft tree budget must be in 1..{MAX_TREE_NODES} nodes, got {budget}")
         if top_k < 1:
             raise ValueError(f"draft tree top_k must be >= 1, got {top_k}")
-        self.head, self.budget, self.top_k = head, budget, top_k
+        self.head, self.budget, self.top_k = head, budget, top_k  # head: the model drafter (an EAGLE head or not)
         self.target_layers = head.target_layers
+        self.block_start: dict[int, int] = {}  # per sequence (id) of this step: where its tree block starts in the draft cache
 
     def tree_slots(self, depth: int) -> int:
-        """The target's tree (budget nodes) or the head's fed frontiers ((depth - 1) * top_k)."""
+        """The target's tree (budget nodes) or the drafter's fed frontiers ((depth - 1) * top_k)."""
         return max(self.budget, depth, max(0, depth - 1) * self.top_k)  # (a looked-up chain: depth)
 
     def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:
         self.head.observe(seqs, starts, num_fed, hidden)
 
     def rollback(self, seqs: list[Sequence]) -> None:
+        """Drop the fed frontiers' K/V (scratch), then the drafter's own rollback."""
+        for s in seqs:
+            if id(s) in self.block_start:
+                s.draft_table.truncate(self.block_start[id(s)], self.head.runner.cache.allocator)
+        self.block_start = {}
         self.head.rollback(seqs)
 
     def propose_trees(self, seqs: list[Sequence], max_depth: list[int]) -> list[DraftTree]:
         """One tree per sequence of at most max_depth[b] levels and `budget` nodes (empty where
-        the head cannot draft yet)."""
+        the drafter cannot draft yet, e.g. an EAGLE head in a sequence's first step)."""
         depth = [self.head.draftable(s, d) if d > 0 else 0 for s, d in zip(seqs, max_depth)]
         active = [b for b, d in enumerate(depth) if d > 0]
         found: dict[int, list[Candidate]] = {b: [] for b in active}
         if not active:
             return [DraftTree() for _ in seqs]
-        logits, g = self.head.first_forward(seqs, active)  # [A, V_d], [A, H]
-        block_start = {b: seqs[b].draft_table.num_cached for b in active}  # the head's tree block
+        logits, carry = self.head.first_forward(seqs, active)  # [A, V_d], the head's g [A, H] (None: a draft model)
+        block_start = {b: seqs[b].draft_table.num_cached for b in active}  # the drafter's tree block
+        self.block_start = {id(seqs[b]): start for b, start in block_start.items()}
+        root = {b: len(seqs[b]) + self.head.tree_root_offset for b in active}  # the root row's position
         expanding = [(b, -1) for b in active]  # (sequence, candidate) each row of logits expands
         for level in range(1, max(depth) + 1):
             made = self.expand(found, expanding, logits)  # {b: new candidate ids}
@@ -134,7 +143,7 @@ class EagleTreeDrafter(Drafter):
                         for b, ids in made.items() if depth[b] > level and ids}
             if not frontier:
                 break
-            row_of = {key: r for r, key in enumerate(expanding)}  # (sequence, candidate) -> row of logits / g
+            row_of = {key: r for r, key in enumerate(expanding)}  # (sequence, candidate) -> row of logits / carry
             feeds, rows, expanding = [], [], []
             for b, ids in frontier.items():
                 fed_so_far = seqs[b].draft_table.num_cached - block_start[b]
@@ -142,13 +151,12 @@ class EagleTreeDrafter(Drafter):
                     c = found[b][i]
                     c.fed = fed_so_far + n
                     c.bits = (1 << c.fed) | (found[b][c.parent].bits if c.parent >= 0 else 0)
-                    rows.append(row_of[(b, c.parent)])  # the fed node reads its parent's output g
+                    rows.append(row_of[(b, c.parent)])  # (an EAGLE head's fed node reads its parent's output g)
                     expanding.append((b, i))
                 nodes = [found[b][i] for i in ids]
                 feeds.append(Feed(seqs[b].draft_table, [c.token for c in nodes], len(nodes),
-                                  TreeFeed(block_start[b], [len(seqs[b]) - 2 + level] * len(nodes), [c.bits for c in nodes])))
-            hidden = g[torch.tensor(rows, device=g.device)]  # [R, H]
-            logits, g = self.head.runner.forward(feeds, hidden=hidden, project=False)
+                                  TreeFeed(block_start[b], [root[b] + level] * len(nodes), [c.bits for c in nodes])))
+            logits, carry = self.head.tree_forward(feeds, carry, rows)
         return [self.select(found.get(b, [])) for b in range(len(seqs))]
 
     def expand(self, found: dict[int, list[Candidate]], expanding: list[tuple[int, int]], logits: torch.Tensor
@@ -157,13 +165,15 @@ class EagleTreeDrafter(Drafter):
         new candidates' ids per sequence. One host copy."""
         if not expanding:
             return {}
-        logits, _ = drop_nonfinite(logits)
+        logits, ok = drop_nonfinite(logits)  # a row that is not finite gets no children
         k = min(self.top_k, logits.shape[-1])
         values, ids = logits.float().log_softmax(-1).topk(k, dim=-1)  # [R, k]
         tokens = self.head.draft_ids[ids] if self.head.draft_ids is not None else ids  # [R, k] target ids
-        values, tokens = values.tolist(), tokens.tolist()
+        values, tokens, ok = values.tolist(), tokens.tolist(), ok.tolist()
         made: dict[int, list[int]] = {}
-        for (b, parent), vals, toks in zip(expanding, values, tokens):
+        for (b, parent), vals, toks, usable in zip(expanding, values, tokens, ok):
+            if not usable:
+                continue
             base = found[b][parent].score if parent >= 0 else 0.0
             for v, t in zip(vals, toks):
                 if v > float("-inf"):
