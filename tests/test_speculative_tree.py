@@ -411,6 +411,16 @@ def test_static_shapes_preemption_streaming_and_stop_strings_with_trees(models):
     assert (out.text, out.token_ids, out.outputs[0].finish_reason) == (ref.text, ref.token_ids, "stop")
 
 
+def test_the_server_names_a_tree_drafter(models):
+    from minispec.server.app import drafter_name
+
+    config = {"method": "eagle3", "model": models["eagle"], "num_speculative_tokens": 3, "tree_budget": 8, "tree_top_k": 2,
+              "prompt_lookup_min": 2}
+    llm = LLM(model=(models["target"], models["tok"]), speculative_config=config, kv_cache_gib=0.01)
+    assert drafter_name(llm.engine.drafter) == "prompt lookup, then the EAGLE-3 head, trees of 8 nodes"
+    assert (llm.engine.drafter.model_drafter.budget, llm.engine.drafter.model_drafter.top_k) == (8, 2)
+
+
 def test_tree_options_are_checked_by_name(models):
     model = (models["target"], models["tok"])
     with pytest.raises(ValueError, match="draft_tree_budget must be"):

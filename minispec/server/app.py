@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..drafters.lookup import LookupFirstDrafter
+from ..drafters.tree import TreeDrafter
 from ..llm import LLM
 from ..runtime.kv_cache import KVPoolExhausted
 from .engine_loop import EngineLoop
@@ -211,8 +212,9 @@ def drafter_name(drafter) -> str:
     """What the live page calls the drafter."""
     names = {"EagleDrafter": "EAGLE-3 head", "ModelDrafter": "draft model", "NgramDrafter": "n-gram", "NoDrafter": "none"}
     if isinstance(drafter, LookupFirstDrafter):
-        inner = drafter.model_drafter
-        return f"prompt lookup, then the {names.get(type(inner).__name__, type(inner).__name__)}"
+        return f"prompt lookup, then the {drafter_name(drafter.model_drafter)}"
+    if isinstance(drafter, TreeDrafter):
+        return f"{drafter_name(drafter.head)}, trees of {drafter.budget} nodes"
     return names.get(type(drafter).__name__, type(drafter).__name__)
 
 
