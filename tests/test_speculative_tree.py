@@ -412,7 +412,7 @@ def test_static_shapes_preemption_streaming_and_stop_strings_with_trees(models):
 
 
 def test_the_server_names_a_tree_drafter(models):
-    from minispec.server.app import drafter_name
+    from minispec.server.metrics import drafter_name
 
     config = {"method": "eagle3", "model": models["eagle"], "num_speculative_tokens": 3, "tree_budget": 8, "tree_top_k": 2,
               "prompt_lookup_min": 2}

@@ -23,12 +23,10 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from ..drafters.lookup import LookupFirstDrafter
-from ..drafters.tree import TreeDrafter
 from ..llm import LLM
 from ..runtime.kv_cache import KVPoolExhausted
 from .engine_loop import EngineLoop
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, drafter_name
 from .protocol import (ApiError, Parsed, accumulate, logprobs_json, openai_reason, parse_chat, parse_completion,
                        response_id, usage)
 
@@ -206,16 +204,6 @@ def once(fn):
         fn()
 
     return call
-
-
-def drafter_name(drafter) -> str:
-    """What the live page calls the drafter."""
-    names = {"EagleDrafter": "EAGLE-3 head", "ModelDrafter": "draft model", "NgramDrafter": "n-gram", "NoDrafter": "none"}
-    if isinstance(drafter, LookupFirstDrafter):
-        return f"prompt lookup, then the {drafter_name(drafter.model_drafter)}"
-    if isinstance(drafter, TreeDrafter):
-        return f"{drafter_name(drafter.head)}, trees of {drafter.budget} nodes"
-    return names.get(type(drafter).__name__, type(drafter).__name__)
 
 
 async def wait_for_disconnect(request: Request) -> None:

@@ -21,6 +21,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..drafters.lookup import LookupFirstDrafter
+from ..drafters.tree import TreeDrafter
 from ..outputs import StreamEvent
 
 WINDOW_S = 60.0  # what the live page averages over
@@ -160,3 +162,13 @@ class ServerMetrics:
             "waiting": self.waiting.labels(**self.labels)._value.get(),
             "last_error": self.last_error,
         }
+
+
+def drafter_name(drafter) -> str:
+    """What the live page calls the drafter."""
+    names = {"EagleDrafter": "EAGLE-3 head", "ModelDrafter": "draft model", "NgramDrafter": "n-gram", "NoDrafter": "none"}
+    if isinstance(drafter, LookupFirstDrafter):
+        return f"prompt lookup, then the {drafter_name(drafter.model_drafter)}"
+    if isinstance(drafter, TreeDrafter):
+        return f"{drafter_name(drafter.head)}, trees of {drafter.budget} nodes"
+    return names.get(type(drafter).__name__, type(drafter).__name__)
