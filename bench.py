@@ -58,13 +58,15 @@ DEFAULT_DRAFT = ROOT / "weights" / "draft-smollm2"
 DEFAULT_EAGLE = ROOT / "weights" / "eagle-smollm2"
 DEFAULT_PROMPTS = ROOT / "weights" / "prompts" / "bench.jsonl"
 # The names rows carry in their `drafter` key. "adaptive": the draft model with a confidence stop
-# (k up to --adaptive-k); "eagle-adaptive": the EAGLE head so; "eagle-tree": the head drafting a
-# tree of --tree-budgets nodes, --tree-depth deep; "+lookup": prompt lookup in front.
-MODEL_DRAFTERS = ("draft", "adaptive", "eagle", "eagle-adaptive", "eagle-tree")
+# (k up to --adaptive-k); "eagle-adaptive": the EAGLE head so; "eagle-tree" / "draft-tree": the head
+# / the draft model drafting a tree of --tree-budgets nodes, --tree-depth deep; "+lookup": prompt lookup in front.
+MODEL_DRAFTERS = ("draft", "adaptive", "eagle", "eagle-adaptive", "eagle-tree", "draft-tree")
+TREE_DRAFTERS = ("eagle-tree", "draft-tree")
 DRAFTERS = MODEL_DRAFTERS + tuple(f"{d}+lookup" for d in MODEL_DRAFTERS) + ("ngram",)
 COLORS = {"draft": "tab:blue", "adaptive": "tab:purple", "eagle": "tab:red", "eagle-adaptive": "tab:brown",
           "ngram": "tab:green", "draft+lookup": "tab:cyan", "adaptive+lookup": "tab:pink", "eagle+lookup": "tab:orange",
-          "eagle-adaptive+lookup": "tab:olive", "eagle-tree": "tab:purple", "eagle-tree+lookup": "tab:gray"}
+          "eagle-adaptive+lookup": "tab:olive", "eagle-tree": "tab:purple", "eagle-tree+lookup": "tab:gray",
+          "draft-tree": "tab:blue", "draft-tree+lookup": "tab:cyan"}
 START = time.perf_counter()
 
 
@@ -222,7 +224,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
     llm = LLM(
         model=target,
         draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft, "eagle": str(args.eagle),
-                     "eagle-adaptive": str(args.eagle), "eagle-tree": str(args.eagle)}[base],
+                     "eagle-adaptive": str(args.eagle), "eagle-tree": str(args.eagle), "draft-tree": draft}[base],
         num_speculative_tokens=None if base == "none" else max(k, 1),
         max_num_seqs=batch,
         kv_cache_gib=args.kv_cache_gib,
@@ -245,7 +247,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
         name = "autoregressive" if base == "none" else f"ngram k={k}"
     else:  # e.g. "eagle k=4", "draft+lookup k=2", "eagle+lookup k<=8 conf0.3"
         name = {"draft": "draft", "adaptive": "draft", "eagle": "eagle", "eagle-adaptive": "eagle",
-                "eagle-tree": "eagle-tree"}[base] + ("+lookup" if lookup else "")
+                "eagle-tree": "eagle-tree", "draft-tree": "draft-tree"}[base] + ("+lookup" if lookup else "")
         name += f" k<={k} conf{confidence:g}" if confidence else f" N={budget} k={k} top{args.tree_top_k}" if budget else f" k={k}"
     if quantization:
         name = f"{quantization} {name}"
@@ -556,7 +558,7 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
     fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 3.8), sharey=True, squeeze=False)
     for ax, (mode, batch) in zip(axes[0], groups):
         ax.axhline(1.0, color="black", lw=1, label="plain decoding")
-        for drafter in (d for d in DRAFTERS if not d.startswith("eagle-tree")):  # trees: trees.png
+        for drafter in (d for d in DRAFTERS if d.removesuffix("+lookup") not in TREE_DRAFTERS):  # trees: trees.png
             rs = sorted((r for r in ours if r.drafter == drafter and (r.mode, r.batch) == (mode, batch)), key=lambda r: r.k)
             if not rs:
                 continue
@@ -736,7 +738,7 @@ def plan(args, gpu: bool) -> dict:
     if args.quick:
         defaults = dict(drafters="eagle,draft,ngram", ks="2", batches="1", rounds=6, tokens=8, modes="greedy")
     elif gpu_or_full:
-        defaults = dict(drafters="draft,adaptive,eagle,eagle-adaptive,eagle+lookup,eagle-adaptive+lookup,eagle-tree,eagle-tree+lookup,ngram",
+        defaults = dict(drafters="draft,adaptive,eagle,eagle-adaptive,eagle+lookup,eagle-adaptive+lookup,eagle-tree,eagle-tree+lookup,draft-tree,ngram",
                         ks="1,2,4,6,8", batches="1,16" if gpu else "1,4",
                         rounds=10, tokens=128 if gpu else 32, modes="greedy,sampled")
     else:
@@ -810,7 +812,7 @@ def main(argv=None) -> dict:
 
         target_path = default_target()
     # The draft model's path, when a row uses it (the default CPU run benches the EAGLE head only).
-    draft_path = args.draft if {"draft", "adaptive"} & {d.removesuffix("+lookup") for d in p["drafters"]} else None
+    draft_path = args.draft if {"draft", "adaptive", "draft-tree"} & {d.removesuffix("+lookup") for d in p["drafters"]} else None
     dtype_note = ""
     if args.dtype != "auto":
         dtype = getattr(torch, args.dtype)
@@ -848,10 +850,10 @@ def main(argv=None) -> dict:
         # Round r's prompts: bs consecutive prompts, wrapping around a short prompt file.
         slices = [[prompts[(r * bs + i) % len(prompts)] for i in range(bs)] for r in range(p["rounds"])]
         baseline = minispec_arm(target, draft, "none", 0, params, bs, args, device, prompts[0])
-        specs = [(d, k, None) for d in p["drafters"] if d.removesuffix("+lookup") != "eagle-tree" for k in
+        specs = [(d, k, None) for d in p["drafters"] if d.removesuffix("+lookup") not in TREE_DRAFTERS for k in
                  {"draft": p["ks"], "eagle": p["eagle_ks"], "adaptive": [args.adaptive_k], "eagle-adaptive": [args.adaptive_k],
                   "ngram": [args.ngram_k]}[d.removesuffix("+lookup")]]
-        specs += [(d, args.tree_depth, n) for d in p["drafters"] if d.removesuffix("+lookup") == "eagle-tree"
+        specs += [(d, args.tree_depth, n) for d in p["drafters"] if d.removesuffix("+lookup") in TREE_DRAFTERS
                   for n in p["tree_budgets"]]
         arms = [minispec_arm(target, draft, d, k, params, bs, args, device, prompts[0], budget=n) for d, k, n in specs]
         q_arms = [minispec_arm(*quantized, d, k, params, bs, args, device, prompts[0], args.quantization, budget=n)

@@ -84,10 +84,11 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
          "--eagle", str(tiny_llama_eagle), "--eagle-ks", "3",
          "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--json", str(out), "--dtype", "float32",
          "--modes", "greedy,sampled", "--batch-sizes", "1,2",
-         "--drafters", "draft,eagle,eagle+lookup,adaptive,eagle-adaptive+lookup,ngram,eagle-tree,eagle-tree+lookup",
+         "--drafters", "draft,eagle,eagle+lookup,adaptive,eagle-adaptive+lookup,ngram,eagle-tree,eagle-tree+lookup,draft-tree",
          "--adaptive-k", "5", "--tree-budgets", "4,8", "--tree-depth", "3", "--tree-top-k", "2"]
     )
-    drafters = {"draft", "eagle", "eagle+lookup", "adaptive", "eagle-adaptive+lookup", "ngram", "eagle-tree", "eagle-tree+lookup"}
+    drafters = {"draft", "eagle", "eagle+lookup", "adaptive", "eagle-adaptive+lookup", "ngram", "eagle-tree", "eagle-tree+lookup",
+                "draft-tree"}
     check_result(result, {"greedy", "sampled"}, {1, 2}, drafters)
     ks = {r["drafter"]: r["k"] for r in result["rows"]}
     assert ks["eagle"] == ks["eagle+lookup"] == 3 and ks["adaptive"] == ks["eagle-adaptive+lookup"] == 5
@@ -97,6 +98,7 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
     trees = sorted((r["name"], r["budget"], r["k"]) for r in result["rows"] if r["drafter"] == "eagle-tree" and r["mode"] == "greedy"
                    and r["batch"] == 1)
     assert trees == [("eagle-tree N=4 k=3 top2", 4, 3), ("eagle-tree N=8 k=3 top2", 8, 3)]
+    assert {r["name"] for r in result["rows"] if r["drafter"] == "draft-tree"} == {"draft-tree N=4 k=3 top2", "draft-tree N=8 k=3 top2"}
     for r in result["rows"]:  # the hybrids' rows say how often prompt lookup drafted instead of the model
         assert re.fullmatch(r"lookup drafted \d+%", r["note"]) if r["drafter"].endswith("+lookup") else r["note"] in ("", "peer")
     for r in result["rows"]:  # every minispec row: a decode speedup over the same rounds, and its latencies
