@@ -15,7 +15,7 @@ from .drafters.draft_model import ModelDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.lookup import LookupFirstDrafter
 from .drafters.ngram import NgramDrafter
-from .drafters.tree import TreeDrafter
+from .drafters.tree import TreeDrafter, tree_slots
 from .engine import LLMEngine
 from .fast.int8 import quantize_model
 from .io.checkpoint import load_checkpoint
@@ -115,11 +115,13 @@ def context_length(o: EngineOptions, target: Transformer) -> int:
 
 def kv_caches(o: EngineOptions, models: list) -> list[KVCache]:
     """One paged pool per model, the budget split in proportion to each model's KV bytes per token,
-    and no more pages than max_num_seqs full-length sequences could ever use."""
+    and no more pages than max_num_seqs full-length sequences could ever use (with a draft tree's
+    slots past the sequence)."""
     device = models[0].device
     budget = kv_budget(o.kv_cache_gib, o.gpu_memory_utilization, device)
     per_token = [KVCache.bytes_per_page(m.cfg, 1, m.dtype) for m in models]
-    max_pages = o.max_num_seqs * -(-context_length(o, models[0]) // o.page_size)
+    slack = tree_slots(o.draft_tree_budget, o.draft_tree_top_k, o.num_speculative_tokens) if o.draft_tree_budget else 0
+    max_pages = o.max_num_seqs * -(-(context_length(o, models[0]) + slack) // o.page_size)
     return [KVCache.from_budget(m.cfg, int(budget * b / sum(per_token)), o.page_size, m.dtype, device, max_pages)
             for m, b in zip(models, per_token)]
 

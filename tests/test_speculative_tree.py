@@ -411,6 +411,18 @@ def test_static_shapes_preemption_streaming_and_stop_strings_with_trees(models):
     assert (out.text, out.token_ids, out.outputs[0].finish_reason) == (ref.text, ref.token_ids, "stop")
 
 
+def test_a_tree_at_the_end_of_the_context(models):
+    """A sequence that fills the model's context: its last steps' trees reach key slots past the
+    context (never positions past it), with static shapes sized for the context and one sequence."""
+    model = (models["target"], models["tok"])
+    params = SP(temperature=0, max_tokens=64 - len(PROMPT), ignore_eos=True)  # prompt + answer = the context (64)
+    plain = LLM(model=model, kv_cache_gib=0.01, page_size=4).generate([PROMPT], params)[0].token_ids
+    for static in (False, True):
+        llm = LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=4, draft_tree_budget=12,
+                  draft_tree_top_k=3, kv_cache_gib=0.01, page_size=4, max_num_seqs=1, static_shapes=static)
+        assert llm.generate([PROMPT], params)[0].token_ids == plain
+
+
 def test_the_server_names_a_tree_drafter(models):
     from minispec.server.metrics import drafter_name
 

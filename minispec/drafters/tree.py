@@ -37,6 +37,12 @@ from .base import AutoregressiveDrafter, Drafter, drop_nonfinite
 MAX_TREE_NODES = 63  # a tree mask row is one int64 bitmask
 
 
+def tree_slots(budget: int, top_k: int, depth: int) -> int:
+    """Cache slots one tree step may write past a sequence, in any pool: the target's tree
+    (budget nodes; a looked-up chain: depth) or the drafter's fed frontiers ((depth - 1) * top_k)."""
+    return max(budget, depth, max(0, depth - 1) * top_k)
+
+
 @dataclass
 class DraftTree:
     """Drafted tokens of one sequence as a tree, nodes in parents-first order: tokens[i] is node
@@ -110,8 +116,7 @@ class TreeDrafter(Drafter):
         self.block_start: dict[int, int] = {}  # per sequence (id) of this step: where its tree block starts in the draft cache
 
     def tree_slots(self, depth: int) -> int:
-        """The target's tree (budget nodes) or the drafter's fed frontiers ((depth - 1) * top_k)."""
-        return max(self.budget, depth, max(0, depth - 1) * self.top_k)  # (a looked-up chain: depth)
+        return tree_slots(self.budget, self.top_k, depth)
 
     def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:
         self.head.observe(seqs, starts, num_fed, hidden)

@@ -66,8 +66,12 @@ class StaticShapes:
         self.graphs_failed = False
 
     def fits(self, feeds) -> bool:
+        """Feeds a bucket can hold: few enough, short enough, trees only with `trees`, and no key
+        past the block-table width (a tree's slots at the end of the context run dynamically)."""
+        width = self.pages_per_seq * self.runner.cache.page_size
         return (len(feeds) <= self.batches[-1] and max(len(f.tokens) for f in feeds) <= self.query_len
-                and (self.trees or all(f.tree is None for f in feeds)))
+                and (self.trees or all(f.tree is None for f in feeds))
+                and all(f.table.num_cached + len(f.tokens) <= width for f in feeds))
 
     def bucket(self, batch: int) -> Bucket:
         size = next(b for b in self.batches if b >= batch)
