@@ -696,9 +696,9 @@ def parse_args(argv=None):
     ap.add_argument("--ngram-k", type=int, default=4, help="draft length of the n-gram drafter")
     ap.add_argument("--lookup-min", type=int, default=3,
                     help="<drafter>+lookup: prompt lookup drafts when the last >= this many tokens occurred before, the drafter otherwise")
-    ap.add_argument("--tree-budgets", help="eagle-tree: comma-separated node budgets, one row each (default: 8; 8,16,32 on GPU and with --full)")
-    ap.add_argument("--tree-depth", type=int, default=5, help="eagle-tree: the deepest a tree may grow (num_speculative_tokens)")
-    ap.add_argument("--tree-top-k", type=int, default=4, help="eagle-tree: children per expanded node (SGLang's default)")
+    ap.add_argument("--tree-budgets", help="tree rows: comma-separated node budgets, one row each (default: 5; 8,16,32 on GPU and with --full)")
+    ap.add_argument("--tree-depth", type=int, default=4, help="tree rows: the deepest a tree may grow (num_speculative_tokens; the chain's k)")
+    ap.add_argument("--tree-top-k", type=int, default=3, help="tree rows: children per expanded node")
     ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive drafter: most tokens drafted per step")
     ap.add_argument("--confidence", type=float, default=0.4, help="adaptive drafter: stop after a token the draft gave p < this")
     ap.add_argument("--eagle-confidence", type=float, default=0.3,
@@ -730,7 +730,7 @@ def plan(args, gpu: bool) -> dict:
     """The sweep: which drafters and ks, batch sizes, rounds and tokens."""
     gpu_or_full = gpu or args.full
     # The default run answers the main question within ~6 minutes on a 2-core CPU: plain decoding
-    # vs the EAGLE-3 head (k=4, a tree of 8 nodes alone and behind prompt lookup, and at adaptive length behind
+    # vs the EAGLE-3 head (k=4, a tree of 5 nodes alone and behind prompt lookup, and at adaptive length behind
     # prompt lookup), greedy and sampled,
     # answers of a realistic length (64 tokens) in 12 paired rounds, so that the 95% interval of
     # a median is [3rd, 10th] of 12 ratios rather than [min, max] of 6. --full adds every k, the
@@ -770,7 +770,9 @@ def plan(args, gpu: bool) -> dict:
         modes=modes,
         all_peers=gpu_or_full,
         eagle_ks=csv_ints(args.eagle_ks) if args.eagle_ks else (csv_ints(args.ks) if args.ks or gpu_or_full else [4]),
-        tree_budgets=csv_ints(args.tree_budgets or ("8,16,32" if gpu_or_full else "8")),
+        # On two CPU cores a 6-row verification costs about what the chain's 5 rows do and a 7th
+        # row ~10% more (docs/results.md), so the CPU default tree has 5 nodes.
+        tree_budgets=csv_ints(args.tree_budgets or ("8,16,32" if gpu_or_full else "5")),
     )
     p["groups"] = [(m, b) for m in modes for b in p["batches"]]
     if not (args.quick or gpu_or_full or args.modes or args.batch_sizes):  # CPU default: sampled at batch 1 only
