@@ -17,6 +17,8 @@
 3. Greedy: identical to plain decoding (fp32, hypothesis over prompts and tree shapes), and a
    seeded sampled request gives the same tokens alone and in a batch.
 4. The tree mask in the attention kernel and its twin, against a float64 masked softmax.
+5. Reliability: an interrupt anywhere in a tree step, non-finite logits in a request, and
+   non-finite rows the walk never reaches.
 """
 
 from __future__ import annotations
@@ -488,3 +490,86 @@ def test_tree_mask_in_kernel_and_twin_matches_a_float64_masked_softmax(data, pag
     expected = torch.stack(expected)
     torch.testing.assert_close(ref.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+# --- 5. reliability with trees: interrupts and non-finite logits ---------------------------------
+
+
+@pytest.mark.parametrize("where", [("drafter", "propose_trees"), ("module", "accept_tree"), ("module", "move_path"),
+                                   ("drafter", "rollback")], ids=lambda w: w[1])
+def test_an_interrupted_tree_step_ends_every_request_and_leaves_the_llm_usable(tiny_llama, tiny_llama_eagle, where):
+    """A KeyboardInterrupt at any point of a tree step: every request ends with "error", every page
+    of both pools is free, and the next call equals an uninterrupted one."""
+    from test_reliability import PROMPTS, idle_and_whole, interrupt_at
+
+    llm = LLM(model=str(tiny_llama), draft_model=str(tiny_llama_eagle), num_speculative_tokens=3, draft_tree_budget=6,
+              draft_tree_top_k=3, kv_cache_gib=0.01, dtype="float32")
+    params = SP(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3)
+    clean = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    owner = llm.engine.drafter if where[0] == "drafter" else minispec.speculative_tree
+    undo = interrupt_at(owner, where[1], 3)  # the third call: mid-answer, after the head's first trees
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, params)
+    finally:
+        undo()
+    assert idle_and_whole(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == clean
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_request_with_non_finite_target_logits_fails_alone_with_trees(tiny_llama, tiny_llama_eagle, temperature):
+    from test_reliability import PROMPTS, idle_and_whole, nan_embedding_target
+
+    tree = dict(draft_model=str(tiny_llama_eagle), num_speculative_tokens=3, draft_tree_budget=6, draft_tree_top_k=3,
+                kv_cache_gib=0.01)
+    healthy = LLM(model=str(tiny_llama), dtype="float32", **tree)
+    ids = [healthy.tokenizer.encode(p) for p in PROMPTS]
+    poison = 7
+    assert all(poison not in i for i in ids)
+    params = SP(temperature=temperature, max_tokens=10, ignore_eos=True, seed=1)
+    expected = [o.token_ids for o in healthy.generate(ids, params)]
+    llm = LLM(model=nan_embedding_target(tiny_llama, poison), **tree)
+    outs = llm.generate([ids[0], ids[1] + [poison], ids[2]], params)
+    assert outs[1].finish_reason == "error" and "not finite" in outs[1].error and outs[1].token_ids == []
+    assert [outs[0].token_ids, outs[2].token_ids] == [expected[0], expected[2]]
+    assert idle_and_whole(llm)
+
+
+class FixedTree(Drafter):
+    """Always the same tree: two children of the root (9, then 11), 9 with a child 12."""
+
+    drafts_trees = True
+
+    def tree_slots(self, depth):
+        return 3
+
+    def propose_trees(self, seqs, max_depth):
+        return [DraftTree([9, 11, 12], [-1, -1, 0]) for _ in seqs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_node_rows_the_walk_never_reaches_change_nothing(temperature):
+    """As for chains (test_reliability): a node's row is used only if the walk reaches the node.
+    Every row past the root is NaN here. The root prefers 4: both children are rejected at the
+    root's finite row, and the step emits 4 like plain decoding. The root prefers 9: 9 is accepted,
+    the next token would come from its NaN row, so the request emits 9 and ends with "error"."""
+    from test_reliability import ScriptedTarget
+
+    from minispec.runtime.metrics import StepTimes
+    from minispec.runtime.sequence import Sequence
+    from minispec.speculative_tree import tree_step
+
+    def run(best: int):
+        seq = Sequence(0, [1, 2, 3], SP(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16, "cpu")
+        target = ScriptedTarget(vocab=32, best=best, nan_after_draft=True)
+        target.cache.copy_slots = lambda src, dst: None  # no K/V here (and no path moves: 9 is node 0)
+        verdicts = tree_step([seq], target, FixedTree(), 3, lambda s, t: s.append(t, [], lambda ids: ""), StepTimes())
+        return seq, verdicts
+
+    seq, verdicts = run(best=4)
+    assert seq.finish_reason is None and seq.output_ids == [4]
+    assert verdicts == [([9], 0)]  # nothing accepted; the draft's first choice reported
+    seq, verdicts = run(best=9)
+    assert seq.output_ids == [9] and seq.finish_reason == "error" and "position 4" in seq.error
+    assert verdicts == [([9, 12], 1)]
