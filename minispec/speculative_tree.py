@@ -182,11 +182,12 @@ def sample_walks(probs: torch.Tensor, seqs: list[Sequence], trees: list[DraftTre
         node_base += len(t)
         walks.append(walk)
         final_rows.append(offsets[b] + 1 + walk[0][-1] if walk[0] else offsets[b])
-    residual = probs[torch.tensor(final_rows, device=device)].clone()  # [B, V]
+    final_probs = probs[torch.tensor(final_rows, device=device)]  # [B, V] (a copy)
+    residual = final_probs.clone()
     for b, (_, rejected, _) in enumerate(walks):
         if rejected:
             residual[b, torch.tensor(rejected, device=device)] = 0.0
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs[torch.tensor(final_rows, device=device)])
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final_probs)
     finals = sample(residual, [None if broken else s.generator for s, (_, _, broken) in zip(seqs, walks)]).tolist()
     return walks, finals
 

@@ -43,7 +43,7 @@ class AttentionBackend:
         prefill, else over the page pool; the key slots are built once per forward."""
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the invariant attention backend cannot be captured in a CUDA graph (it plans in Python)")
-        if meta.is_prefill and meta.tree_start is None:
+        if meta.is_prefill:
             pools, page_size = (k, v), None
         else:
             pools, page_size = (kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)), kv_cache[0].shape[1]
@@ -73,7 +73,7 @@ class AttentionBackend:
         if self.name == "invariant":
             return self._invariant(q, k, v, kv_cache, meta, sm_scale, sliding_window)
         tree = {} if meta.tree_start is None else {"tree_start": meta.tree_start, "tree_bits": meta.tree_bits}
-        if meta.is_prefill and not tree:  # no earlier context: attend over the contiguous new K/V
+        if meta.is_prefill:  # no earlier context: attend over the contiguous new K/V
             return self._prefill(
                 q, k, v, meta.query_start_loc, meta.max_query_len,
                 sm_scale=sm_scale, sliding_window=sliding_window, validate=False,

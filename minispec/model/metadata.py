@@ -24,7 +24,8 @@ class BatchMetadata:
     block_tables:    [B, max_pages] int32 page ids, or None when there is no KV cache
     logits_indices:  [N] int64 rows whose logits are wanted (None: all T rows)
     is_prefill:      True when every sequence starts at position 0 (no cached context), so
-                     attention can run on the contiguous new K/V alone
+                     attention can run on the contiguous new K/V alone (never with a tree mask:
+                     the runner sets it False then, so the paged kernel applies the mask)
     tree_start:      [B] int32, or None: the key index where sequence b's tree block starts
                      (seq_lens[b] when it has none); with tree_bits [T] int64, bit j of a new
                      token's row: it sees tree key tree_start[b] + j (its ancestors and itself).
