@@ -246,13 +246,16 @@ def nan_embedding_target(path, token: int):
     return model, tok
 
 
-@pytest.mark.parametrize("draft", [None, "ngram", "model"])
+@pytest.mark.parametrize("draft", [None, "ngram", "model", "tree"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_a_request_with_non_finite_target_logits_fails_alone(tiny_llama, tiny_llama_draft, draft, temperature):
+def test_a_request_with_non_finite_target_logits_fails_alone(tiny_llama, tiny_llama_draft, tiny_llama_eagle, draft,
+                                                             temperature):
     """The poisoned request finishes with finish_reason "error" and a message; the others (and a
-    request run later on the freed pages) equal their outputs on a healthy target."""
-    drafter = dict(draft_model={"model": str(tiny_llama_draft), "ngram": "ngram", None: None}[draft],
-                   num_speculative_tokens=3 if draft else None, kv_cache_gib=0.01)
+    request run later on the freed pages) equal their outputs on a healthy target. "tree": the
+    EAGLE head drafting trees (speculative_tree.py)."""
+    drafter = dict(draft_model={"model": str(tiny_llama_draft), "ngram": "ngram", "tree": str(tiny_llama_eagle), None: None}[draft],
+                   num_speculative_tokens=3 if draft else None, kv_cache_gib=0.01,
+                   **({"draft_tree_budget": 6, "draft_tree_top_k": 3} if draft == "tree" else {}))
     healthy = LLM(model=tiny_llama, **drafter)
     ids = [healthy.tokenizer.encode(p) for p in PROMPTS]
     poison = 7

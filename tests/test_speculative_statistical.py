@@ -225,15 +225,16 @@ def exact_distribution(model: Transformer, params: SamplingParams, m: int, promp
 
 
 def sample_counts(target, draft, k: int, params: SamplingParams, m: int, tok, n: int = N, threshold: float | None = None,
-                  lookup: int | None = None):
+                  lookup: int | None = None, **options):
     """Generate n requests of m tokens (seeds 0..n-1) in one batch; counts [V^m] and the LLM.
     threshold: the draft's confidence threshold (adaptive draft length), None for fixed k;
-    lookup: prompt_lookup_min (prompt lookup first, the draft where it finds nothing)."""
-    llm = LLM(
-        model=(target, tok), draft_model=draft, num_speculative_tokens=k if draft is not None else None, max_num_seqs=n,
-        max_num_batched_tokens=n * (len(PROMPT) + m + k), kv_cache_gib=0.02, page_size=8,
-        draft_confidence_threshold=threshold, prompt_lookup_min=lookup,
-    )
+    lookup: prompt_lookup_min (prompt lookup first, the draft where it finds nothing);
+    options: more LLM options, or other values for these (a draft tree's, a bigger KV budget)."""
+    llm = LLM(**{
+        "model": (target, tok), "draft_model": draft, "num_speculative_tokens": k if draft is not None else None,
+        "max_num_seqs": n, "max_num_batched_tokens": n * (len(PROMPT) + m + k), "kv_cache_gib": 0.02, "page_size": 8,
+        "draft_confidence_threshold": threshold, "prompt_lookup_min": lookup, **options,
+    })
     requests = [dataclasses.replace(params, max_tokens=m, seed=i, ignore_eos=True) for i in range(n)]
     outs = llm.generate([PROMPT] * n, requests)
     ids = torch.tensor([o.token_ids for o in outs])  # [n, m]
