@@ -92,16 +92,17 @@ def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, back
 
 def make_drafter(o: EngineOptions, target: Transformer, draft_runner: ModelRunner | None) -> Drafter | None:
     """The drafter the options name (None: plain decoding), with prompt lookup in front if asked."""
+    chain_threshold = None if o.draft_tree_budget is not None else o.draft_confidence_threshold  # a tree's is its own
     if draft_runner is not None and isinstance(draft_runner.model, EagleModel):
-        drafter = EagleDrafter(draft_runner, o.draft_confidence_threshold)
+        drafter = EagleDrafter(draft_runner, chain_threshold)
     elif draft_runner is not None:
-        drafter = ModelDrafter(draft_runner, o.draft_confidence_threshold, target.cfg.vocab_size)
+        drafter = ModelDrafter(draft_runner, chain_threshold, target.cfg.vocab_size)
     elif o.uses_ngram:
         return NgramDrafter(o.ngram_max, o.ngram_min)
     else:
         return None
     if o.draft_tree_budget is not None:
-        drafter = TreeDrafter(drafter, o.draft_tree_budget, o.draft_tree_top_k)
+        drafter = TreeDrafter(drafter, o.draft_tree_budget, o.draft_tree_top_k, o.draft_confidence_threshold)
     return drafter if o.prompt_lookup_min is None else LookupFirstDrafter(drafter, o.prompt_lookup_min, o.ngram_max)
 
 

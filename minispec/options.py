@@ -35,7 +35,8 @@ class EngineOptions:
     kv_cache_gib: KV budget for both pools together (default: gpu_memory_utilization of the free
     GPU memory on CUDA, 1 GiB on CPU), split in proportion to per-token KV size.
     draft_confidence_threshold: adaptive draft length for a draft model or head; each step drafts
-    up to k, stopping after a token the drafter gave probability < threshold.
+    up to k, stopping after a token the drafter gave probability < threshold (a draft tree: it
+    stops growing at a level whose likeliest node has path probability < threshold).
     prompt_lookup_min (with a draft model or EAGLE head): a sequence whose last n >= this many
     tokens occurred earlier in it drafts what followed that occurrence (no forward; n up to
     max(ngram_max, this)); the model drafts for the others (drafters/lookup.py).
@@ -249,9 +250,6 @@ class EngineOptions:
         check_int("draft_tree_top_k", self.draft_tree_top_k, 1, 63)
         if not self.uses_model_drafter:
             raise ValueError("draft_tree_budget needs a draft model or an EAGLE-3 head as draft_model (it grows the tree)")
-        if self.draft_confidence_threshold is not None:
-            raise ValueError("draft_confidence_threshold shortens chains; a draft tree is shaped by "
-                             "draft_tree_budget and draft_tree_top_k instead")
         fed = (self.num_speculative_tokens - 1) * self.draft_tree_top_k
         if fed > 63:
             raise ValueError(f"a draft tree {self.num_speculative_tokens} levels deep with top_k {self.draft_tree_top_k} feeds "

@@ -226,11 +226,11 @@ TREE_CASES = [
 ]
 
 
-def tree_p_value(models, drafter, depth, budget, top_k, params, m) -> tuple[float, LLM]:
+def tree_p_value(models, drafter, depth, budget, top_k, params, m, **options) -> tuple[float, LLM]:
     draft = (models["near"], models["tok"]) if drafter.startswith("near") else models["eagle"]
     counts, llm = sample_counts(models["target"], draft, depth, params, m, models["tok"],
                                 lookup=2 if drafter.endswith("+lookup") else None, kv_cache_gib=0.05,
-                                draft_tree_budget=budget, draft_tree_top_k=top_k)
+                                draft_tree_budget=budget, draft_tree_top_k=top_k, **options)
     pval, stat, df = pooled_chi_square(counts, exact_distribution(models["target"], params, m))
     metrics = llm.last_metrics
     print(f"\n{drafter} depth={depth} budget={budget} top_k={top_k} m={m} {params}: chi2={stat:.1f} df={df} "
@@ -359,6 +359,45 @@ def test_greedy_tree_decoding_equals_plain_decoding(models, prompt, depth, budge
     assert llm.generate([prompt], params)[0].token_ids == plain
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "near"])
+def test_a_confidence_threshold_stops_growing_unlikely_trees(models, monkeypatch, drafter):
+    """With draft_confidence_threshold a tree grows past a level only where that level's likeliest
+    node has path probability >= the threshold: fewer drafter forwards, plain decoding's greedy
+    tokens, and (a tree still fixed before the target's coins) the target's law."""
+    from minispec.drafters.tree import TreeDrafter
+
+    model, params = (models["target"], models["tok"]), SP(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(model=model, kv_cache_gib=0.01, page_size=4).generate(GREEDY_PROMPTS, params)]
+    draft = (models["near"], models["tok"]) if drafter == "near" else models["eagle"]
+    levels, scores = [], []  # per propose_trees call: levels grown, best level-1 node's probability
+    expand = TreeDrafter.expand
+
+    def recording_expand(self, found, expanding, logits):
+        made = expand(self, found, expanding, logits)
+        if expanding and expanding[0][1] == -1:  # level 1
+            levels.append(0)
+            scores.append(max((math.exp(c.score) for c in found[expanding[0][0]]), default=0.0))
+        if made:
+            levels[-1] += 1
+        return made
+
+    monkeypatch.setattr(TreeDrafter, "expand", recording_expand)
+    forwards = {}
+    for threshold in (None, 0.5):
+        levels.clear(), scores.clear()
+        llm = LLM(model=model, draft_model=draft, num_speculative_tokens=4, draft_tree_budget=8, draft_tree_top_k=2,
+                  draft_confidence_threshold=threshold, kv_cache_gib=0.01, page_size=4, max_num_seqs=1)
+        assert [o.token_ids for o in llm.generate(GREEDY_PROMPTS, params)] == plain
+        forwards[threshold] = sum(levels)
+        if threshold is not None:  # a level-1 node below the threshold: the tree stopped there
+            assert all(n == 1 for n, p in zip(levels, scores) if p < threshold)
+            assert any(n > 1 for n, p in zip(levels, scores) if p >= threshold)
+    assert 0 < forwards[0.5] < forwards[None]
+    pval, llm = tree_p_value(models, f"{drafter}-tree", 3, 6, 3, SP(temperature=1.0, top_p=0.95), 4,
+                             draft_confidence_threshold=0.3)
+    assert pval > ALPHA and llm.last_metrics.num_accepted > 0.3 * N
+
+
 def test_a_tree_of_top_k_one_is_the_chain(models):
     """top_k 1: each level's one child is the head's argmax, which is the greedy chain's draft; the
     same drafts are accepted step for step (the tree search adds nothing and loses nothing)."""
@@ -441,9 +480,9 @@ def test_tree_options_are_checked_by_name(models):
         LLM(model=model, draft_model="ngram", num_speculative_tokens=2, draft_tree_budget=8)
     with pytest.raises(ValueError, match="at most 63 fit"):
         LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=6, draft_tree_budget=8, draft_tree_top_k=16)
-    with pytest.raises(ValueError, match="draft_confidence_threshold"):
+    with pytest.raises(ValueError, match="draft_confidence_threshold must be in"):
         LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=2, draft_tree_budget=8,
-            draft_confidence_threshold=0.5)
+            draft_confidence_threshold=1.0)
     with pytest.raises(ValueError, match="disagrees"):
         LLM(model=model, speculative_config={"method": "eagle3", "model": models["eagle"], "tree_budget": 8},
             draft_tree_budget=4)

@@ -17,6 +17,11 @@ the target walks to it):
              order they were made, so parents come first. A child's score is at most its
              parent's, so every kept node's parent is kept too.
 
+With a confidence threshold c, a sequence's tree stops growing at the first level whose best
+frontier node has exp(score) < c: the draft itself gives the target's walk less than c chance
+of getting that deep, so a further drafter forward (each one a sizeable part of a step on a
+CPU) is unlikely to pay. The tree stays a deterministic function of the prefix.
+
 `budget` nodes are verified by the target whatever the tree's shape (a static shape); depth is
 at most `depth` (num_speculative_tokens) and at most what the request may still emit minus one.
 The drafter's K/V for the fed nodes are scratch: its rollback drops them, and the next step's
@@ -26,6 +31,7 @@ the target's real features (an EAGLE head, drafters/eagle.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -106,12 +112,16 @@ class TreeDrafter(Drafter):
 
     drafts_trees = True
 
-    def __init__(self, head: AutoregressiveDrafter, budget: int, top_k: int):
+    def __init__(self, head: AutoregressiveDrafter, budget: int, top_k: int, confidence_threshold: float | None = None):
         if not 1 <= budget <= MAX_TREE_NODES:
             raise ValueError(f"draft tree budget must be in 1..{MAX_TREE_NODES} nodes, got {budget}")
         if top_k < 1:
             raise ValueError(f"draft tree top_k must be >= 1, got {top_k}")
+        if confidence_threshold is not None and not 0 < confidence_threshold < 1:
+            raise ValueError(f"draft tree confidence_threshold must be in (0, 1), got {confidence_threshold}")
         self.head, self.budget, self.top_k = head, budget, top_k  # head: the model drafter (an EAGLE head or not)
+        self.confidence_threshold = confidence_threshold
+        self.min_score = -math.inf if confidence_threshold is None else math.log(confidence_threshold)  # grow past a level only above it
         self.target_layers = head.target_layers
         self.block_start: dict[int, int] = {}  # per sequence (id) of this step: where its tree block starts in the draft cache
 
@@ -146,6 +156,7 @@ class TreeDrafter(Drafter):
             made = self.expand(found, expanding, logits)  # {b: new candidate ids}
             frontier = {b: sorted(ids, key=lambda i: (-found[b][i].score, i))[: self.top_k]
                         for b, ids in made.items() if depth[b] > level and ids}
+            frontier = {b: ids for b, ids in frontier.items() if found[b][ids[0]].score >= self.min_score}
             if not frontier:
                 break
             row_of = {key: r for r, key in enumerate(expanding)}  # (sequence, candidate) -> row of logits / carry
