@@ -221,6 +221,8 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
 
     base, lookup = drafter.removesuffix("+lookup"), drafter.endswith("+lookup")
     confidence = {"adaptive": args.confidence, "eagle-adaptive": args.eagle_confidence}.get(base)
+    if budget and args.tree_confidence > 0:
+        confidence = args.tree_confidence  # a tree stops growing below it (drafters/tree.py)
     llm = LLM(
         model=target,
         draft_model={"none": None, "ngram": "ngram", "draft": draft, "adaptive": draft, "eagle": str(args.eagle),
@@ -248,7 +250,8 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
     else:  # e.g. "eagle k=4", "draft+lookup k=2", "eagle+lookup k<=8 conf0.3"
         name = {"draft": "draft", "adaptive": "draft", "eagle": "eagle", "eagle-adaptive": "eagle",
                 "eagle-tree": "eagle-tree", "draft-tree": "draft-tree"}[base] + ("+lookup" if lookup else "")
-        name += f" k<={k} conf{confidence:g}" if confidence else f" N={budget} k={k} top{args.tree_top_k}" if budget else f" k={k}"
+        name += f" N={budget} k={k} top{args.tree_top_k}" if budget else f" k<={k}" if confidence else f" k={k}"
+        name += f" conf{confidence:g}" if confidence else ""
     if quantization:
         name = f"{quantization} {name}"
     llm.generate(warmup, dataclasses.replace(params, max_tokens=min(4, params.max_tokens)))
@@ -699,6 +702,8 @@ def parse_args(argv=None):
     ap.add_argument("--tree-budgets", help="tree rows: comma-separated node budgets, one row each (default: 5; 8,16,32 on GPU and with --full)")
     ap.add_argument("--tree-depth", type=int, default=4, help="tree rows: the deepest a tree may grow (num_speculative_tokens; the chain's k)")
     ap.add_argument("--tree-top-k", type=int, default=3, help="tree rows: children per expanded node")
+    ap.add_argument("--tree-confidence", type=float, default=0.1,
+                    help="tree rows: stop growing a tree at a level whose likeliest node has draft path probability below this (0: never)")
     ap.add_argument("--adaptive-k", type=int, default=8, help="adaptive drafter: most tokens drafted per step")
     ap.add_argument("--confidence", type=float, default=0.4, help="adaptive drafter: stop after a token the draft gave p < this")
     ap.add_argument("--eagle-confidence", type=float, default=0.3,
@@ -786,6 +791,8 @@ def plan(args, gpu: bool) -> dict:
     for name, value in (("--confidence", args.confidence), ("--eagle-confidence", args.eagle_confidence)):
         if not 0 < value < 1:
             raise SystemExit(f"{name} must be in (0, 1), got {value}")
+    if not 0 <= args.tree_confidence < 1:
+        raise SystemExit(f"--tree-confidence must be in [0, 1), got {args.tree_confidence}")
     return p
 
 

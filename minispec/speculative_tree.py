@@ -134,17 +134,13 @@ def accept_tree(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTre
     """Step 3 for every sequence: (accepted path as node ids, final token, {b: position} of the
     sequences whose walk reached a non-finite row: they emit the path and fail there, where plain
     decoding would have met the same logits)."""
-    finite = finite_rows(logits)  # [R]
-    logits = torch.where(finite[:, None], logits, 0.0)  # unused rows, kept in range for warping
-    greedy = all(s.params.greedy for s in seqs)
-    if greedy:
-        finite_host, best = torch.stack([finite.long(), logits.argmax(-1)]).tolist()
+    if all(s.params.greedy for s in seqs):
+        top, best = logits.max(-1)  # one pass; top is NaN / +inf / -inf where finite_rows is False, best the first argmax
+        finite_host, best = torch.stack([top.isfinite().long(), best]).tolist()
         walks = [greedy_walk(t, best[o:], finite_host[o:]) for t, o in zip(trees, offsets)]
         finals = [best[offsets[b] + 1 + path[-1] if path else offsets[b]] for b, (path, _, _) in enumerate(walks)]
     else:
-        finite_host = finite.tolist()
-        probs = warp_probs(logits, [s.params for s, t in zip(seqs, trees) for _ in range(len(t) + 1)])  # [R, V]
-        walks, finals = sample_walks(probs, seqs, trees, offsets, finite_host)
+        walks, finals = sample_walks(logits, seqs, trees, offsets, finite_rows(logits).tolist())
     failures = {b: len(seqs[b]) + len(path) for b, (path, _, broken) in enumerate(walks) if broken}  # token positions
     return [w[0] for w in walks], finals, failures
 
@@ -163,17 +159,27 @@ def greedy_walk(tree: DraftTree, best: list[int], finite: list[int]) -> tuple[li
         node = nxt
 
 
-def sample_walks(probs: torch.Tensor, seqs: list[Sequence], trees: list[DraftTree], offsets: list[int],
+def sample_walks(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTree], offsets: list[int],
                  finite: list[bool]) -> tuple[list[tuple[list[int], list[int], bool]], list[int]]:
-    """The sampled walk of every sequence (module docstring, step 3) on the warped probs
-    [R, V]: one host copy of p_parent(node) for every node and of each row's total, then the final
-    tokens sampled on the device from the residual rows."""
+    """The sampled walk of every sequence (module docstring, step 3) on the logits [R, V]. A walk
+    tests children against their parent's row only, so just the rows with children (the roots
+    and the inner nodes) are warped first: one host copy of p_parent(node) for every node and of
+    each such row's total. A leaf's row is warped only where a walk ends on it (on a CPU,
+    warping a row costs about as much as a drafter's matmul); the final tokens are sampled on
+    the device from the residual of the row where each walk ended."""
+    params = [s.params for s, t in zip(seqs, trees) for _ in range(len(t) + 1)]
     edges = [offsets[b] + 1 + p for b, t in enumerate(trees) for p in t.parents]  # row of each node's parent
     tokens = [x for t in trees for x in t.tokens]
-    device = probs.device
-    tested = probs[torch.tensor(edges, dtype=torch.int64, device=device), torch.tensor(tokens, dtype=torch.int64, device=device)]
-    host = torch.cat([tested.double(), probs.double().sum(-1)]).tolist()
-    node_p, totals = host[: len(tokens)], host[len(tokens):]
+    device = logits.device
+    inner = sorted(set(edges))  # the rows with children
+    index = {row: i for i, row in enumerate(inner)}
+    probs = warp_rows(logits, inner, params, finite)  # [I, V]
+    tested = probs[torch.tensor([index[e] for e in edges], dtype=torch.int64, device=device),
+                   torch.tensor(tokens, dtype=torch.int64, device=device)]
+    host = torch.cat([tested.double(), probs.sum(-1, dtype=torch.float64)]).tolist()
+    node_p, totals = host[: len(tokens)], [0.0] * len(params)  # totals: read at rows with children only
+    for row, total in zip(inner, host[len(tokens):]):
+        totals[row] = total
     walks, final_rows, node_base = [], [], 0
     for b, (s, t) in enumerate(zip(seqs, trees)):
         u = torch.rand(len(t), generator=s.generator, dtype=torch.float64, device=s.generator.device).tolist() if len(t) else []
@@ -182,7 +188,11 @@ def sample_walks(probs: torch.Tensor, seqs: list[Sequence], trees: list[DraftTre
         node_base += len(t)
         walks.append(walk)
         final_rows.append(offsets[b] + 1 + walk[0][-1] if walk[0] else offsets[b])
-    final_probs = probs[torch.tensor(final_rows, device=device)]  # [B, V] (a copy)
+    leaves = sorted(set(final_rows) - set(index))  # walks that ended on a leaf: their rows too
+    if leaves:
+        index.update({row: len(index) + i for i, row in enumerate(leaves)})
+        probs = torch.cat([probs, warp_rows(logits, leaves, params, finite)])
+    final_probs = probs[torch.tensor([index[r] for r in final_rows], device=device)]  # [B, V] (a copy)
     residual = final_probs.clone()
     for b, (_, rejected, _) in enumerate(walks):
         if rejected:
@@ -190,6 +200,14 @@ def sample_walks(probs: torch.Tensor, seqs: list[Sequence], trees: list[DraftTre
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final_probs)
     finals = sample(residual, [None if broken else s.generator for s, (_, _, broken) in zip(seqs, walks)]).tolist()
     return walks, finals
+
+
+def warp_rows(logits: torch.Tensor, rows: list[int], params: list, finite: list[bool]) -> torch.Tensor:
+    """warp_probs of the given rows of logits [R, V] -> [len(rows), V]; a non-finite row is
+    zeroed first (kept in range: no walk uses its probabilities)."""
+    picked = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]  # [n, V]
+    ok = torch.tensor([finite[r] for r in rows], dtype=torch.bool, device=logits.device)
+    return warp_probs(torch.where(ok[:, None], picked, 0.0), [params[r] for r in rows])
 
 
 def walk_one(tree: DraftTree, node_p: list[float], totals: list[float], u: list[float], finite: list[bool]

@@ -97,8 +97,9 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
     assert names["adaptive"] == "draft k<=5 conf0.4"
     trees = sorted((r["name"], r["budget"], r["k"]) for r in result["rows"] if r["drafter"] == "eagle-tree" and r["mode"] == "greedy"
                    and r["batch"] == 1)
-    assert trees == [("eagle-tree N=4 k=3 top2", 4, 3), ("eagle-tree N=8 k=3 top2", 8, 3)]
-    assert {r["name"] for r in result["rows"] if r["drafter"] == "draft-tree"} == {"draft-tree N=4 k=3 top2", "draft-tree N=8 k=3 top2"}
+    assert trees == [("eagle-tree N=4 k=3 top2 conf0.1", 4, 3), ("eagle-tree N=8 k=3 top2 conf0.1", 8, 3)]
+    assert {r["name"] for r in result["rows"] if r["drafter"] == "draft-tree"} == {"draft-tree N=4 k=3 top2 conf0.1",
+                                                                                    "draft-tree N=8 k=3 top2 conf0.1"}
     for r in result["rows"]:  # the hybrids' rows say how often prompt lookup drafted instead of the model
         assert re.fullmatch(r"lookup drafted \d+%", r["note"]) if r["drafter"].endswith("+lookup") else r["note"] in ("", "peer")
     for r in result["rows"]:  # every minispec row: a decode speedup over the same rounds, and its latencies
@@ -162,6 +163,7 @@ def test_quick_bench_on_default_pair(tmp_path):
     (["--json", "{tmp}"], "is a directory"),
     (["--lookup-min", "0"], "--lookup-min must be positive"),
     (["--eagle-confidence", "1.5"], r"--eagle-confidence must be in \(0, 1\)"),
+    (["--tree-confidence", "-0.1"], r"--tree-confidence must be in \[0, 1\)"),
 ])
 def test_bad_options_are_named(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
