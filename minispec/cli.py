@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(default: the shipped EAGLE-3 head with the default target, else ngram)")
     m.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k", help="tokens drafted per step, at most (4)")
     m.add_argument("--draft-p-min", type=float, dest="draft_confidence",
-                   help="adaptive length: stop drafting after a token the drafter gave p < this (llama.cpp's name)")
+                   help="adaptive length: stop drafting after a token the drafter gave p < this (llama.cpp's name); "
+                        "with --tree-budget: grow no tree level whose likeliest node has path probability < this")
     m.add_argument("--lookup-min", type=int, help="with a draft model or EAGLE head: draft by prompt lookup where "
                                                  "the last >= N tokens occurred before, by the model elsewhere")
     m.add_argument("--tree-budget", type=int, help="with a draft model or EAGLE-3 head: draft a tree of this many nodes (1..63), "

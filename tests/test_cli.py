@@ -285,10 +285,16 @@ def test_arguments_are_checked_before_the_model_loads_and_name_the_flag(tiny_lla
     assert status == 1 and err.strip().splitlines()[-1].startswith("minispec: error:") and message in err
 
 
-def test_a_draft_tree_from_the_command_line(tiny_llama, tiny_llama_eagle, capsys):
+def test_a_draft_tree_from_the_command_line(tiny_llama, tiny_llama_eagle, capsys, monkeypatch):
+    stream = LLM.stream
     status, out, err = run_cli(capsys, "generate", *base(tiny_llama, str(tiny_llama_eagle)), "-k", "3", "--tree-budget", "6",
                                "--tree-top-k", "3", PROMPT)
     assert status == 0 and out.strip() and "a tree of 6 nodes" in err
+    seen = []  # --draft-p-min reaches the tree drafter (its confidence stop)
+    monkeypatch.setattr(LLM, "stream", lambda self, p, params=None: seen.append(self.engine.drafter.confidence_threshold) or stream(self, p, params))
+    status, out, _ = run_cli(capsys, "generate", *base(tiny_llama, str(tiny_llama_eagle)), "-k", "3", "--tree-budget", "6",
+                             "--draft-p-min", "0.2", PROMPT)
+    assert status == 0 and out.strip() and seen == [0.2]
 
 
 def test_prompts_are_answered_in_one_batched_call_in_order_and_as_json(tiny_llama, tmp_path, capsys, monkeypatch):
