@@ -347,15 +347,16 @@ def test_planted_mask_and_kv_bugs_change_the_output(tiny_llama, monkeypatch, mut
 
 @settings(max_examples=10, deadline=None)
 @given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=8), depth=st.integers(1, 5),
-       budget=st.integers(1, 20), top_k=st.integers(1, 4), drafter=st.sampled_from(["eagle", "near"]))
-def test_greedy_tree_decoding_equals_plain_decoding(models, prompt, depth, budget, top_k, drafter):
+       budget=st.integers(1, 20), top_k=st.integers(1, 4), drafter=st.sampled_from(["eagle", "near"]),
+       threshold=st.sampled_from([None, 0.2, 0.6]))
+def test_greedy_tree_decoding_equals_plain_decoding(models, prompt, depth, budget, top_k, drafter, threshold):
     params = SP(temperature=0, max_tokens=12, ignore_eos=True)
     model = (models["target"], models["tok"])
     plain = LLM(model=model, kv_cache_gib=0.01, page_size=4).generate([prompt], params)[0].token_ids
     top_k = min(top_k, 63 // max(depth - 1, 1))
     draft = (models["near"], models["tok"]) if drafter == "near" else models["eagle"]
     llm = LLM(model=model, draft_model=draft, num_speculative_tokens=depth, draft_tree_budget=budget,
-              draft_tree_top_k=top_k, kv_cache_gib=0.01, page_size=4)
+              draft_tree_top_k=top_k, draft_confidence_threshold=threshold, kv_cache_gib=0.01, page_size=4)
     assert llm.generate([prompt], params)[0].token_ids == plain
 
 
@@ -393,6 +394,9 @@ def test_a_confidence_threshold_stops_growing_unlikely_trees(models, monkeypatch
             assert all(n == 1 for n, p in zip(levels, scores) if p < threshold)
             assert any(n > 1 for n, p in zip(levels, scores) if p >= threshold)
     assert 0 < forwards[0.5] < forwards[None]
+    batched = LLM(model=model, draft_model=draft, num_speculative_tokens=4, draft_tree_budget=8, draft_tree_top_k=2,
+                  draft_confidence_threshold=0.5, kv_cache_gib=0.01, page_size=4)  # trees stop at different levels per sequence
+    assert [o.token_ids for o in batched.generate(GREEDY_PROMPTS, params)] == plain
     pval, llm = tree_p_value(models, f"{drafter}-tree", 3, 6, 3, SP(temperature=1.0, top_p=0.95), 4,
                              draft_confidence_threshold=0.3)
     assert pval > ALPHA and llm.last_metrics.num_accepted > 0.3 * N
