@@ -457,7 +457,7 @@ def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs
     if tree_start is not None:  # keys in a tree block: only those whose bit the row has
         bits = tree_bits[torch.tensor(rows, device=device)].view(B, Qm, 1)  # [B, Qm, 1]
         block = torch.tensor([tree_start[s] for s in seqs], device=device).view(B, 1, 1)  # [B, 1, 1]
-        visible &= (key_pos < block) | tree_visible(bits, key_pos - block)
+        visible &= tree_visible(bits, key_pos, block)
     keep = keep_rows = None
     if sum(q_lens) != B * Qm:  # padded queries (never in a decode batch)
         kept = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]

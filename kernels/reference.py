@@ -41,7 +41,7 @@ def masked_attention(
         visible &= distance < sliding_window
     if tree is not None:
         start, bits = tree
-        visible &= (key_pos[None, :] < start) | tree_visible(bits[:, None], key_pos[None, :] - start)
+        visible &= tree_visible(bits[:, None], key_pos[None, :], start)
     scores = scores.view(num_kv_heads, group, num_queries, num_keys).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * num_queries, num_keys)
     out = torch.bmm(probs, v_f)  # [Hkv, group * Lq, D]
@@ -49,6 +49,7 @@ def masked_attention(
     return out.reshape(num_queries, num_q_heads, head_dim).to(q.dtype)
 
 
-def tree_visible(bits: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
-    """Bit `rel` of `bits` (broadcast), for rel in the tree block (0..62); False where rel < 0."""
-    return (rel >= 0) & (((bits >> rel.clamp(0, 63).to(torch.int64)) & 1) != 0)
+def tree_visible(bits: torch.Tensor, key: torch.Tensor, start) -> torch.Tensor:
+    """The tree mask (broadcast): key index `key` is visible to a row with ancestor bits `bits`
+    when it lies before the tree block (key < start) or its bit key - start (0..62) is set."""
+    return (key < start) | (((bits >> (key - start).clamp(0, 63).to(torch.int64)) & 1) != 0)

@@ -93,7 +93,7 @@ def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: i
         seq_ids = torch.tensor(seqs, device=dev)  # [U]
         if meta.tree_start is not None:  # tree keys: only those whose bit the row has
             block = meta.tree_start.long()[seq_ids].view(-1, 1, 1)  # [U, 1, 1]
-            visible &= (j < block) | tree_visible(meta.tree_bits[rows].view(len(seqs), Q, 1), j - block)
+            visible &= tree_visible(meta.tree_bits[rows].view(len(seqs), Q, 1), j, block)
         if page_size is None:
             slots = meta.query_start_loc.long()[seq_ids][:, None] + j  # [U, L]
         else:

@@ -131,4 +131,3 @@ class ModelRunner:
         if tree is not None:
             meta.tree_start, meta.tree_bits = to_dev(tree[0], torch.int32), to_dev(tree[1], torch.int64)  # [B], [T]
         return self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
-
