@@ -17,9 +17,14 @@ key index but at RoPE position base + depth, so siblings share a position. A new
 sees such a key only if bit (j - tree_start[b]) of its tree_bits row is set (its ancestors and
 itself; at most 63 nodes per block):
 
-    j <= p  and  p - j < W  and  (j < tree_start[b]  or  tree_bits[p] >> (j - tree_start[b]) & 1)
+    j <= p  and  (j < tree_start[b]  or  tree_bits[p] >> (j - tree_start[b]) & 1)  and  P - P_j < W
 
-A sequence without a tree has tree_start[b] = seq_lens[b] (no key is in its block).
+The window measures positions, which in a tree block are not key indices: a node (bits != 0)
+sits at P = tree_start[b] - 1 + popcount(bits) (its root, the key before the block, plus its
+depth: the runner checks this of every tree feed), a key before the block at P_j = j, and the
+node's ancestor j at popcount(bits >> (j - tree_start[b] + 1)) levels above it; for every other
+row P - P_j = p - j (kernels/reference.py, `visible_keys`, is the rule in torch). A sequence
+without a tree has tree_start[b] = seq_lens[b] (no key is in its block).
 
 Shapes: q [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables
 [B, max_pages_per_seq] int32, key j of sequence b lives in page block_tables[b, j // page_size]
@@ -48,10 +53,19 @@ import torch
 
 from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window, should_validate
 from minispec_kernels._triton import tl, triton
-from minispec_kernels.reference import masked_attention, tree_visible
+from minispec_kernels.reference import masked_attention, visible_keys
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 16
+
+
+@triton.jit
+def _popcount(x):
+    """Set bits of each int64 in 0..2^63 - 1 (as kernels/reference.py's `popcount`)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return (x + (x >> 8) + (x >> 16) + (x >> 24) + (x >> 32) + (x >> 40) + (x >> 48) + (x >> 56)) & 0x7F
 
 
 @triton.jit
@@ -87,6 +101,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_TREE: tl.constexpr,  # a tree mask is given (compiled out otherwise)
+    SHORT_WINDOW: tl.constexpr,  # with a tree: W < 63, so even a node's ancestors may lie outside it
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -106,12 +121,15 @@ def _paged_attention_kernel(
     q_index = q_tile * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] index among the new tokens
     head = kv_head * QUERIES_PER_KV + offs_m % GROUP_PAD  # [BLOCK_M] query head
     row_in = (q_index < q_len) & (offs_m % GROUP_PAD < QUERIES_PER_KV)  # [BLOCK_M]
-    q_pos = context_len + q_index  # [BLOCK_M] position in the sequence
+    q_pos = context_len + q_index  # [BLOCK_M] key index (and, outside a tree block, position)
     token = (q_start + q_index).to(tl.int64)  # [BLOCK_M] row of q / out
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    first_pos = context_len + q_tile * BLOCK_Q  # the tile's first key index
     if HAS_TREE:
         tree_start = tl.load(tree_start_ptr + seq)
         bits = tl.load(tree_bits_ptr + token, mask=row_in, other=0)  # [BLOCK_M] int64
+        depth = _popcount(bits).to(tl.int32)  # [BLOCK_M], 0 for a row outside the tree
+        q_real = tl.where(bits != 0, tree_start - 1 + depth, q_pos)  # [BLOCK_M] position
 
     # [BLOCK_M, D]
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -119,8 +137,9 @@ def _paged_attention_kernel(
 
     # Keys that any token of this tile may see, [key_lo, key_hi), then this split's share of
     # them in whole tiles.
-    first_pos = context_len + q_tile * BLOCK_Q
     key_lo = tl.maximum(first_pos - window + 1, 0)
+    if HAS_TREE:  # a node's position trails its key index by at most 62
+        key_lo = tl.maximum(key_lo - 63, 0)
     key_hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
     tiles_per_split = tl.cdiv(tl.cdiv(key_hi - key_lo, BLOCK_N), NUM_SPLITS)
     split_lo = key_lo + split * tiles_per_split * BLOCK_N
@@ -146,13 +165,21 @@ def _paged_attention_kernel(
                     mask=key_in[:, None], other=0.0)
 
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (key_in[None, :]
-                   & (offs_n[None, :] <= q_pos[:, None])
-                   & (q_pos[:, None] - offs_n[None, :] < window))
+        visible = key_in[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if HAS_TREE:  # a key in the tree block is seen only by its descendants (and itself)
             rel = tl.minimum(tl.maximum(offs_n - tree_start, 0), 63).to(tl.int64)  # [BLOCK_N]
             ancestor = ((bits[:, None] >> rel[None, :]) & 1) != 0  # [BLOCK_M, BLOCK_N]
-            visible = visible & ((offs_n[None, :] < tree_start) | ancestor)
+            before = offs_n[None, :] < tree_start  # [1, BLOCK_N]
+            in_block = offs_n[None, :] >= tree_start
+            # The window in positions: keys before the block from the row's position; an
+            # ancestor is at most 62 levels up, inside any window of 63 or more.
+            near = (q_real[:, None] - offs_n[None, :] < window) | in_block  # [BLOCK_M, BLOCK_N]
+            if SHORT_WINDOW:
+                above = _popcount(bits[:, None] >> tl.minimum(rel + 1, 63)[None, :])  # levels up
+                near = tl.where(in_block, above < window, near)
+            visible = visible & (before | ancestor) & near
+        else:
+            visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
@@ -326,6 +353,7 @@ def paged_attention(
         QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_TREE=tree_start is not None, num_warps=num_warps,
+        SHORT_WINDOW=tree_start is not None and sliding_window is not None and sliding_window < 63,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
@@ -451,13 +479,11 @@ def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs
     rows = [starts[s] + min(i, n - 1) for s, n in zip(seqs, q_lens) for i in range(Qm)]  # [B * Qm]
     query_pos = [ln - n + min(i, n - 1) for ln, n in zip(lens, q_lens) for i in range(Qm)]  # [B * Qm]
     query_pos = torch.tensor(query_pos, device=device).view(B, Qm, 1)  # [B, Qm, 1]
-    visible = key_pos <= query_pos  # [B, Qm, L] (keys past len_b lie past every query of b)
-    if sliding_window is not None:
-        visible &= key_pos > query_pos - sliding_window
+    bits = block = None
     if tree_start is not None:  # keys in a tree block: only those whose bit the row has
         bits = tree_bits[torch.tensor(rows, device=device)].view(B, Qm, 1)  # [B, Qm, 1]
         block = torch.tensor([tree_start[s] for s in seqs], device=device).view(B, 1, 1)  # [B, 1, 1]
-        visible &= tree_visible(bits, key_pos, block)
+    visible = visible_keys(query_pos, key_pos, sliding_window, bits, block)  # [B, Qm, L] (keys past len_b lie past every query of b)
     keep = keep_rows = None
     if sum(q_lens) != B * Qm:  # padded queries (never in a decode batch)
         kept = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]

@@ -21,10 +21,10 @@ def masked_attention(
 ) -> torch.Tensor:
     """softmax(sm_scale q k^T + mask) v in fp32 for one sequence; q [Lq, Hq, D], k, v [Lk, Hkv, D].
 
-    query_pos [Lq] are the key positions of the queries (keys sit at 0..Lk-1). Query head
+    query_pos [Lq] are the key indices of the queries (keys sit at 0..Lk-1). Query head
     kv_head * group + r uses kv head kv_head: q is viewed as [Hkv, group * Lq, D] so that
     grouped-query attention needs no copy of K/V. tree: (tree_start, tree_bits [Lq] int64), the
-    tree mask of paged_attention.py: keys >= tree_start are seen only where the query's bit is set.
+    tree mask of paged_attention.py (`visible_keys` has the whole rule).
     """
     num_queries, num_q_heads, head_dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -35,13 +35,9 @@ def masked_attention(
     scores = torch.bmm(q_f, k_f.transpose(1, 2)) * sm_scale  # [Hkv, group * Lq, Lk]
 
     key_pos = torch.arange(num_keys, device=q.device)  # [Lk]
-    distance = query_pos[:, None] - key_pos[None, :]  # [Lq, Lk]
-    visible = distance >= 0
-    if sliding_window is not None:
-        visible &= distance < sliding_window
-    if tree is not None:
-        start, bits = tree
-        visible &= tree_visible(bits[:, None], key_pos[None, :], start)
+    start, bits = tree if tree is not None else (None, None)
+    visible = visible_keys(query_pos[:, None], key_pos[None, :], sliding_window,
+                           None if bits is None else bits[:, None], start)  # [Lq, Lk]
     scores = scores.view(num_kv_heads, group, num_queries, num_keys).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * num_queries, num_keys)
     out = torch.bmm(probs, v_f)  # [Hkv, group * Lq, D]
@@ -49,7 +45,39 @@ def masked_attention(
     return out.reshape(num_queries, num_q_heads, head_dim).to(q.dtype)
 
 
-def tree_visible(bits: torch.Tensor, key: torch.Tensor, start) -> torch.Tensor:
-    """The tree mask (broadcast): key index `key` is visible to a row with ancestor bits `bits`
-    when it lies before the tree block (key < start) or its bit key - start (0..62) is set."""
-    return (key < start) | (((bits >> (key - start).clamp(0, 63).to(torch.int64)) & 1) != 0)
+def visible_keys(query: torch.Tensor, key: torch.Tensor, sliding_window: int | None,
+                 bits: torch.Tensor | None = None, start=None) -> torch.Tensor:
+    """The whole attention mask of the twins (broadcast; the kernels apply the same rule): key
+    index `key` is visible to the new token at key index `query` when key <= query, it is in the
+    window (`position_distance` < sliding_window) and, with a tree mask (bits: the row's ancestor
+    bits, start: where the sequence's tree block begins), it lies before the tree block or its
+    bit key - start (0..62) is set."""
+    visible = key <= query
+    if bits is not None:
+        visible &= (key < start) | (((bits >> (key - start).clamp(0, 63).to(torch.int64)) & 1) != 0)
+    if sliding_window is not None:
+        visible &= position_distance(query, key, bits, start) < sliding_window
+    return visible
+
+
+def position_distance(query: torch.Tensor, key: torch.Tensor, bits: torch.Tensor | None = None, start=None
+                      ) -> torch.Tensor:
+    """Position of the query minus position of the key, what a sliding window measures. Key
+    indices are positions except in a tree block: there a row with ancestor bits b (b != 0; 0 is
+    a token before the block) sits at position start - 1 + popcount(b) (the root, at key start - 1,
+    plus its depth; the runner checks this of every tree feed), a key before the block at its
+    index, and its ancestor at key start + j popcount(b >> (j + 1)) levels above it."""
+    if bits is None:
+        return query - key
+    before = start - 1 + popcount(bits) - key  # keys before the block
+    above = popcount(bits >> (key - start + 1).clamp(0, 63).to(torch.int64))  # the row's ancestors
+    return torch.where(bits == 0, query - key, torch.where(key < start, before, above))
+
+
+def popcount(x: torch.Tensor) -> torch.Tensor:
+    """Set bits of each int64 in 0..2^63 - 1 (bit-parallel sums: pairs, nibbles, bytes, then the
+    eight bytes added into the lowest)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return (x + (x >> 8) + (x >> 16) + (x >> 24) + (x >> 32) + (x >> 40) + (x >> 48) + (x >> 56)) & 0x7F

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -35,9 +36,14 @@ import minispec.speculative_tree
 from minispec import LLM, SamplingParams
 from minispec.drafters.base import Drafter
 from minispec.drafters.tree import DraftTree
+from minispec.runtime.layout import tree_layout
+from minispec.runtime.runner import Feed, TreeFeed
 from minispec.sampling import warp_probs
 from minispec.speculative_tree import walk_one
+import minispec_kernels.paged_attention
+import minispec_kernels.reference
 from minispec_kernels.paged_attention import paged_attention, paged_attention_ref
+from minispec_kernels.reference import visible_keys
 from test_kernels import PagedBatch
 from test_speculative_statistical import ALPHA, N, PROMPT, V, exact_distribution, models, pooled_chi_square, sample_counts  # noqa: F401
 
@@ -212,6 +218,20 @@ def test_draft_tree_helpers():
     assert DraftTree.chain([7, 8]).parents == [-1, 0]
 
 
+def test_a_tree_feed_must_put_its_nodes_where_the_window_assumes():
+    """The kernels measure a sliding window from a node's position = its block's start - 1 + its
+    depth (its bits set); the runner refuses a tree feed that says otherwise, naming the key."""
+    def layout(positions):
+        feed = Feed(None, [1, 2, 3, 4], 4, TreeFeed(6, positions, [0, 1, 2, 6]))  # [root, n0, n1, n1's child]
+        return tree_layout([feed], np.array([9]), np.array([0, 4]), np.zeros(4, dtype=np.int64))
+
+    assert layout([5, 6, 6, 7])[1].tolist() == [0, 1, 2, 6]
+    with pytest.raises(ValueError, match="token at key 8 has position 8"):
+        layout([5, 6, 6, 8])
+    with pytest.raises(ValueError, match="token at key 5 has position 4"):
+        layout([4, 6, 6, 7])
+
+
 # --- 2. the whole pipeline, statistically ---------------------------------------------------
 
 TREE_CASES = [
@@ -251,7 +271,11 @@ def no_residual_update(monkeypatch):
 
 def non_ancestor_attention(monkeypatch):
     """Each node sees every earlier node (a causal mask over the tree), not only its ancestors."""
-    monkeypatch.setattr(DraftTree, "ancestor_bits", lambda self: [(1 << (i + 1)) - 1 for i in range(len(self))])
+    def causal(query, key, sliding_window, bits=None, start=None):
+        return visible_keys(query, key, sliding_window)
+
+    for module in (minispec_kernels.paged_attention, minispec_kernels.reference):  # the torch twins' mask
+        monkeypatch.setattr(module, "visible_keys", causal)
 
 
 def path_kv_not_moved(monkeypatch):
@@ -317,12 +341,16 @@ def off_branch_run(tiny_llama, backend: str = "torch"):
     return want, got, llm.last_metrics
 
 
+@pytest.mark.parametrize("target", [("llama", {}), ("mistral", {"sliding_window": 4})], ids=["llama", "window4"])
 @pytest.mark.parametrize("backend", ["torch", "invariant"])
-def test_off_branch_paths_are_exact_and_their_kv_moves(tiny_llama, backend):
+def test_off_branch_paths_are_exact_and_their_kv_moves(checkpoint_factory, backend, target):
     """Every step accepts a path off the first branch: the tokens and their logprobs equal plain
     decoding's (each node's row saw exactly its ancestors; the next step read the moved K/V), on
-    the torch backend and on the batch-invariant one (what int8 models use)."""
-    want, got, metrics = off_branch_run(tiny_llama, backend)
+    the torch backend and on the batch-invariant one (what int8 models use). Also for a Mistral
+    with a 4-token sliding window, which must measure a node's distance from its position (its
+    root's plus its depth), not from its key index (node i sits at key root + 1 + i)."""
+    arch, overrides = target
+    want, got, metrics = off_branch_run(checkpoint_factory(arch, seed=0, **overrides), backend)
     assert got.token_ids == want.token_ids
     assert metrics.num_accepted >= 6  # paths of several nodes were taken
     for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
@@ -499,8 +527,10 @@ def test_tree_options_are_checked_by_name(models):
 @given(data=st.data(), page_size=st.sampled_from([1, 4, 16]), group=st.sampled_from([1, 2, 4]),
        seed=st.integers(0, 2**31 - 1))
 def test_tree_mask_in_kernel_and_twin_matches_a_float64_masked_softmax(data, page_size, group, seed):
-    """Sequences with and without a tree in one launch: a node sees the prefix and its ancestors."""
+    """Sequences with and without a tree in one launch: a node sees the prefix and its ancestors,
+    and a sliding window measures positions (a node's is its root's plus its depth), not keys."""
     B = data.draw(st.integers(1, 3))
+    window = data.draw(st.sampled_from([None, 1, 2, 3, 5, 64]))
     trees, prefixes, q_lens = [], [], []
     for _ in range(B):
         n = data.draw(st.integers(0, 20))
@@ -513,15 +543,18 @@ def test_tree_mask_in_kernel_and_twin_matches_a_float64_masked_softmax(data, pag
                        dtype=torch.float32, seed=seed)
     bits = [b for t, q in zip(trees, q_lens) for b in [0] * (q - len(t)) + t.ancestor_bits()]
     tree = dict(tree_start=torch.tensor(prefixes, dtype=torch.int32), tree_bits=torch.tensor(bits, dtype=torch.int64))
-    out = paged_attention(*batch.args(), sm_scale=0.25, **tree, block_n=16)
-    ref = paged_attention_ref(*batch.args(), sm_scale=0.25, **tree)
+    out = paged_attention(*batch.args(), sm_scale=0.25, sliding_window=window, **tree, block_n=16)
+    ref = paged_attention_ref(*batch.args(), sm_scale=0.25, sliding_window=window, **tree)
     expected = []
     starts = batch.query_start_loc.tolist()
     for b, (t, q_len) in enumerate(zip(trees, q_lens)):
         k, v, L = batch.dense_k[b].double(), batch.dense_v[b].double(), seq_lens[b]
+        start = prefixes[b]
+        position = list(range(start)) + [start - 1 + d for d in t.depths()]  # of every key
         for r in range(q_len):
             row = L - q_len + r
-            visible = [bool(j <= row and (j < prefixes[b] or (t.ancestor_bits()[row - prefixes[b]] >> (j - prefixes[b])) & 1))
+            visible = [bool(j <= row and (j < start or (t.ancestor_bits()[row - start] >> (j - start)) & 1)
+                            and (window is None or position[row] - position[j] < window))
                        for j in range(L)]
             keys = torch.tensor(visible)
             q = batch.q[starts[b] + r].double().view(2, group, 16)  # [Hkv, g, D]

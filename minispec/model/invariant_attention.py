@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minispec_kernels.reference import tree_visible
+from minispec_kernels.reference import visible_keys
 
 from .metadata import BatchMetadata
 
@@ -87,13 +87,12 @@ def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: i
         rows = torch.tensor(flat, device=dev)  # [U*Q]
         row_pos = key_index[rows].view(len(seqs), Q, 1)  # [U, Q, 1]
         j = torch.arange(L, device=dev)  # [L]
-        visible = j <= row_pos  # [U, Q, L]
-        if sliding_window is not None:
-            visible &= j > row_pos - sliding_window
         seq_ids = torch.tensor(seqs, device=dev)  # [U]
+        bits = block = None
         if meta.tree_start is not None:  # tree keys: only those whose bit the row has
+            bits = meta.tree_bits[rows].view(len(seqs), Q, 1)  # [U, Q, 1]
             block = meta.tree_start.long()[seq_ids].view(-1, 1, 1)  # [U, 1, 1]
-            visible &= tree_visible(meta.tree_bits[rows].view(len(seqs), Q, 1), j, block)
+        visible = visible_keys(row_pos, j, sliding_window, bits, block)  # [U, Q, L]
         if page_size is None:
             slots = meta.query_start_loc.long()[seq_ids][:, None] + j  # [U, L]
         else:

@@ -29,8 +29,9 @@ class BatchMetadata:
     tree_start:      [B] int32, or None: the key index where sequence b's tree block starts
                      (seq_lens[b] when it has none); with tree_bits [T] int64, bit j of a new
                      token's row: it sees tree key tree_start[b] + j (its ancestors and itself).
-                     Tree nodes sit at RoPE position base + depth, so `positions` is no longer
-                     the key index; attention masks by key index (kernels/paged_attention.py)
+                     Tree nodes sit at RoPE position tree_start[b] - 1 + depth, so `positions`
+                     is no longer the key index; attention masks by key index, except that a
+                     sliding window measures positions (kernels/paged_attention.py)
     ref_plan:        the torch backend's index tensors for this batch (`paged_attention.RefPlan`),
                      built by the first layer and reused by the others: they depend on the
                      metadata alone

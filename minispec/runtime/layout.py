@@ -30,7 +30,8 @@ def logit_rows(feeds: list, starts: np.ndarray) -> list[int]:
 def tree_layout(feeds: list, seq_lens: np.ndarray, starts: np.ndarray, positions: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
     """The tree mask of a forward (metadata.py): tree_start [B] (seq_len for a feed without a
-    tree) and tree_bits [T]; writes each tree feed's node positions into positions [T]."""
+    tree) and tree_bits [T]; writes each tree feed's node positions into positions [T], which
+    must be what the attention mask assumes of them (kernels/paged_attention.py)."""
     tree_start = seq_lens.astype(np.int32)  # [B]
     bits = np.zeros(int(starts[-1]), dtype=np.int64)  # [T]
     for b, f in enumerate(feeds):
@@ -39,6 +40,11 @@ def tree_layout(feeds: list, seq_lens: np.ndarray, starts: np.ndarray, positions
                 raise ValueError(f"a tree feed needs a position and a bit row per token ({len(f.tokens)})")
             if not 0 <= seq_lens[b] - f.tree.start <= 63:
                 raise ValueError(f"a tree block holds 1..63 keys; this one starts at {f.tree.start} of {seq_lens[b]}")
+            first_key = int(seq_lens[b]) - len(f.tokens)
+            for key, (pos, row) in enumerate(zip(f.tree.positions, f.tree.bits), first_key):
+                if pos != (f.tree.start - 1 + row.bit_count() if row else key):  # what a sliding window measures
+                    raise ValueError(f"a tree feed's token at key {key} has position {pos}; a node's must be its block's "
+                                     f"start - 1 + its depth (bits set: {row.bit_count()}), any other token's its key")
             tree_start[b] = f.tree.start
             positions[starts[b] : starts[b + 1]] = f.tree.positions
             bits[starts[b] : starts[b + 1]] = f.tree.bits
