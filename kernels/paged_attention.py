@@ -101,7 +101,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_TREE: tl.constexpr,  # a tree mask is given (compiled out otherwise)
-    SHORT_WINDOW: tl.constexpr,  # with a tree: W < 63, so even a node's ancestors may lie outside it
+    SHORT_WINDOW: tl.constexpr,  # with a tree: W < 63 (test models), so even a node's ancestors may lie outside it
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
