@@ -628,7 +628,8 @@ def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
 
 def tree_plot(trees: list[Row], chains: list[Row], out_dir: Path, plt) -> Path:
     """trees.png: tokens per target step and speedup (median, 95% interval) against the node
-    budget, per tree drafter and (mode, batch); the chain rows (eagle) as dashed lines."""
+    budget, per tree drafter and (mode, batch); the chain rows (eagle) as flat lines, dashed for
+    greedy and dash-dotted for sampled."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
     styles = {"greedy": "-", "sampled": ":"}
     for (drafter, mode, batch) in sorted({(r.drafter, r.mode, r.batch) for r in trees}):
@@ -639,8 +640,9 @@ def tree_plot(trees: list[Row], chains: list[Row], out_dir: Path, plt) -> Path:
         hi = [r.speedup_ci[1] - r.speedup if r.speedup_ci else 0 for r in rs]
         right.errorbar(x, [r.speedup for r in rs], yerr=[lo, hi], fmt="o" + styles[mode], capsize=4, color=COLORS[drafter], label=label)
     for r in chains:
-        left.axhline(r.accepted_per_step, color=COLORS["eagle"], ls="--", lw=1, label=f"{r.name} (chain), {r.mode}")
-        right.axhline(r.speedup, color=COLORS["eagle"], ls="--", lw=1, label=f"{r.name} (chain), {r.mode}")
+        ls = "--" if r.mode == "greedy" else "-."
+        left.axhline(r.accepted_per_step, color=COLORS["eagle"], ls=ls, lw=1, label=f"{r.name} (chain), {r.mode}")
+        right.axhline(r.speedup, color=COLORS["eagle"], ls=ls, lw=1, label=f"{r.name} (chain), {r.mode}")
     right.axhline(1.0, color="black", lw=1)
     for ax, what in ((left, "tokens per target step"), (right, "speedup over plain decoding")):
         ax.set_xlabel("tree node budget N")
