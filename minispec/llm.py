@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from .build import build_engine
 from .engine import StepOutput
-from .io.tokenizer import Tokenizer
+from .io.tokenizer import CONTEXT_TOKENS, Tokenizer
 from .model.eagle import EagleModel
 from .options import EngineOptions, Model
 from .outputs import CompletionOutput, Logprob, RequestOutput, StreamEvent
@@ -225,7 +225,7 @@ class LLM:
         """A prompt's RequestOutput: its completions in order (their metrics are the first's)."""
         completions = []
         for j, s in enumerate(seqs):
-            logprobs = decoded(list(s.logprobs), self.tokenizer) if s.params.logprobs is not None else None
+            logprobs = decoded(s, 0, self.tokenizer) if s.params.logprobs is not None else None
             cumulative = sum(entry[t].logprob for t, entry in zip(s.output_ids, logprobs)) if logprobs is not None else None
             completions.append(CompletionOutput(j, output_text(s, self.tokenizer), list(s.output_ids), cumulative, logprobs,
                                                 s.finish_reason, s.stop_reason))
@@ -253,7 +253,7 @@ class _Call:
     def add_event(self, out: StepOutput, tokenizer: Tokenizer) -> None:
         s, new_ids, finished = out.seq, out.new_token_ids, out.finished
         (i, j), k, n = self.index[s.request_id], self.position[s.request_id], len(new_ids)
-        logprobs = decoded(s.logprobs[len(s.logprobs) - n :], tokenizer) if s.params.logprobs is not None and n else None
+        logprobs = decoded(s, len(s.logprobs) - n, tokenizer) if s.params.logprobs is not None and n else None
         text = ""
         if self.with_text:
             full = output_text(s, tokenizer)
@@ -269,16 +269,19 @@ class _Call:
                                        out.drafted, out.num_accepted, j, s.metrics if finished else None))
 
 
-def decoded(entries: list[dict[int, Logprob]], tokenizer: Tokenizer) -> list[dict[int, Logprob]]:
-    """The entries with each Logprob's decoded_token filled in (in place; returned)."""
-    for entry in entries:
+def decoded(s: Sequence, start: int, tokenizer: Tokenizer) -> list[dict[int, Logprob]]:
+    """s.logprobs[start:] with each Logprob's decoded_token filled in (in place): each candidate
+    as it would read after the tokens before its position."""
+    entries, tokens = s.logprobs[start:], s.tokens
+    for i, entry in enumerate(entries, len(s.prompt_ids) + start):
+        context = tokens[max(0, i - CONTEXT_TOKENS) : i]
         for token, lp in entry.items():
             if lp.decoded_token is None:
-                lp.decoded_token = tokenizer.decode([token], skip_special_tokens=False)
+                lp.decoded_token = tokenizer.decode_after(context, [token], skip_special_tokens=False)
     return entries
 
 
 def output_text(s: Sequence, tokenizer: Tokenizer) -> str:
     """The request's output text, cut before a matched stop string."""
-    text = tokenizer.decode(s.output_ids[: s.text_ids_end])
+    text = tokenizer.decode_after(s.prompt_ids, s.output_ids[: s.text_ids_end])
     return text if s.stop_text_end is None else text[: s.stop_text_end]

@@ -3,6 +3,8 @@ like vLLM's. Each case names what it used to do.
 
 Invariants:
   * streamed text, concatenated, is generate's text, whatever the stop strings' lengths;
+  * output text reads as it does after the prompt (vLLM's detokenizer), also with SentencePiece
+    decoders that strip a text's leading space;
   * a KeyboardInterrupt anywhere in a call ends every request in flight with finish_reason
     "error" (never wrong tokens), frees every page, and leaves the LLM exact for later calls;
   * SamplingParams are the caller's: changing them after a call was made changes nothing in it;
@@ -24,6 +26,7 @@ import torch
 import minispec.llm
 from minispec import LLM, SamplingParams, cli, load_checkpoint
 from minispec.io.eagle_checkpoint import load_eagle
+from minispec.io.tokenizer import Tokenizer
 from minispec.outputs import CompletionOutput, Logprob, RequestOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,6 +48,37 @@ def test_streamed_text_is_generates_text_with_a_stop_string_longer_than_the_outp
         texts[e.index] += e.new_text
         assert expected[e.index].startswith(texts[e.index])  # nothing sent twice, nothing that is not there
     assert texts == expected and all(expected)
+
+
+def sentencepiece_tokenizer(vocab_size: int) -> Tokenizer:
+    """A Llama 2 / Mistral-style tokenizer (SentencePiece BPE as HF converts it): every token a
+    word with its leading '▁', decoded to a space that the decoder strips from the text's start."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<s>": 0, "</s>": 1, **{f"▁w{i}": i for i in range(2, vocab_size)}}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return Tokenizer(tok, [1], 0)
+
+
+def test_output_text_reads_as_after_the_prompt_with_a_sentencepiece_tokenizer(tiny_llama):
+    """Decoded alone, an output lost its first token's leading space ('▁Paris' -> 'Paris'), so
+    text, streamed text and logprobs' decoded tokens differed from vLLM's (which renders output
+    after the prompt) and a stop string starting with a space never matched the first token."""
+    llm = LLM(model=tiny_llama, kv_cache_gib=0.01)
+    tok = llm.tokenizer = llm.engine.tokenizer = sentencepiece_tokenizer(llm.engine.target.model.cfg.vocab_size)
+    prompt = {"prompt_token_ids": [2, 4, 6]}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    words = [f" w{t}" for t in out.token_ids]
+    assert out.text == "".join(words)
+    assert [entry[t].decoded_token for t, entry in zip(out.token_ids, out.logprobs)] == words
+    assert "".join(e.new_text for e in llm.stream([prompt], params)) == out.text
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[words[1]]))
+    text = "".join(words)
+    assert (stopped[0].outputs[0].text, stopped[0].outputs[0].stop_reason) == (text[: text.find(words[1])], words[1])
 
 
 def test_the_cli_prints_the_answer_once_with_a_long_stop_string(tiny_llama, capsys):

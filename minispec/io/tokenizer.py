@@ -12,6 +12,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..model.config import as_id_list
 
 
+CONTEXT_TOKENS = 5  # tokens before an output that `decode_after` renders it after (vLLM's prefix offset)
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -63,6 +66,21 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_after(self, context: list[int], ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text `ids` add after `context` (the tokens before them), as vLLM's detokenizer renders
+        output: decoded alone, a first token can read differently (SentencePiece decoders, Llama 2's
+        and Mistral's, strip its leading space: '▁Paris' -> 'Paris'). So the last CONTEXT_TOKENS
+        context tokens are decoded with and without `ids` and the difference kept; `ids` alone
+        where the two do not share that start (a character split across the boundary)."""
+        context = list(context[-CONTEXT_TOKENS:])
+        if not context or not ids:
+            return self.decode(ids, skip_special_tokens)
+        before = self.decode(context, skip_special_tokens)
+        full = self.decode(context + list(ids), skip_special_tokens)
+        if full.startswith(before) and not before.endswith("\ufffd"):
+            return full[len(before):]
+        return self.decode(ids, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render a chat with the checkpoint's Jinja template (the same one transformers uses)."""

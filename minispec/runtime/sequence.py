@@ -77,7 +77,8 @@ class Sequence:
         """Add one generated token and check stop conditions (none before min_tokens: vLLM's
         rule). Returns True when the request is done.
 
-        `decode(ids) -> str` renders the output so far for stop-string matching."""
+        `decode(prompt_ids, ids) -> str` renders output ids as they read after the prompt
+        (`Tokenizer.decode_after`), for stop-string matching."""
         self.output_ids.append(token)
         p = self.params
         if token in eos_ids and not p.ignore_eos:  # (min_tokens keeps EOS and stop tokens from being sampled early)
@@ -97,8 +98,8 @@ class Sequence:
         min_tokens tokens (vLLM's rule) ends the request; its text ends before the string, or after
         it with include_stop_str_in_output."""
         p = self.params
-        text = decode(self.output_ids)
-        floor = len(decode(self.output_ids[: p.min_tokens])) if p.min_tokens else 0
+        text = decode(self.prompt_ids, self.output_ids)
+        floor = len(decode(self.prompt_ids, self.output_ids[: p.min_tokens])) if p.min_tokens else 0
         hits = [(i, s) for i, s in ((text.find(s, max(0, floor - len(s) + 1)), s) for s in p.stop) if i >= 0]
         if hits:
             i, stop = min(hits)
