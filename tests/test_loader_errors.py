@@ -237,6 +237,8 @@ def test_config_defaults_and_derived_fields():
 def test_sliding_window_is_kept_for_mistral_only():
     """Mistral uses its window; Llama has none; Qwen2 carries a value it only uses on request."""
     assert ModelConfig.from_hf({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 5}).sliding_window == 5
+    assert ModelConfig.from_hf({**BASE, "architectures": ["MistralForCausalLM"]}).sliding_window == 4096  # transformers' default
+    assert ModelConfig.from_hf({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": None}).sliding_window is None
     assert ModelConfig.from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 5}).sliding_window is None
     with pytest.raises(ValueError, match="use_sliding_window"):
         ModelConfig.from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})

@@ -16,6 +16,8 @@ module only translates llama.cpp's conventions back to Hugging Face's:
 
 Caveats: only the `llama` and `qwen2` archs, no SentencePiece (`"llama"`) tokenizers, no Llama-3.1
 RoPE factors (`rope_freqs.weight`), no YaRN. Each raises ValueError naming what is unsupported.
+No sliding window is read: llama.cpp stores a Mistral as arch `llama` without one, so it runs
+full attention, as in llama.cpp (Hugging Face's Mistral-7B-v0.1 masks beyond 4096 tokens).
 """
 
 from __future__ import annotations

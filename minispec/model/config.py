@@ -150,10 +150,14 @@ def hf_rope(hf: dict) -> tuple[float, dict | None]:
 
 
 def hf_sliding_window(hf: dict, family: str) -> int | None:
-    """Mistral's window; Llama has none, and Qwen2 checkpoints carry a value they use only when asked to."""
+    """Mistral's window (transformers' default, 4096, when config.json has no key; null: none);
+    Llama has none, and Qwen2 checkpoints carry a value they use only when asked to."""
     if family == "qwen2" and hf.get("use_sliding_window", False):
         raise ValueError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
-    return hf.get("sliding_window") if family == "mistral" else None
+    return hf.get("sliding_window", MISTRAL_DEFAULT_WINDOW) if family == "mistral" else None
+
+
+MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig default
 
 
 def positive_int(hf: dict, key: str, default=None) -> int:
