@@ -19,7 +19,7 @@ class SamplingParams:
 
     n: completions per prompt, sampled independently (completion j of a seeded request uses
     seed + j); temperature: 0 (or below 1e-5) means greedy; top_k: 0 or -1 disables; top_p in
-    (0, 1]; max_tokens: new tokens to generate (None: up to the context); min_tokens: EOS and
+    (0, 1]; max_tokens: new tokens to generate (vLLM's default 16; None: up to the context); min_tokens: EOS and
     stop_token_ids cannot be sampled, and stop strings do not end the request, before this many;
     stop: strings that end generation (not in the text unless include_stop_str_in_output);
     stop_token_ids: tokens that end generation (kept in token_ids, stop_reason the id);
@@ -39,7 +39,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int | None = 64
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -81,6 +81,14 @@ def test_sampling_params_accept_the_documented_ranges():
     assert SamplingParams(stop="\n").stop == ["\n"]
 
 
+def test_sampling_params_defaults_are_vllms():
+    """Code written for vLLM that leaves an option out gets what vLLM would give it (max_tokens
+    used to default to 64, four times vLLM's 16)."""
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens, p.seed, p.logprobs) == (1, 1.0, 1.0, 0, 16, 0, None, None)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.ignore_eos) == (1.0, 0.0, 0.0, False)
+
+
 # --- LLM input errors ---------------------------------------------------------------------------
 
 
