@@ -511,10 +511,8 @@ def load_prompts(path: Path, tokenizer, n: int) -> list[list[int]]:
     ordered = [r for group in itertools.zip_longest(*by_category.values()) for r in group if r is not None]
     prompts = []
     for r in ordered[:n]:
-        text = r["prompt"]
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        prompts.append(tokenizer.encode(text))
+        chat = [{"role": "user", "content": r["prompt"]}]
+        prompts.append(tokenizer.chat_prompt(chat)["prompt_token_ids"] if tokenizer.chat_template else tokenizer.encode(r["prompt"]))
     return prompts
 
 

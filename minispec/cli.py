@@ -202,11 +202,11 @@ def load_llm(args, target: Path, draft: str, options: dict) -> LLM:
 
 
 def renderer(llm: LLM, args):
-    """(messages, raw text) -> the prompt: the chat template, unless asked for raw text or absent."""
-    def render(messages: list[dict], raw: str) -> str:
+    """(messages, raw text) -> the prompt: the chat template's token ids, unless asked for raw text or absent."""
+    def render(messages: list[dict], raw: str) -> str | dict:
         if args.no_chat_template or not llm.tokenizer.chat_template:
             return raw
-        return llm.tokenizer.apply_chat_template(messages)
+        return llm.tokenizer.chat_prompt(messages)
 
     return render
 

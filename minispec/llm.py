@@ -189,8 +189,11 @@ class LLM:
                                 for m in c):
                 raise ValueError("chat takes a conversation (a non-empty list of {'role': str, 'content': str} "
                                  "messages) or a list of conversations")
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        prompts = [self.tokenizer.chat_prompt(c, add_generation_prompt) for c in conversations]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, c in zip(outputs, conversations):
+            out.prompt = self.tokenizer.apply_chat_template(c, add_generation_prompt)  # the text the ids came from
+        return outputs
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

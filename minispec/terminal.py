@@ -88,7 +88,7 @@ def summary_line(metrics: RequestMetrics, num_tokens: int, finish_reason: str | 
     return "[" + ", ".join(parts) + "]"
 
 
-def answer_all(llm: LLM, prompts: list[str], raw_prompts: list[str], params, args, color: bool) -> tuple[list[Answer], bool]:
+def answer_all(llm: LLM, prompts: list[str | dict], raw_prompts: list[str], params, args, color: bool) -> tuple[list[Answer], bool]:
     """Answer every prompt in ONE streamed call (continuous batching), printing the answers in
     order: the first unfinished one live, the others when their turn comes. Returns the answers
     and whether the call ran to its end (False after Ctrl-C: the rest are left, said on stderr)."""

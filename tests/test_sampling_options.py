@@ -167,6 +167,27 @@ def test_a_chat_template_that_refuses_a_conversation_says_why(tiny_llama):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "x"
 
 
+def test_a_chat_template_gets_bos_and_eos_and_its_text_no_extra_specials(tiny_llama):
+    """Llama 2 / Mistral templates write bos_token and close each assistant turn with eos_token;
+    both used to render as '' (a multi-turn chat lost '</s>' between turns). The rendered text is
+    tokenized as it stands, with no BOS added on top (transformers' and vLLM's chat)."""
+    from tokenizers import processors
+
+    llm = LLM(model=tiny_llama, kv_cache_gib=0.01)
+    tok = llm.tokenizer
+    tok.tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])  # adds BOS
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                         "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+    text = tok.apply_chat_template(chat)
+    assert text == "<s>[INST] hi [/INST]hello</s>[INST] bye [/INST]"
+    ids = tok.chat_prompt(chat)["prompt_token_ids"]
+    assert ids == tok.encode(text, add_special_tokens=False) and ids.count(0) == 1 and ids[0] == 0 and ids.count(1) == 1
+    assert tok.encode(text).count(0) == 2  # what adding special tokens on top would have given
+    out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=3))[0]
+    assert (out.prompt_token_ids, out.prompt) == (ids, text)
+
+
 def test_max_tokens_none_stops_where_the_kv_pool_ends_too(tiny_llama):
     """With a pool smaller than the context, max_tokens=None means what the pool can hold (it used
     to be refused as if the client had asked for the whole context)."""

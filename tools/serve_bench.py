@@ -100,7 +100,7 @@ def main(argv=None) -> int:
             proc.wait(timeout=60)
         llm = LLM(str(default_target()), draft_model=None if draft == "none" else draft,
                   num_speculative_tokens=None if draft == "none" else 4, dtype=args.dtype)
-        chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        chats = [llm.tokenizer.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         params = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(prompts))]
         llm.generate(chats[:1], params[:1], use_tqdm=False)  # warm-up
         start = time.perf_counter()

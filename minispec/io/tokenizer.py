@@ -22,11 +22,17 @@ class Tokenizer:
         eos_token_ids: list[int],
         bos_token_id: int | None = None,
         chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
     ):
+        """bos_token / eos_token: the strings a chat template writes for them (tokenizer_config.json's;
+        by default the tokens of bos_token_id and of the first EOS id)."""
         self.tok = tok
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+        self.bos_token = bos_token if bos_token is not None else (tok.id_to_token(bos_token_id) or "" if bos_token_id is not None else "")
+        self.eos_token = eos_token if eos_token is not None else (tok.id_to_token(eos_token_ids[0]) or "" if eos_token_ids else "")
 
     @classmethod
     def from_dir(cls, path: Path, hf_config: dict | None = None) -> "Tokenizer":
@@ -40,10 +46,11 @@ class Tokenizer:
         tc = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
 
+        def token_text(value) -> str | None:
+            return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None  # {"content": "</s>", ...}
+
         def token_id(value) -> int | None:
-            if isinstance(value, dict):  # {"content": "</s>", ...}
-                value = value.get("content")
-            return tok.token_to_id(value) if isinstance(value, str) else None
+            return None if token_text(value) is None else tok.token_to_id(token_text(value))
 
         # Every declared end: Qwen2.5- and Llama-3-Instruct list their end-of-turn token only in
         # generation_config.json, beside the end-of-text token config.json names.
@@ -52,7 +59,7 @@ class Tokenizer:
         eos_ids += [] if token_id(tc.get("eos_token")) is None else [token_id(tc.get("eos_token"))]
         eos_ids = list(dict.fromkeys(eos_ids))  # unique, in order
         bos = (hf_config or {}).get("bos_token_id", token_id(tc.get("bos_token")))
-        return cls(tok, eos_ids, bos, tc.get("chat_template"))
+        return cls(tok, eos_ids, bos, tc.get("chat_template"), token_text(tc.get("bos_token")), token_text(tc.get("eos_token")))
 
     @property
     def vocab_size(self) -> int:
@@ -82,8 +89,15 @@ class Tokenizer:
             return full[len(before):]
         return self.decode(ids, skip_special_tokens)
 
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> dict:
+        """A conversation as a prompt: {"prompt_token_ids"} of its rendered template, tokenized as it
+        stands. The template writes BOS and every turn's EOS itself, so no special token is added
+        (transformers' and vLLM's chat)."""
+        return {"prompt_token_ids": self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)}
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a chat with the checkpoint's Jinja template (the same one transformers uses)."""
+        """Render a chat with the checkpoint's Jinja template (the same one transformers uses), with
+        the tokenizer's bos_token / eos_token strings."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; pass plain-text prompts")
         import jinja2
@@ -94,7 +108,7 @@ class Tokenizer:
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token, eos_token=self.eos_token
         )
 
 
