@@ -264,6 +264,33 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
     assert wait_idle(server), "the abandoned request kept its pages"
 
 
+def test_a_request_that_fails_in_the_engine_says_so_streamed_or_not(served, monkeypatch):
+    """A step that raises fails the requests in flight: a response is a 500 in OpenAI's shape,
+    and a stream used to end with finish_reason "error" (no OpenAI value) and no message; it
+    now sends the same error object, then [DONE]. The server goes on."""
+    server, url = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert wait_idle(server)
+    real, failing = server.llm.engine.step, [True]
+
+    def step():
+        if failing and failing.pop():
+            raise RuntimeError("boom (a simulated device error)")
+        return real()
+
+    monkeypatch.setattr(server.llm.engine, "step", step)
+    body = {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, headers=headers, timeout=60)
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "boom" in json.loads(events[-2])["error"]["message"]
+    assert all('"finish_reason": "error"' not in e for e in events)
+    failing.append(True)
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60).status_code == 200
+    assert wait_idle(server)
+
+
 def test_the_api_key_is_required_on_v1_routes(served):
     server, url = served
     assert httpx.get(url + "/v1/models", timeout=10).status_code == 401

@@ -169,9 +169,10 @@ class Server:
                 event = await handle.queue.get()
                 if event is None:
                     break
-                if isinstance(event, dict):
-                    error = {"error": {"message": event["error"], "type": "server_error", "param": None, "code": 503}}
-                    yield f"data: {json.dumps(error)}\n\n"
+                if isinstance(event, dict) or event.error:  # the server stopping, or the request failed
+                    failed = ApiError(event["error"], None, 503, "server_error") if isinstance(event, dict) else \
+                        ApiError(f"the request failed: {event.error}", None, 500, "server_error")  # (as a response would say)
+                    yield f"data: {json.dumps(failed.body())}\n\n"
                     break
                 index = event.index * n + event.completion_index
                 tokens[index] = tokens.get(index, 0) + len(event.new_token_ids)
