@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 routes (or $MINISPEC_API_KEY)")
     serve.add_argument("--served-model-name", help="the model name clients send (default: the target's folder name)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (1 MiB)")
-    serve.add_argument("--max-concurrency", type=int, default=256, help="more requests in flight get 429 (256)")
+    serve.add_argument("--max-concurrency", type=int, default=256, help="sequences in flight (each request counts prompts x n); past it 429 (256)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one continuous batch (64)")
     serve.set_defaults(json=False)
     return parser

@@ -291,6 +291,35 @@ def test_a_request_that_fails_in_the_engine_says_so_streamed_or_not(served, monk
     assert wait_idle(server)
 
 
+def test_a_trickled_body_holds_no_slot_and_one_request_cannot_take_them_all(served):
+    """A client that sends headers and part of a body used to hold a concurrency slot for as long
+    as it liked (a few such sockets locked everyone out); now no slot is held while a body
+    arrives, and one that does not arrive in time gets 408. Slots count sequences: a request of
+    prompts x n over the limit is a 400 naming n, where it used to queue them all."""
+    import socket
+
+    server, url = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert wait_idle(server)
+    host, port = url.removeprefix("http://").split(":")
+    server.body_timeout_s = 1.0
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                          "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ").encode())
+            time.sleep(0.3)
+            assert server.slots.used == 0  # nothing held while the body trickles
+            assert httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=headers,
+                              timeout=60).status_code == 200
+            assert sock.recv(4096).split(b"\r\n")[0].endswith(b"408 Request Timeout")
+    finally:
+        server.body_timeout_s = 30.0
+    too_many = {"prompt": [PROMPT] * 20, "n": 11, "max_tokens": 2}  # 220 sequences, over the 200 this server runs
+    r = httpx.post(url + "/v1/completions", json=too_many, headers=headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "220 sequences" in r.json()["error"]["message"]
+    assert wait_idle(server) and server.slots.used == 0
+
+
 def test_the_api_key_is_required_on_v1_routes(served):
     server, url = served
     assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
@@ -386,7 +415,7 @@ def test_requests_the_pool_or_the_template_refuse_are_400s_naming_the_field(serv
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "start with a user turn" in r.text
     monkeypatch.undo()
     assert wait_idle(server)
-    assert server.slots._value == server.max_concurrency  # every refused request gave its slot back
+    assert server.slots.used == 0  # every refused request gave its slots back
 
 
 def test_the_first_tokens_wait_is_ttft_not_inter_token_latency(served):

@@ -5,7 +5,8 @@
 
 Safe by default: it binds 127.0.0.1; with --api-key every /v1 route wants `Authorization: Bearer
 KEY` (compared in constant time; the key is never logged); bodies over --max-body-bytes get 413,
-prompts longer than the context 400, and more than --max-concurrency requests in flight 429.
+prompts longer than the context 400, a body not in within BODY_TIMEOUT_S 408, and past
+--max-concurrency sequences in flight (each request counts its prompts x n) 429.
 A client that disconnects aborts its requests (their pages are freed); on SIGINT / SIGTERM streams get a final error event.
 """
 
@@ -31,13 +32,34 @@ from .protocol import (ApiError, Parsed, accumulate, logprobs_json, openai_reaso
                        response_id, usage)
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this; no slot is held while it does
+
+
+class Slots:
+    """Sequences in flight: a request holds one per prompt and completion (prompts x n), from its
+    parsed body to its end, so one request cannot queue more than the server takes at once."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.lock = limit, 0, threading.Lock()
+
+    def take(self, k: int) -> bool:
+        with self.lock:
+            if self.used + k > self.limit:
+                return False
+            self.used += k
+            return True
+
+    def give(self, k: int) -> None:
+        with self.lock:
+            self.used -= k
 
 
 class Server:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None, max_body_bytes: int, max_concurrency: int):
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.max_body_bytes, self.max_concurrency = max_body_bytes, max_concurrency
-        self.slots = threading.BoundedSemaphore(max_concurrency)  # requests in flight, from arrival to their end
+        self.slots = Slots(max_concurrency)
+        self.body_timeout_s = BODY_TIMEOUT_S
         self.metrics = ServerMetrics(model_name, drafter_name(llm.engine.drafter), llm.engine.k)
         self.loop = EngineLoop(llm, self.metrics)
         self.context = llm.engine.max_model_len
@@ -79,15 +101,27 @@ class Server:
         return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
 
     async def complete(self, request: Request, chat: bool):
-        """A slot is taken on arrival (429 when none is left) and given back exactly once: when
-        the request is refused here, or when its call ends (finished, cancelled or stopped)."""
-        if not self.slots.acquire(blocking=False):
-            raise ApiError(f"more than {self.max_concurrency} requests in flight; retry later", None, 429,
-                           "rate_limit_error")
-        release = once(self.slots.release)
+        """The body is read (within body_timeout_s: a client that trickles it holds no slot) and
+        parsed; then its sequences take their slots (429 when too few are left) and give them back
+        exactly once: when the request is refused here, or when its call ends (finished,
+        cancelled or stopped)."""
         try:
-            body = await self.body(request)
+            body = await asyncio.wait_for(self.body(request), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(f"the request body did not arrive within {self.body_timeout_s:g} s", None, 408) from None
+        try:
             parsed = parse_chat(body, self.context, self.render_chat) if chat else parse_completion(body, self.context)
+        except (ValueError, TypeError) as e:
+            raise ApiError(" ".join(str(e).split()), "messages" if chat else "prompt") from None
+        k = len(parsed.prompts) * parsed.params.n
+        if k > self.max_concurrency:
+            raise ApiError(f"this request asks for {k} sequences (prompts x n); the server runs at most "
+                           f"{self.max_concurrency} at once", "n")
+        if not self.slots.take(k):
+            raise ApiError(f"more than {self.max_concurrency} sequences in flight; retry later", None, 429,
+                           "rate_limit_error")
+        release = once(lambda: self.slots.give(k))
+        try:
             handle = await asyncio.to_thread(self.loop.submit, parsed.prompts, parsed.params,
                                              asyncio.get_running_loop(), release)
         except (ValueError, TypeError) as e:  # a prompt over the context, token ids outside the vocabulary, ...
