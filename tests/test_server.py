@@ -224,6 +224,9 @@ def scrape(url: str) -> dict[str, float]:
     (json.dumps({"prompt": "hi", "best_of": 3}).encode(), 400, "best_of"),
     (json.dumps({"prompt": "hi", "n": 0}).encode(), 400, "n"),
     (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "hi", "stream": "false"}).encode(), 400, "stream"),  # (bool("false") used to stream)
+    (json.dumps({"prompt": "hi", "ignore_eos": "no"}).encode(), 400, "ignore_eos"),
+    (json.dumps({"prompt": "hi", "response_format": {"type": "json_object"}}).encode(), 400, "response_format"),
     (json.dumps({"prompt": "x" * (3 << 20)}).encode(), 413, None),
 ])
 def test_bad_input_is_a_4xx_in_openais_shape_and_the_server_goes_on(served, offline, body, status, param):
@@ -249,8 +252,15 @@ def test_chat_with_no_messages_and_the_no_op_defaults(served):
     assert r.status_code == 200
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                                        "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
-                                                       "user": "me", "tools": []}, headers=headers, timeout=60)
+                                                       "user": "me", "tools": [], "response_format": {"type": "text"}},
+                   headers=headers, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    prompt_tokens = {}
+    for agp in (True, False):  # add_generation_prompt used to be accepted and ignored
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                           "add_generation_prompt": agp}, headers=headers, timeout=60)
+        prompt_tokens[agp] = r.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens[True] > prompt_tokens[False]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):

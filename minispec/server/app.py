@@ -64,11 +64,11 @@ class Server:
         self.loop = EngineLoop(llm, self.metrics)
         self.context = llm.engine.max_model_len
 
-    def render_chat(self, messages: list[dict]) -> dict:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> dict:
         if not self.llm.tokenizer.chat_template:
             raise ApiError("this model has no chat template: use /v1/completions", "messages")
         try:
-            return self.llm.tokenizer.chat_prompt(messages)
+            return self.llm.tokenizer.chat_prompt(messages, add_generation_prompt)
         except (ValueError, jinja2.TemplateError) as e:  # the template refuses the conversation
             raise ApiError(" ".join(str(e).split()), "messages") from None
 

@@ -19,7 +19,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed"
 COMPLETION = COMMON | {"prompt", "logprobs"}
 CHAT = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt"}
 NO_OP = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""), "user": None, "logit_bias": (None, {}),
-         "parallel_tool_calls": None, "tools": (None, []), "tool_choice": (None, "none"), "response_format": None}
+         "parallel_tool_calls": None, "tools": (None, []), "tool_choice": (None, "none"),
+         "response_format": (None, {"type": "text"})}  # plain text only: a JSON format asked for is refused by name
 MAX_N = 16
 MAX_LOGPROBS = 20
 
@@ -52,6 +53,14 @@ def check_fields(body: dict, allowed: set[str]) -> None:
         raise ApiError(f"'{key}' is not supported by this server", key)
 
 
+def flag(body: dict, key: str, default: bool = False) -> bool:
+    """A boolean field (absent or null: the default); a string such as "false" is a 400, not True."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(f"'{key}' must be a boolean, got {value!r}", key)
+    return default if value is None else value
+
+
 def number(body: dict, key: str, kind, default, low=None, high=None):
     value = body.get(key, default)
     if value is None:
@@ -79,8 +88,8 @@ def sampling(body: dict, max_tokens_key: str, logprobs: int | None, context: int
             presence_penalty=number(body, "presence_penalty", float, 0.0, -2, 2),
             frequency_penalty=number(body, "frequency_penalty", float, 0.0, -2, 2),
             repetition_penalty=number(body, "repetition_penalty", float, 1.0, 0.01, 10),
-            stop_token_ids=body.get("stop_token_ids") or [], ignore_eos=bool(body.get("ignore_eos", False)),
-            include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)), logprobs=logprobs)
+            stop_token_ids=body.get("stop_token_ids") or [], ignore_eos=flag(body, "ignore_eos"),
+            include_stop_str_in_output=flag(body, "include_stop_str_in_output"), logprobs=logprobs)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(str(e), field) from None
@@ -96,7 +105,7 @@ def parse_completion(body: dict, context: int) -> Parsed:
     else:
         raise ApiError("'prompt' must be a string, a list of token ids, or a non-empty list of these", "prompt")
     logprobs = number(body, "logprobs", int, None, 0, MAX_LOGPROBS)
-    return Parsed(prompts, sampling(body, "max_tokens", logprobs, context), bool(body.get("stream", False)),
+    return Parsed(prompts, sampling(body, "max_tokens", logprobs, context), flag(body, "stream"),
                   include_usage(body), logprobs, chat=False)
 
 
@@ -106,20 +115,18 @@ def parse_chat(body: dict, context: int, render) -> Parsed:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
         raise ApiError("'messages' must be a non-empty list of {'role': str, 'content': str} objects", "messages")
-    wants = body.get("logprobs", False)
-    if not isinstance(wants, bool):
-        raise ApiError("'logprobs' must be a boolean", "logprobs")
-    logprobs = number(body, "top_logprobs", int, 0, 0, MAX_LOGPROBS) if wants else None
+    logprobs = number(body, "top_logprobs", int, 0, 0, MAX_LOGPROBS) if flag(body, "logprobs") else None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return Parsed([render(messages)], sampling(body, key, logprobs, context), bool(body.get("stream", False)),
-                  include_usage(body), logprobs, chat=True)
+    prompt = render(messages, flag(body, "add_generation_prompt", True))
+    return Parsed([prompt], sampling(body, key, logprobs, context), flag(body, "stream"), include_usage(body), logprobs,
+                  chat=True)
 
 
 def include_usage(body: dict) -> bool:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError("'stream_options' must be an object", "stream_options")
-    return bool(options.get("include_usage", False))
+    return flag(options, "include_usage")
 
 
 def usage(call, n: int, completion_tokens: int) -> dict:
