@@ -272,6 +272,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
     assert wait_idle(server), "the abandoned request kept its pages"
+    gauges = scrape(url)  # (they used to keep the aborted request's values until the next step)
+    assert gauges["vllm:num_requests_running"] == 0 and gauges["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_a_request_that_fails_in_the_engine_says_so_streamed_or_not(served, monkeypatch):

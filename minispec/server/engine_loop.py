@@ -90,6 +90,7 @@ class EngineLoop:
         aborted = sum(not s.finished for s in handle.call.seqs)
         self.llm.close(handle.call)
         self.metrics.aborted(aborted)
+        self.metrics.gauges(self.llm)
         if error is not None:
             handle.put({"error": error})
         handle.put(None)

@@ -115,12 +115,18 @@ class ServerMetrics:
         self._preempted = preempted
         if batch:
             self.batch.labels(**L).observe(batch)
+        self.gauges(llm)
+        with self.lock:
+            self.recent.append((time.time(), 0, 0, 0, 0, 0, batch))
+
+    def gauges(self, llm) -> None:
+        """Requests running and waiting, and the target's KV pool in use: after each step, and
+        after a call ends (an aborted request leaves between steps)."""
+        engine, L = llm.engine, self.labels
         self.running.labels(**L).set(len(engine.scheduler.running))
         self.waiting.labels(**L).set(len(engine.scheduler.waiting))
         cache = engine.target.cache
         self.kv_usage.labels(**L).set(1 - cache.allocator.num_free / cache.num_pages)
-        with self.lock:
-            self.recent.append((time.time(), 0, 0, 0, 0, 0, batch))
 
     def aborted(self, n: int) -> None:
         """Requests that ended unfinished (their client went away, or the server stopped)."""
