@@ -27,31 +27,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ..llm import LLM
 from ..runtime.kv_cache import KVPoolExhausted
 from .engine_loop import EngineLoop
+from .limits import BODY_TIMEOUT_S, Slots, once
 from .metrics import ServerMetrics, drafter_name
 from .protocol import (ApiError, Parsed, accumulate, logprobs_json, openai_reason, parse_chat, parse_completion,
                        response_id, usage)
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
-BODY_TIMEOUT_S = 30.0  # a request body must arrive within this; no slot is held while it does
-
-
-class Slots:
-    """Sequences in flight: a request holds one per prompt and completion (prompts x n), from its
-    parsed body to its end, so one request cannot queue more than the server takes at once."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used, self.lock = limit, 0, threading.Lock()
-
-    def take(self, k: int) -> bool:
-        with self.lock:
-            if self.used + k > self.limit:
-                return False
-            self.used += k
-            return True
-
-    def give(self, k: int) -> None:
-        with self.lock:
-            self.used -= k
 
 
 class Server:
@@ -225,20 +206,6 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:  # finished, or cancelled because the client went away: its requests leave the engine
             self.loop.cancel(handle)
-
-
-def once(fn):
-    """fn, callable from any thread, that runs at most once."""
-    lock, done = threading.Lock(), []
-
-    def call() -> None:
-        with lock:
-            if done:
-                return
-            done.append(True)
-        fn()
-
-    return call
 
 
 async def wait_for_disconnect(request: Request) -> None:
