@@ -228,6 +228,7 @@ def scrape(url: str) -> dict[str, float]:
     (json.dumps({"prompt": "hi", "ignore_eos": "no"}).encode(), 400, "ignore_eos"),
     (json.dumps({"prompt": "hi", "response_format": {"type": "json_object"}}).encode(), 400, "response_format"),
     (json.dumps({"prompt": "x" * (3 << 20)}).encode(), 413, None),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # (nested too deeply: used to be a plain 500)
 ])
 def test_bad_input_is_a_4xx_in_openais_shape_and_the_server_goes_on(served, offline, body, status, param):
     server, url = served
@@ -261,6 +262,26 @@ def test_chat_with_no_messages_and_the_no_op_defaults(served):
                                                            "add_generation_prompt": agp}, headers=headers, timeout=60)
         prompt_tokens[agp] = r.json()["usage"]["prompt_tokens"]
     assert prompt_tokens[True] > prompt_tokens[False]
+
+
+def test_chat_content_may_be_text_parts_and_models_say_when_they_were_made(served):
+    """OpenAI clients may send content as [{"type": "text", "text": ...}] parts (joined with
+    newlines, as vLLM does; it used to be a 400); other parts are refused by name."""
+    server, url = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ask = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def reply(content):
+        return httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], **ask},
+                          headers=headers, timeout=60)
+
+    parts = reply([{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}])
+    assert parts.status_code == 200
+    assert parts.json()["choices"][0]["message"] == reply("hello\nworld").json()["choices"][0]["message"]
+    image = reply([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    assert image.status_code == 400 and image.json()["error"]["param"] == "messages"
+    model = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]
+    assert isinstance(model["created"], int) and model["created"] > 0
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):

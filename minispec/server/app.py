@@ -18,6 +18,7 @@ import hmac
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jinja2
@@ -40,6 +41,7 @@ class Server:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.max_body_bytes, self.max_concurrency = max_body_bytes, max_concurrency
         self.slots = Slots(max_concurrency)
+        self.created = int(time.time())  # what /v1/models says
         self.body_timeout_s = BODY_TIMEOUT_S
         self.metrics = ServerMetrics(model_name, drafter_name(llm.engine.drafter), llm.engine.k)
         self.loop = EngineLoop(llm, self.metrics)
@@ -67,6 +69,8 @@ class Server:
             body = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ApiError(f"the body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise ApiError("the body's JSON is nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError("the body must be a JSON object")
         model = body.get("model")
@@ -246,8 +250,8 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "minispec",
-                                            "max_model_len": server.context}]}
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "minispec", "max_model_len": server.context}]}
 
     @app.get("/health")
     async def health():

@@ -113,13 +113,27 @@ def parse_chat(body: dict, context: int, render) -> Parsed:
     check_fields(body, CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-        raise ApiError("'messages' must be a non-empty list of {'role': str, 'content': str} objects", "messages")
+            isinstance(m, dict) and isinstance(m.get("role"), str) and text_content(m.get("content")) is not None
+            for m in messages):
+        raise ApiError("'messages' must be a non-empty list of {'role': str, 'content': str or a list of "
+                       "{'type': 'text', 'text': str} parts} objects", "messages")
+    messages = [{**m, "content": text_content(m["content"])} for m in messages]
     logprobs = number(body, "top_logprobs", int, 0, 0, MAX_LOGPROBS) if flag(body, "logprobs") else None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     prompt = render(messages, flag(body, "add_generation_prompt", True))
     return Parsed([prompt], sampling(body, key, logprobs, context), flag(body, "stream"), include_usage(body), logprobs,
                   chat=True)
+
+
+def text_content(content) -> str | None:
+    """A message's text: a string, or text parts joined by newlines (as vLLM joins them); None
+    for anything else (an image part, say)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
 
 
 def include_usage(body: dict) -> bool:
