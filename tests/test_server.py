@@ -110,16 +110,21 @@ def test_completions_streamed_or_not_equal_offline_generate(client, offline, tem
     assert [c.text for c in r.choices] == [c.text for c in expected.outputs]
     assert r.choices[0].logprobs.token_logprobs == pytest.approx([e[t].logprob for t, e in zip(
         expected.outputs[0].token_ids, expected.outputs[0].logprobs)], abs=1e-5)
+    lp = r.choices[0].logprobs  # vLLM's shape: the sampled token in every top_logprobs dict, and text_offset
+    assert all(token in top and len(top) <= 3 for token, top in zip(lp.tokens, lp.top_logprobs))
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
     assert r.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
     assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
-    texts, finish, usage = ["", ""], [None, None], None
+    texts, finish, usage, offsets = ["", ""], [None, None], None, [[], []]
     for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=temperature, seed=seed,
-                                           n=2, stream=True, stream_options={"include_usage": True}):
+                                           n=2, stream=True, stream_options={"include_usage": True}, logprobs=2):
         for c in chunk.choices:
             texts[c.index] += c.text
             finish[c.index] = c.finish_reason or finish[c.index]
+            offsets[c.index] += c.logprobs.text_offset if c.logprobs else []
         usage = chunk.usage or usage
     assert texts == [c.text for c in expected.outputs] and finish == [c.finish_reason for c in expected.outputs]
+    assert offsets[0] == lp.text_offset  # offsets run on across a stream's chunks
     assert usage.completion_tokens == r.usage.completion_tokens
 
 

@@ -179,7 +179,7 @@ class Server:
                 body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
 
-        tokens, speculative = {}, {"draft_tokens": 0, "accepted_tokens": 0}
+        tokens, offsets, speculative = {}, {}, {"draft_tokens": 0, "accepted_tokens": 0}  # offsets: text_offset so far
         try:
             if parsed.chat:
                 for k in range(len(parsed.prompts) * n):
@@ -197,8 +197,11 @@ class Server:
                 tokens[index] = tokens.get(index, 0) + len(event.new_token_ids)
                 speculative["draft_tokens"] += len(event.drafted)
                 speculative["accepted_tokens"] += event.num_accepted
-                logprobs = (logprobs_json(event.new_logprobs, event.new_token_ids, parsed.chat, parsed.logprobs or 0)
+                logprobs = (logprobs_json(event.new_logprobs, event.new_token_ids, parsed.chat, parsed.logprobs or 0,
+                                          offsets.get(index, 0))
                             if parsed.logprobs is not None and event.new_logprobs else None)
+                if logprobs is not None and not parsed.chat:
+                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
                 if event.new_text or logprobs:
                     yield chunk(index, {"content": event.new_text} if parsed.chat else event.new_text, logprobs=logprobs)
                 if event.finished:

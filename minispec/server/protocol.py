@@ -154,8 +154,11 @@ def response_id(chat: bool) -> tuple[str, int]:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
 
 
-def logprobs_json(entries, tokens: list[int], chat: bool, top_n: int) -> dict:
-    """OpenAI's logprobs object for a choice's tokens, from minispec's per-token {id: Logprob}."""
+def logprobs_json(entries, tokens: list[int], chat: bool, top_n: int, offset: int = 0) -> dict:
+    """OpenAI's logprobs object for a choice's tokens, from minispec's per-token {id: Logprob}.
+    Completions' (legacy) shape, as vLLM fills it: each top_logprobs dict holds the top_n tokens
+    and the sampled one, and text_offset the characters before each token (from `offset`: what
+    the choice's earlier chunks held)."""
     def top(entry) -> list:
         return sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
 
@@ -163,9 +166,14 @@ def logprobs_json(entries, tokens: list[int], chat: bool, top_n: int) -> dict:
         return {"content": [{"token": e[t].decoded_token, "logprob": e[t].logprob,
                              "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob} for lp in top(e)]}
                             for t, e in zip(tokens, entries)]}
-    return {"tokens": [e[t].decoded_token for t, e in zip(tokens, entries)],
-            "token_logprobs": [e[t].logprob for t, e in zip(tokens, entries)],
-            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in top(e)} for e in entries]}
+    texts, offsets = [e[t].decoded_token for t, e in zip(tokens, entries)], []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [e[t].logprob for t, e in zip(tokens, entries)],
+            "top_logprobs": [{**{lp.decoded_token: lp.logprob for lp in top(e)}, e[t].decoded_token: e[t].logprob}
+                             for t, e in zip(tokens, entries)],
+            "text_offset": offsets}
 
 
 def accumulate(choices: dict, event) -> None:
