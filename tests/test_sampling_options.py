@@ -188,6 +188,21 @@ def test_a_chat_template_gets_bos_and_eos_and_its_text_no_extra_specials(tiny_ll
     assert (out.prompt_token_ids, out.prompt) == (ids, text)
 
 
+def test_chat_templates_render_as_transformers_renders_them(tiny_llama):
+    """Sandboxed (a template comes with a downloaded checkpoint: it used to run unsandboxed),
+    with {% break %} (it used to be a syntax error) and tojson without HTML escaping."""
+    import jinja2
+    from minispec import load_checkpoint
+
+    _, tok = load_checkpoint(tiny_llama, dtype="float32", device="cpu")
+    tok.chat_template = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}"
+    chat = [{"role": "user", "content": "a < b & 'c'"}, {"role": "user", "content": "never"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=False) == '{"role": "user", "content": "a < b & \'c\'"}'
+    tok.chat_template = "{{ messages.__class__.__mro__ }}"
+    with pytest.raises(jinja2.TemplateError):
+        tok.apply_chat_template(chat)
+
+
 def test_max_tokens_none_stops_where_the_kv_pool_ends_too(tiny_llama):
     """With a pool smaller than the context, max_tokens=None means what the pool can hold (it used
     to be refused as if the client had asked for the whole context)."""

@@ -365,6 +365,10 @@ def test_the_api_key_is_required_on_v1_routes(served):
     models = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert models["data"][0]["id"] == NAME
     assert httpx.get(url + "/health", timeout=10).status_code == 200  # health and metrics stay open, as vLLM's
+    for path in ("/v1/models/", "/%761/models", "/v1//models"):  # no way around the key
+        assert httpx.get(url + path, timeout=10, follow_redirects=True).status_code in (401, 404)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
 def test_the_live_page_shows_the_acceptance_rate_and_loads_nothing_from_elsewhere(served, tmp_path):

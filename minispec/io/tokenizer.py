@@ -101,12 +101,18 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; pass plain-text prompts")
         import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str):  # what HF's templates call to refuse a conversation
             raise ValueError(f"the chat template refuses this conversation: {message}")
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        # As transformers renders it: sandboxed (a template comes with a downloaded checkpoint),
+        # with {% break %} / {% continue %} and its tojson (no HTML escaping)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token, eos_token=self.eos_token
         )

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import jinja2
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..llm import LLM
@@ -237,21 +237,19 @@ def build_app(server: Server) -> FastAPI:
     async def api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if request.url.path.startswith("/v1") and not server.authorized(request):
-            return JSONResponse(ApiError("missing or wrong API key", None, 401, "authentication_error").body(), status_code=401)
-        return await call_next(request)
+    async def api_key(request: Request) -> None:  # (a dependency, not an HTTP middleware: those log a traceback
+        if not server.authorized(request):           # for every client that disconnects before its response)
+            raise ApiError("missing or wrong API key", None, 401, "authentication_error")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(api_key)])
     async def completions(request: Request):
         return await server.complete(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
     async def chat(request: Request):
         return await server.complete(request, chat=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(api_key)])
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "minispec", "max_model_len": server.context}]}
