@@ -27,7 +27,7 @@ from .io.tokenizer import CONTEXT_TOKENS, Tokenizer
 from .model.eagle import EagleModel
 from .options import EngineOptions, Model
 from .outputs import CompletionOutput, Logprob, RequestOutput, StreamEvent
-from .prompts import as_prompt_list, call_requests
+from .prompts import as_prompt_list, call_requests, conversations
 from .runtime.metrics import RunMetrics, StepTimes
 from .runtime.sequence import Sequence
 from .sampling import SamplingParams
@@ -180,18 +180,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """vLLM's `chat`: one conversation (a list of {"role", "content"} messages) or a list of
-        them, each rendered with the target's chat template (add_generation_prompt: end with the
-        assistant's turn opening) and generated; one RequestOutput per conversation."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        for c in conversations:
-            if not c or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                                for m in c):
-                raise ValueError("chat takes a conversation (a non-empty list of {'role': str, 'content': str} "
-                                 "messages) or a list of conversations")
-        prompts = [self.tokenizer.chat_prompt(c, add_generation_prompt) for c in conversations]
+        """vLLM's `chat`: one conversation (a list of {"role", "content"} messages; content a string
+        or text parts) or a list of them, each rendered with the target's chat template
+        (add_generation_prompt: end with the assistant's turn opening) and generated; one
+        RequestOutput per conversation."""
+        chats = conversations(messages)
+        prompts = [self.tokenizer.chat_prompt(c, add_generation_prompt) for c in chats]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
-        for out, c in zip(outputs, conversations):
+        for out, c in zip(outputs, chats):
             out.prompt = self.tokenizer.apply_chat_template(c, add_generation_prompt)  # the text the ids came from
         return outputs
 

@@ -82,3 +82,27 @@ def as_prompt_list(prompts) -> list:
         raise TypeError(f"prompts must be a str, a list of int token ids, a vLLM prompt dict, or a list of these; "
                         f"got {type(prompts).__name__}" + (" (convert it with .tolist())" if hasattr(prompts, "tolist") else ""))
     return list(prompts)
+
+
+def text_content(content) -> str | None:
+    """A message's text: a string, or text parts joined by newlines (as vLLM joins them); None
+    for anything else (an image part, say)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
+
+
+def conversations(messages) -> list[list[dict]]:
+    """LLM.chat's input: one conversation (a list of {"role", "content"} messages) or a list of
+    them; content a string or text parts (`text_content`). Returns the conversations with string
+    contents, or raises ValueError."""
+    chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    for c in chats:
+        if not c or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and text_content(m.get("content")) is not None
+                            for m in c):
+            raise ValueError("chat takes a conversation (a non-empty list of {'role': str, 'content': str or "
+                             "[{'type': 'text', 'text': str}, ...]} messages) or a list of conversations")
+    return [[{**m, "content": text_content(m["content"])} for m in c] for c in chats]

@@ -105,6 +105,10 @@ def test_chat_renders_the_template_and_get_tokenizer(tiny_llama, tmp_path):
     assert [o.prompt for o in both] == ["<user>hello world\n<assistant>", "<user>hello world\n<assistant>hi\n<assistant>"]
     with pytest.raises(ValueError, match="conversation"):
         llm.chat([{"content": "no role"}], params)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
+    assert llm.chat(parts, params)[0].prompt == "<user>hello\nworld\n<assistant>"  # text parts, joined as vLLM joins them
+    with pytest.raises(ValueError, match="conversation"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
 
 
 def test_use_tqdm_is_on_by_default_for_several_prompts(llms, capsys):

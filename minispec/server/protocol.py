@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ..prompts import text_content
 from ..sampling import SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
@@ -123,17 +124,6 @@ def parse_chat(body: dict, context: int, render) -> Parsed:
     prompt = render(messages, flag(body, "add_generation_prompt", True))
     return Parsed([prompt], sampling(body, key, logprobs, context), flag(body, "stream"), include_usage(body), logprobs,
                   chat=True)
-
-
-def text_content(content) -> str | None:
-    """A message's text: a string, or text parts joined by newlines (as vLLM joins them); None
-    for anything else (an image part, say)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return "\n".join(p["text"] for p in content)
-    return None
 
 
 def include_usage(body: dict) -> bool:
