@@ -176,7 +176,7 @@ def read_prompts(args) -> list[str]:
         if not args.prompts_file.is_file():
             raise CliError(f"--prompts {args.prompts_file}: no such file")
         try:
-            text = args.prompts_file.read_text(encoding="utf-8")
+            text = args.prompts_file.read_text(encoding="utf-8-sig")  # (a byte-order mark is not part of the first prompt)
         except UnicodeDecodeError as e:
             raise CliError(f"--prompts {args.prompts_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         prompts += [line for line in text.splitlines() if line.strip()]
@@ -202,7 +202,12 @@ def load_llm(args, target: Path, draft: str, options: dict) -> LLM:
 
 
 def renderer(llm: LLM, args):
-    """(messages, raw text) -> the prompt: the chat template's token ids, unless asked for raw text or absent."""
+    """(messages, raw text) -> the prompt: the chat template's token ids, unless asked for raw text or
+    absent (then --system, which only a template can place, is refused by name)."""
+    if getattr(args, "system", None) and (args.no_chat_template or not llm.tokenizer.chat_template):
+        why = "--no-chat-template is set" if args.no_chat_template else "this model has no chat template"
+        raise CliError(f"--system needs the chat template ({why}); put the instruction in the prompt instead")
+
     def render(messages: list[dict], raw: str) -> str | dict:
         if args.no_chat_template or not llm.tokenizer.chat_template:
             return raw

@@ -221,6 +221,18 @@ def test_a_prompts_file_that_is_not_utf8_is_named(tiny_llama, tmp_path, capsys):
     assert f"--prompts {bad}: not UTF-8 text" in capsys.readouterr().err
 
 
+def test_a_prompts_files_byte_order_mark_and_a_system_message_without_a_template(tiny_llama, tmp_path, capsys):
+    """A UTF-8 byte-order mark (Windows Notepad) used to stay in the first prompt, and --system was
+    silently dropped where no chat template could place it."""
+    marked = tmp_path / "prompts.txt"
+    marked.write_bytes(b"\xef\xbb\xbfHello there\nSecond\n")
+    assert cli.read_prompts(cli.build_parser().parse_args(["generate", "--prompts", str(marked)])) == ["Hello there", "Second"]
+    capsys.readouterr()
+    assert cli.main(["generate", "--target", str(tiny_llama), "--draft", "none", "--system", "be brief",
+                     "--no-chat-template", "hi"]) == 1
+    assert "--system needs the chat template (--no-chat-template is set)" in capsys.readouterr().err
+
+
 def test_draft_vocab_size_zero_is_named(tiny_llama, tiny_llama_eagle, tmp_path):
     """Used to be reported as a d2t shape mismatch."""
     path = tmp_path / "head"
