@@ -184,11 +184,10 @@ class LLM:
         or text parts) or a list of them, each rendered with the target's chat template
         (add_generation_prompt: end with the assistant's turn opening) and generated; one
         RequestOutput per conversation."""
-        chats = conversations(messages)
-        prompts = [self.tokenizer.chat_prompt(c, add_generation_prompt) for c in chats]
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
-        for out, c in zip(outputs, chats):
-            out.prompt = self.tokenizer.apply_chat_template(c, add_generation_prompt)  # the text the ids came from
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations(messages)]
+        outputs = self.generate([{"prompt_token_ids": self.tokenizer.chat_ids(t)} for t in texts], sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text  # the text the ids came from
         return outputs
 
     def get_tokenizer(self) -> Tokenizer:
@@ -273,10 +272,10 @@ def decoded(s: Sequence, start: int, tokenizer: Tokenizer) -> list[dict[int, Log
     as it would read after the tokens before its position."""
     entries, tokens = s.logprobs[start:], s.tokens
     for i, entry in enumerate(entries, len(s.prompt_ids) + start):
-        context = tokens[max(0, i - CONTEXT_TOKENS) : i]
-        for token, lp in entry.items():
-            if lp.decoded_token is None:
-                lp.decoded_token = tokenizer.decode_after(context, [token], skip_special_tokens=False)
+        missing = [token for token, lp in entry.items() if lp.decoded_token is None]
+        texts = tokenizer.decode_each_after(tokens[max(0, i - CONTEXT_TOKENS) : i], [[t] for t in missing], skip_special_tokens=False)
+        for token, text in zip(missing, texts):
+            entry[token].decoded_token = text
     return entries
 
 

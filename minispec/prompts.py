@@ -96,13 +96,16 @@ def text_content(content) -> str | None:
 
 
 def conversations(messages) -> list[list[dict]]:
-    """LLM.chat's input: one conversation (a list of {"role", "content"} messages) or a list of
-    them; content a string or text parts (`text_content`). Returns the conversations with string
-    contents, or raises ValueError."""
-    chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-    for c in chats:
-        if not c or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and text_content(m.get("content")) is not None
-                            for m in c):
-            raise ValueError("chat takes a conversation (a non-empty list of {'role': str, 'content': str or "
-                             "[{'type': 'text', 'text': str}, ...]} messages) or a list of conversations")
-    return [[{**m, "content": text_content(m["content"])} for m in c] for c in chats]
+    """LLM.chat's input: one conversation or a list of them (`conversation`), or a ValueError."""
+    return [conversation(c) for c in ([messages] if messages and isinstance(messages[0], dict) else list(messages))]
+
+
+def conversation(messages) -> list[dict]:
+    """A conversation (a non-empty list of {"role", "content"} messages, content a string or text
+    parts: `text_content`) with string contents, or a ValueError saying what one is."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and text_content(m.get("content")) is not None
+            for m in messages):
+        raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str or "
+                         "[{'type': 'text', 'text': str}, ...]} messages")
+    return [{**m, "content": text_content(m["content"])} for m in messages]

@@ -80,20 +80,29 @@ class Tokenizer:
         and Mistral's, strip its leading space: '▁Paris' -> 'Paris'). So the last CONTEXT_TOKENS
         context tokens are decoded with and without `ids` and the difference kept; `ids` alone
         where the two do not share that start (a character split across the boundary)."""
+        return self.decode_each_after(context, [ids], skip_special_tokens)[0]
+
+    def decode_each_after(self, context: list[int], continuations: list[list[int]], skip_special_tokens: bool = True
+                          ) -> list[str]:
+        """`decode_after` for several continuations of one context (a position's logprob
+        candidates), the context decoded once."""
         context = list(context[-CONTEXT_TOKENS:])
-        if not context or not ids:
-            return self.decode(ids, skip_special_tokens)
-        before = self.decode(context, skip_special_tokens)
-        full = self.decode(context + list(ids), skip_special_tokens)
-        if full.startswith(before) and not before.endswith("\ufffd"):
-            return full[len(before):]
-        return self.decode(ids, skip_special_tokens)
+        before = self.decode(context, skip_special_tokens) if context else None
+        texts = []
+        for ids in continuations:
+            full = self.decode(context + list(ids), skip_special_tokens) if before is not None and ids else None
+            kept = full is not None and full.startswith(before) and not before.endswith("\ufffd")
+            texts.append(full[len(before):] if kept else self.decode(ids, skip_special_tokens))
+        return texts
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> dict:
-        """A conversation as a prompt: {"prompt_token_ids"} of its rendered template, tokenized as it
-        stands. The template writes BOS and every turn's EOS itself, so no special token is added
-        (transformers' and vLLM's chat)."""
-        return {"prompt_token_ids": self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)}
+        """A conversation as a prompt: {"prompt_token_ids"} of its rendered template (`chat_ids`)."""
+        return {"prompt_token_ids": self.chat_ids(self.apply_chat_template(messages, add_generation_prompt))}
+
+    def chat_ids(self, rendered: str) -> list[int]:
+        """A rendered chat's token ids, tokenized as it stands: the template writes BOS and every
+        turn's EOS itself, so no special token is added (transformers' and vLLM's chat)."""
+        return self.encode(rendered, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render a chat with the checkpoint's Jinja template (the same one transformers uses), with

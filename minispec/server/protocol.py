@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..prompts import text_content
+from ..prompts import conversation
 from ..sampling import SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
@@ -112,13 +112,10 @@ def parse_completion(body: dict, context: int) -> Parsed:
 
 def parse_chat(body: dict, context: int, render) -> Parsed:
     check_fields(body, CHAT)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and text_content(m.get("content")) is not None
-            for m in messages):
-        raise ApiError("'messages' must be a non-empty list of {'role': str, 'content': str or a list of "
-                       "{'type': 'text', 'text': str} parts} objects", "messages")
-    messages = [{**m, "content": text_content(m["content"])} for m in messages]
+    try:
+        messages = conversation(body.get("messages"))
+    except ValueError as e:
+        raise ApiError(f"'messages': {e}", "messages") from None
     logprobs = number(body, "top_logprobs", int, 0, 0, MAX_LOGPROBS) if flag(body, "logprobs") else None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     prompt = render(messages, flag(body, "add_generation_prompt", True))
