@@ -3,7 +3,8 @@
 stream (`LLM.stream`, minispec's own) yields `StreamEvent`s as tokens are produced.
 
 finish_reason is vLLM's: "stop" (EOS, a stop string or a stop token; `stop_reason` says which:
-None for EOS, the string, or the token id), "length" (max_tokens or the context), "abort" (the
+None for the tokenizer's EOS, the string, or the token id, also for generation_config.json's other
+end tokens, as vLLM reports them), "length" (max_tokens or the context), "abort" (the
 call was closed), and "error" (the request failed: `RequestOutput.error` says why).
 """
 

@@ -368,6 +368,27 @@ def test_eos_is_every_end_the_checkpoint_declares(tiny_llama, tmp_path):
     assert (out2.finish_reason, out2.outputs[0].stop_reason) == ("stop", None) and out2.token_ids == out.token_ids[: first + 1]
 
 
+def test_an_end_token_beside_the_tokenizers_eos_is_reported_as_a_stop_token(tiny_llama, tmp_path):
+    """vLLM moves generation_config.json's end ids other than the tokenizer's EOS into
+    stop_token_ids: a request they end has stop_reason the id (it used to say None, as for EOS)."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, path)
+    out = LLM(model=str(path), kv_cache_gib=0.01).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_at = out.token_ids[2]
+    first = out.token_ids.index(stop_at)
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))  # id 1
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop_at, 1]}))
+    llm = LLM(model=str(path), kv_cache_gib=0.01)
+    assert llm.engine.eos_ids == [1, stop_at]  # the tokenizer's EOS first
+    ended = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert (ended.finish_reason, ended.outputs[0].stop_reason) == ("stop", stop_at)
+    assert ended.token_ids == out.token_ids[: first + 1] and ended.text == llm.tokenizer.decode(out.token_ids[:first])
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1]}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": llm.tokenizer.tok.id_to_token(stop_at)}))
+    ended = LLM(model=str(path), kv_cache_gib=0.01).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert (ended.finish_reason, ended.outputs[0].stop_reason) == ("stop", None)  # the tokenizer's own EOS
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_a_draft_padded_to_another_vocab_size_drafts(tiny_llama, checkpoint_factory, temperature):
     """Same tokenizer, embedding padded past it (Qwen2.5-0.5B vs -7B): used to be refused."""

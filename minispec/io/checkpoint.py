@@ -138,7 +138,7 @@ def load_checkpoint(
         state = read_safetensors(path)
         tokenizer = Tokenizer.from_dir(path, hf_config)
     cfg = ModelConfig.from_hf(hf_config)
-    cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + tokenizer.eos_token_ids))  # every declared end
+    cfg.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + cfg.eos_token_ids))  # every declared end, the tokenizer's EOS first
     # An int8 model's Linears are replaced (quant.Int8Linear): no CPU matmul is worth timing for it.
     model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, "linear" if quantization else None,
                         f"checkpoint {path}")

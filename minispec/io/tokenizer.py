@@ -52,11 +52,12 @@ class Tokenizer:
         def token_id(value) -> int | None:
             return None if token_text(value) is None else tok.token_to_id(token_text(value))
 
-        # Every declared end: Qwen2.5- and Llama-3-Instruct list their end-of-turn token only in
-        # generation_config.json, beside the end-of-text token config.json names.
-        eos_ids = as_id_list(gen.get("eos_token_id"), "generation_config.json eos_token_id")
+        # Every declared end, the tokenizer's own EOS first (what vLLM calls the EOS: stop_reason
+        # None; the others end a request as its stop tokens do). Qwen2.5- and Llama-3-Instruct list
+        # an end token only in generation_config.json, beside the one config.json names.
+        eos_ids = [] if token_id(tc.get("eos_token")) is None else [token_id(tc.get("eos_token"))]
+        eos_ids += as_id_list(gen.get("eos_token_id"), "generation_config.json eos_token_id")
         eos_ids += as_id_list((hf_config or {}).get("eos_token_id"), "config.json eos_token_id")
-        eos_ids += [] if token_id(tc.get("eos_token")) is None else [token_id(tc.get("eos_token"))]
         eos_ids = list(dict.fromkeys(eos_ids))  # unique, in order
         bos = (hf_config or {}).get("bos_token_id", token_id(tc.get("bos_token")))
         return cls(tok, eos_ids, bos, tc.get("chat_template"), token_text(tc.get("bos_token")), token_text(tc.get("eos_token")))

@@ -47,7 +47,7 @@ class ModelConfig:
     mlp_bias: bool = False
     dtype: torch.dtype = torch.float32  # the checkpoint's dtype
     bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)  # every end token; the first is THE EOS (the tokenizer's)
 
     def __post_init__(self) -> None:
         checks = {

@@ -75,14 +75,15 @@ class Sequence:
 
     def append(self, token: int, eos_ids: list[int], decode) -> bool:
         """Add one generated token and check stop conditions (none before min_tokens: vLLM's
-        rule). Returns True when the request is done.
+        rule). Returns True when the request is done. eos_ids: the model's end tokens, the EOS first.
 
         `decode(prompt_ids, ids) -> str` renders output ids as they read after the prompt
         (`Tokenizer.decode_after`), for stop-string matching."""
         self.output_ids.append(token)
         p = self.params
         if token in eos_ids and not p.ignore_eos:  # (min_tokens keeps EOS and stop tokens from being sampled early)
-            self.finish_reason = "stop"  # stop_reason None: EOS
+            self.finish_reason = "stop"  # stop_reason None: the EOS (eos_ids[0]); another end id is reported
+            self.stop_reason = None if token == eos_ids[0] else token  # as a stop token, as vLLM reports generation_config's
         elif token in p.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
         elif p.stop and len(self.output_ids) > p.min_tokens:
