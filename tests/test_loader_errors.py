@@ -220,6 +220,20 @@ def test_both_config_styles_parse_to_the_same_model_config(new_style, old_style)
     assert (new.rope_scaling is None) if kind == "default" else (new.rope_scaling["rope_type"] == kind)
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "type": "default", "factor": 2.0},
+                                     {"rope_type": "default", "type": "linear", "factor": 2.0},
+                                     {"type": "linear", "factor": 2.0}])
+def test_rope_type_wins_over_the_old_type_key_as_in_transformers(scaling):
+    """A legacy rope_scaling with both keys: transformers reads rope_type (a "default" type key
+    used to switch a linear scaling off here)."""
+    import transformers
+
+    hf = {**BASE, "rope_theta": 1234.0, "rope_scaling": scaling}
+    expected = transformers.LlamaConfig(**hf).rope_parameters["rope_type"]
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.rope_scaling or {"rope_type": "default"})["rope_type"] == expected
+
+
 def test_config_defaults_and_derived_fields():
     """Absent optional fields get HF's defaults: rope_theta 1e4, no scaling, MHA, fp32."""
     cfg = ModelConfig.from_hf({k: v for k, v in BASE.items() if k != "num_key_value_heads"})

@@ -141,7 +141,8 @@ def hf_rope(hf: dict) -> tuple[float, dict | None]:
     scaling = rope or hf.get("rope_scaling") or None
     if scaling is not None:
         scaling = dict(scaling)
-        scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+        old_name = scaling.pop("type", None)  # the key's pre-2024 name; "rope_type" wins, as in transformers
+        scaling["rope_type"] = scaling.get("rope_type") or old_name or "default"
         if scaling["rope_type"] == "default":
             scaling = None
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
