@@ -220,6 +220,14 @@ def test_both_config_styles_parse_to_the_same_model_config(new_style, old_style)
     assert (new.rope_scaling is None) if kind == "default" else (new.rope_scaling["rope_type"] == kind)
 
 
+def test_an_unsupported_head_dim_is_refused_at_load(checkpoint_factory):
+    """head_dim 24 (hidden 96 over 4 heads): refused by name when the model is built; it used to
+    load and fail at the first forward, inside the attention check."""
+    path = checkpoint_factory("llama", hidden_size=96)
+    with pytest.raises(ValueError, match="head_dim 24 is not supported"):
+        load(path)
+
+
 @pytest.mark.parametrize("scaling", [{"rope_type": "linear", "type": "default", "factor": 2.0},
                                      {"rope_type": "default", "type": "linear", "factor": 2.0},
                                      {"type": "linear", "factor": 2.0}])

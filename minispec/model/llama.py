@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minispec_kernels._checks import SUPPORTED_HEAD_DIMS
+
 from .attention import AttentionBackend
 from .metadata import BatchMetadata
 from .config import ModelConfig, rope_inv_freq
@@ -73,6 +75,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        if d not in SUPPORTED_HEAD_DIMS:  # refused at load, not at the first forward
+            raise ValueError(f"head_dim {d} is not supported by the attention kernels (supported: {SUPPORTED_HEAD_DIMS})")
         width = in_features or cfg.hidden_size
         self.q_proj = nn.Linear(width, hq * d, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(width, hkv * d, bias=cfg.qkv_bias)
