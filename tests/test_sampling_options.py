@@ -169,6 +169,8 @@ def test_a_chat_template_that_refuses_a_conversation_says_why(tiny_llama):
     with pytest.raises(ValueError, match="refuses this conversation: roles must start with user"):
         tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "x"
+    tok.chat_template = "y{{ messages[0]['content'] }}"  # compiled once per template: a new one takes effect
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "yhi"
 
 
 def test_a_chat_template_gets_bos_and_eos_and_its_text_no_extra_specials(tiny_llama):
