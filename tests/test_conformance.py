@@ -250,7 +250,7 @@ def test_a_built_head_for_another_target_is_refused_when_the_llm_is_made(tiny_ll
     ended every request."""
     target, tok = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
     head = load_eagle(tiny_llama_eagle, target)
-    other = load_checkpoint(checkpoint_factory(hidden_size=48, intermediate_size=96), dtype=torch.float32, device="cpu")
+    other = load_checkpoint(checkpoint_factory(hidden_size=128, intermediate_size=96), dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="hidden_size"):
         LLM(model=other, draft_model=head, kv_cache_gib=0.01)
     assert LLM(model=(target, tok), draft_model=head, kv_cache_gib=0.01).generate(PROMPTS[:1], GREEDY)[0].token_ids
