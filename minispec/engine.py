@@ -130,7 +130,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def _emit(self, seq: Sequence, token: int) -> bool:
-        return seq.append(token, self.eos_ids, self.tokenizer.decode_after)
+        return seq.append(token, self.eos_ids, self.tokenizer)
 
     def step(self) -> list[StepOutput]:
         """Run one batched step; returns what each scheduled sequence emitted (finished ones

@@ -281,5 +281,5 @@ def decoded(s: Sequence, start: int, tokenizer: Tokenizer) -> list[dict[int, Log
 
 def output_text(s: Sequence, tokenizer: Tokenizer) -> str:
     """The request's output text, cut before a matched stop string."""
-    text = tokenizer.decode_after(s.prompt_ids, s.output_ids[: s.text_ids_end])
+    text = s.text(tokenizer)
     return text if s.stop_text_end is None else text[: s.stop_text_end]

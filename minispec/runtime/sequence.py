@@ -10,6 +10,7 @@ import torch
 
 from ..outputs import Logprob
 from ..sampling import SamplingParams
+from .detokenizer import Decoder, IncrementalDetokenizer
 from .kv_cache import BlockTable
 from .metrics import RequestMetrics
 
@@ -44,6 +45,8 @@ class Sequence:
         self.error: str | None = None  # the message, when finish_reason is "error"
         self.stop_text_end: int | None = None  # output text is cut here when a stop string matched
         self.text_ids_end: int | None = None  # the text leaves out the last token (an EOS or stop token) when set
+        self.detokenizer = IncrementalDetokenizer()  # the output's text so far
+        self.stop_floor: int | None = None  # characters of the first min_tokens tokens' text (stop strings end past it)
         self.num_preemptions = 0
         self.metrics = RequestMetrics()
         self.logprobs: list[dict[int, Logprob]] = []  # per output token, when params.logprobs is set
@@ -73,12 +76,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append(self, token: int, eos_ids: list[int], decode) -> bool:
+    def append(self, token: int, eos_ids: list[int], tokenizer: Decoder) -> bool:
         """Add one generated token and check stop conditions (none before min_tokens: vLLM's
         rule). Returns True when the request is done. eos_ids: the model's end tokens, the EOS first.
 
-        `decode(prompt_ids, ids) -> str` renders output ids as they read after the prompt
-        (`Tokenizer.decode_after`), for stop-string matching."""
+        tokenizer: what renders the output's text, for stop-string matching."""
         self.output_ids.append(token)
         p = self.params
         if token in eos_ids and not p.ignore_eos:  # (min_tokens keeps EOS and stop tokens from being sampled early)
@@ -87,20 +89,28 @@ class Sequence:
         elif token in p.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
         elif p.stop and len(self.output_ids) > p.min_tokens:
-            self.match_stop_strings(decode)
+            self.match_stop_strings(tokenizer)
         if self.finish_reason == "stop" and self.stop_text_end is None and not p.include_stop_str_in_output:
             self.text_ids_end = len(self.output_ids) - 1  # vLLM leaves the stop token's text out
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
-    def match_stop_strings(self, decode) -> None:
+    def text(self, tokenizer: Decoder) -> str:
+        """The output's text so far, decoded incrementally (detokenizer.py): what the output ids add
+        after the prompt, less the last token's text when an EOS or a stop token ended the request."""
+        ids = self.output_ids if self.text_ids_end is None else self.output_ids[: self.text_ids_end]
+        return self.detokenizer.text(tokenizer, self.prompt_ids, ids)
+
+    def match_stop_strings(self, tokenizer: Decoder) -> None:
         """The earliest stop string in the output text that ends past the text of the first
         min_tokens tokens (vLLM's rule) ends the request; its text ends before the string, or after
         it with include_stop_str_in_output."""
         p = self.params
-        text = decode(self.prompt_ids, self.output_ids)
-        floor = len(decode(self.prompt_ids, self.output_ids[: p.min_tokens])) if p.min_tokens else 0
+        text = self.text(tokenizer)
+        if self.stop_floor is None:  # (called once the output is longer than min_tokens)
+            self.stop_floor = len(tokenizer.decode_after(self.prompt_ids, self.output_ids[: p.min_tokens])) if p.min_tokens else 0
+        floor = self.stop_floor
         hits = [(i, s) for i, s in ((text.find(s, max(0, floor - len(s) + 1)), s) for s in p.stop) if i >= 0]
         if hits:
             i, stop = min(hits)
