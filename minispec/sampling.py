@@ -126,7 +126,8 @@ def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[in
 
         repetition: l / r where l > 0, l * r otherwise, for tokens in prompt or output
         presence, frequency: l - presence * [count > 0] - frequency * count, counts over the output
-        min_tokens: EOS and stop_token_ids at -inf while the output is shorter than min_tokens
+        min_tokens: EOS (even with ignore_eos, as in vLLM) and stop_token_ids at -inf while the
+                    output is shorter than min_tokens
 
     A deterministic function of the row's history, so a draft and the target that apply it to the
     same history keep speculative sampling exact (the output law is the penalised target's)."""
@@ -148,7 +149,7 @@ def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[in
             counts = torch.bincount(torch.tensor(output, dtype=torch.int64, device=device), minlength=V)[:V]  # [V]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         if len(output) < p.min_tokens:
-            banned = [t for t in ([] if p.ignore_eos else list(eos_ids)) + list(p.stop_token_ids) if t < V]
+            banned = [t for t in list(eos_ids) + list(p.stop_token_ids) if t < V]  # EOS even with ignore_eos (vLLM)
             row[banned] = float("-inf")
     return out
 
