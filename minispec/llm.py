@@ -257,9 +257,9 @@ class _Call:
             full = output_text(s, tokenizer)
             end = len(full)
             if not finished:  # hold back what may still change: a partial UTF-8 character, a stop string's start
-                end = len(full.rstrip("\ufffd"))
+                end = len(full.rstrip("\ufffd"))  # (counted before it: the U+FFFD are no characters yet)
                 if s.params.stop:  # (never below what was sent: the output may be shorter than a stop string)
-                    end = min(end, len(full) - max(map(len, s.params.stop)) + 1)
+                    end -= max(map(len, s.params.stop)) - 1
             end = max(end, self.text_sent[k])
             text, self.text_sent[k] = full[self.text_sent[k] : end], end
         self.events.append(StreamEvent(i, new_ids, finished, logprobs, text, s.finish_reason if finished else None,

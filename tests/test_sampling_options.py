@@ -171,6 +171,17 @@ def test_min_tokens_keeps_eos_out_even_with_ignore_eos():
     assert penalize(torch.zeros(1, 4), rows)[0].tolist() == [0.0, float("-inf"), 0.0, 0.0]
 
 
+def test_a_stop_string_ending_in_a_split_character_is_never_streamed(tiny_llama):
+    """The hold-back for a stop string's start counted the U+FFFD of a character still arriving as
+    text, so it held back too little: 'm' of the stop string 'm9矕' was streamed, then the
+    request stopped before it (found in review)."""
+    llm = LLM(model=tiny_llama, kv_cache_gib=0.01)
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=39, ignore_eos=True, stop=["m9矕"])
+    final = llm.generate(["hello world"], params)[0]
+    assert (final.finish_reason, final.outputs[0].stop_reason) == ("stop", "m9矕")
+    assert "".join(e.new_text for e in llm.stream(["hello world"], params)) == final.text
+
+
 def test_a_chat_template_that_refuses_a_conversation_says_why(tiny_llama):
     from minispec import load_checkpoint
 
