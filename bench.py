@@ -20,9 +20,12 @@ the prompt-to-prompt variation of the speedup, since each round has its own prom
 
 Other columns: tokens/s over all rounds, acceptance rate (accepted / drafted), tokens per target
 step (bonus included), the measured cost of a target step of the row over a baseline decode step
-(`verify`: Leviathan et al.'s formula takes it as 1), the cost of one drafted token over a baseline
-decode step (`draft`), and the speedup Leviathan et al. (2023, eq. 1 and Thm 3.8) predict from the
-measured acceptance rate a and cost ratio c:
+(`verify`: Leviathan et al.'s formula takes it as 1; steps that fed a prompt are left out of both),
+the cost of one drafted token over a baseline decode step (`draft`), and the speedup Leviathan et
+al. (2023, eq. 1 and Thm 3.8) predict from the cost ratio c and the chance a that a draft is
+accepted, which their model takes as the same at every position until the first rejection, so
+a = accepted / (accepted + steps with a rejection) (its maximum-likelihood estimate; the
+acceptance rate accepted / drafted also counts the drafts after a rejection, never tried):
     E[tokens per step] = (1 - a^(k+1)) / (1 - a),  predicted speedup = E / (k c + 1).
 With --quantization int8, each row is also run with int8 target and draft weights (quant.py), in
 the same rounds and against the same baseline (the bench's dtype, plain decoding); those rows'
@@ -242,6 +245,10 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
         sync(device)
         outs = llm.generate(prompts, params)
         sync(device)
+        for o in outs:  # (ignore_eos: every request runs to max_tokens)
+            if o.finish_reason == "error" or len(o.token_ids) != params.max_tokens:
+                raise RuntimeError(f"{name}: a request ended after {len(o.token_ids)} of {params.max_tokens} tokens "
+                                   f"({o.finish_reason}{': ' + o.error if o.error else ''}); a failed run is no result")
         m = llm.last_metrics
         return Run(m.num_generated, m.wall_s, [o.token_ids for o in outs], m)
 
@@ -347,9 +354,20 @@ def run_vllm(target_dir, draft_dir, prompts, params, device) -> list[Row]:
 # ---------------------------------------------------------------------------------------------
 
 
+def target_step_time(m) -> float:
+    """One request's share of a target step of run metrics `m`, steps that fed a prompt left out
+    (every request's first, and its first after each preemption): the unit of verify and draft."""
+    return (m.target_s - m.prefill_s) / max(m.num_steps - m.num_requests - m.num_preemptions, 1)
+
+
 def step_time(arm: Arm) -> float:
-    """One request's share of a plain decode step of `arm` (the unit of the verify and draft costs)."""
-    return sum(r.metrics.target_s for r in arm.runs) / max(sum(r.metrics.num_steps for r in arm.runs), 1)
+    """One request's share of a plain decode step of `arm` (prefills left out)."""
+    from minispec.runtime.metrics import RunMetrics
+
+    total = RunMetrics()
+    for r in arm.runs:
+        total.merge(r.metrics)
+    return target_step_time(total)
 
 
 def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[int]]], label: str,
@@ -425,13 +443,14 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
         row.acceptance, row.accepted_per_step = total.acceptance_rate, total.mean_accepted_per_step
         row.per_position = [round(x, 3) for x in total.per_position_acceptance]
     if base_step_s:
-        row.verify_cost = row.target_s / max(steps, 1) / base_step_s
+        row.verify_cost = target_step_time(total) / base_step_s
         if arm.drafter != "none" and drafted:
             row.draft_cost = row.draft_s / drafted / base_step_s
+        a = total.num_accepted / max(total.num_accepted + total.num_rejected, 1)  # (see the module docstring)
         if arm.drafter in ("draft", "eagle"):  # fixed k only: the formula's assumption
-            row.predicted_speedup = predicted_speedup(row.acceptance, arm.k, row.draft_cost or 0.0)
+            row.predicted_speedup = predicted_speedup(a, arm.k, row.draft_cost or 0.0)
         elif arm.drafter == "ngram":
-            row.predicted_speedup = predicted_speedup(row.acceptance, arm.k, 0.0)
+            row.predicted_speedup = predicted_speedup(a, arm.k, 0.0)
     return row
 
 
@@ -690,8 +709,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a small check, well under a minute on CPU")
     ap.add_argument("--full", action="store_true", help="every drafter at every k, more rounds and tokens")
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
-    ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default: eagle,eagle-adaptive+lookup on CPU "
-                                       "(--quick: eagle,draft,ngram), all on GPU and with --full)")
+    ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default on CPU: eagle,eagle-tree,eagle-tree+lookup,"
+                                       "eagle-adaptive+lookup (--quick: eagle,draft,ngram); on GPU and with --full: draft,adaptive,"
+                                       "eagle,eagle-adaptive,eagle+lookup,eagle-adaptive+lookup,eagle-tree,eagle-tree+lookup,draft-tree,ngram)")
     ap.add_argument("--ks", help="comma-separated draft lengths of the draft model (default: 2 on CPU, 1,2,4,6,8 on GPU and with --full)")
     ap.add_argument("--eagle", type=Path,
                     help=f"EAGLE-3 head directory for the eagle drafter (default: {DEFAULT_EAGLE.relative_to(ROOT)})")
@@ -714,7 +734,7 @@ def parse_args(argv=None):
     ap.add_argument("--modes", help="greedy and/or sampled (temperature 0.7, top-p 0.95) (default: both; --quick: greedy)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="weights and activations (auto: bfloat16 on GPU; on CPU whichever of float32 and bfloat16 "
-                         "decodes and verifies faster, timed at start)")
+                         "verifies k+1 tokens faster, timed at start)")
     ap.add_argument("--quantization", choices=["int8"],
                     help="also run every row with int8 weights (target and draft; quant.py) in the same paired rounds, "
                          "against the same baseline")

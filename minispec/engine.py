@@ -37,6 +37,7 @@ class StepOutput:
     finished: bool
     drafted: list[int]  # the step's draft tokens for seq (empty without a drafter)
     num_accepted: int  # how many of them the target accepted: new_token_ids[:num_accepted] are drafts
+    num_drafted: int = 0  # positions the step drafted: len(drafted) for a chain, the depth of a tree
 
 
 class LLMEngine:
@@ -144,7 +145,7 @@ class LLMEngine:
         verdicts = step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
         now = time.perf_counter()  # the step's tokens are on the host: TTFT / TPOT stamps
         outputs = []
-        for s, n, (drafted, num_accepted) in zip(seqs, before, verdicts):
+        for s, n, (drafted, num_accepted, num_drafted) in zip(seqs, before, verdicts):
             done = s.finish_reason is not None
             if n == 0 and s.output_ids:
                 s.metrics.first_token_s, s.metrics.first_step_tokens = now, len(s.output_ids)
@@ -152,7 +153,7 @@ class LLMEngine:
                 if s.finish_reason != "error":  # a failed request has no TPOT
                     s.metrics.finish_s = now
                 self.scheduler.finish(s)
-            outputs.append(StepOutput(s, s.output_ids[n:], done, drafted, num_accepted))
+            outputs.append(StepOutput(s, s.output_ids[n:], done, drafted, num_accepted, num_drafted))
         return outputs
 
     def catch_up(self, seqs: list[Sequence]) -> None:
@@ -176,7 +177,8 @@ class LLMEngine:
         """Totals over seqs; draft / target times are the engine's since `since` (a copy of
         self.times taken earlier), so they include steps of other requests run meanwhile."""
         since = since or StepTimes()
-        m = RunMetrics(draft_s=self.times.draft_s - since.draft_s, target_s=self.times.target_s - since.target_s, wall_s=wall_s)
+        m = RunMetrics(draft_s=self.times.draft_s - since.draft_s, target_s=self.times.target_s - since.target_s,
+                       prefill_s=self.times.prefill_s - since.prefill_s, wall_s=wall_s)
         for s in seqs:
             m.add(s.metrics, len(s.output_ids))
         m.num_preemptions = sum(s.num_preemptions for s in seqs)

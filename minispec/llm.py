@@ -264,7 +264,7 @@ class _Call:
             text, self.text_sent[k] = full[self.text_sent[k] : end], end
         self.events.append(StreamEvent(i, new_ids, finished, logprobs, text, s.finish_reason if finished else None,
                                        s.error if finished else None, s.stop_reason if finished else None,
-                                       out.drafted, out.num_accepted, j, s.metrics if finished else None))
+                                       out.drafted, out.num_accepted, j, s.metrics if finished else None, out.num_drafted))
 
 
 def decoded(s: Sequence, start: int, tokenizer: Tokenizer) -> list[dict[int, Logprob]]:

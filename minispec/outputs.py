@@ -94,3 +94,5 @@ class StreamEvent:
     num_accepted: int = 0
     completion_index: int = 0  # which of the request's n completions (SamplingParams.n)
     metrics: RequestMetrics | None = None  # the request's counters and timings, on its last event
+    num_drafted: int = 0  # positions the step drafted: len(drafted) for a chain; for a tree (whose
+    # `drafted` shows the taken branch and the first rejected child) its depth, as RequestMetrics counts

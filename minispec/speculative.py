@@ -52,9 +52,10 @@ from .sampling import penalize, sample, warp_probs
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
-                     emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[tuple[list[int], int]]:
+                     emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[tuple[list[int], int, int]]:
     """Advance every sequence by one draft-verify-accept step (plain decoding with `NoDrafter`).
-    Returns, per sequence, the tokens drafted for it and how many the target accepted.
+    Returns, per sequence, the tokens drafted for it, how many the target accepted, and how many
+    positions were drafted (here: all of those tokens; a tree's step counts its depth).
 
     `emit(seq, token) -> bool` appends a token and says whether seq finished.
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1.
@@ -63,7 +64,7 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     with times.timing("draft_s", target.device):
         proposal = drafter.propose(seqs, [min(k, s.remaining - 1) for s in seqs])
 
-    with times.timing("target_s", target.device):
+    with times.timing("target_s", target.device, also=prefill_part(seqs)):
         # 2. Verify: ONE target forward feeds each sequence its uncached tokens plus its drafts and
         # returns logits for the last n+1 positions [sum(n_b + 1), V] (and the target's features
         # at every fed position, for a drafter that reads them).
@@ -92,7 +93,7 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     if hidden is not None:
         drafter.observe(seqs, starts, [len(f.tokens) for f in feeds], hidden)
     drafter.rollback(seqs)
-    return list(zip(proposal.tokens, num_accepted))
+    return [(d, n, len(d)) for d, n in zip(proposal.tokens, num_accepted)]
 
 
 # --- 3. The accept / reject rule ----------------------------------------------------------------
@@ -224,6 +225,12 @@ def penalized(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]
     if not any(s.params.adjusts_logits for s in seqs):
         return logits
     return penalize(logits, [s.penalty_row(d[:j]) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)])
+
+
+def prefill_part(seqs: list[Sequence]) -> str | None:
+    """"prefill_s" when this step feeds some sequence its prompt (nothing of it cached: a new or
+    a recomputed request), for StepTimes: a decode step's cost is measured without such steps."""
+    return "prefill_s" if any(s.target_table.num_cached == 0 for s in seqs) else None
 
 
 def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -20,11 +20,12 @@ from .outputs import StreamEvent
 
 @dataclass
 class Step:
-    drafted: list[int]
+    drafted: list[int]  # as shown: a tree's taken branch and its first rejected child
     num_accepted: int
     emitted: list[int]
     drafted_text: list[str]
     emitted_text: list[str]
+    num_drafted: int = 0  # positions drafted, as counted (a tree: its depth)
 
     @property
     def kind(self) -> str:
@@ -50,7 +51,7 @@ class RequestTrace:
 
         if event.new_token_ids or event.drafted:
             self.steps.append(Step(list(event.drafted), event.num_accepted, list(event.new_token_ids),
-                                   pieces(event.drafted), pieces(event.new_token_ids)))
+                                   pieces(event.drafted), pieces(event.new_token_ids), event.num_drafted))
         self.text += event.new_text
         if event.finished:
             self.finish_reason, self.error = event.finish_reason, event.error
@@ -59,7 +60,7 @@ class RequestTrace:
         """(accepted, drafted) for draft positions 1, 2, ..."""
         counts: list[list[int]] = []
         for s in self.steps:
-            for i in range(len(s.drafted)):
+            for i in range(s.num_drafted):
                 if i == len(counts):
                     counts.append([0, 0])
                 counts[i][1] += 1
@@ -104,7 +105,7 @@ def write_html(path: Path, traces: list[RequestTrace], title: str) -> None:
            '<p class="legend">' + tok("accepted draft", "acc") + tok("target's own token (replacement or bonus)", "own")
            + tok("rejected draft", "rej") + "</p>"]
     for r, t in enumerate(traces):
-        drafted = sum(len(s.drafted) for s in t.steps)
+        drafted = sum(s.num_drafted for s in t.steps)
         accepted = sum(min(s.num_accepted, len(s.emitted)) for s in t.steps)
         emitted = sum(len(s.emitted) for s in t.steps)
         out.append(f"<h2>Request {r}</h2><p><b>Prompt</b></p><div class='text'>{html.escape(t.prompt)}</div>")

@@ -221,6 +221,53 @@ def test_paired_rounds_cancel_a_linear_drift():
     assert len(peer.ratios) == 6 and peer.decode_ratios == []
 
 
+def synthetic_run(steps: int, accepted_per_step: list[int], k: int, prefill_s: float, step_s: float):
+    """One batch-1 request: a prefill step, then `steps` verification steps of step_s each that
+    drafted k tokens and accepted accepted_per_step[i] of them."""
+    from minispec.runtime.metrics import RequestMetrics, RunMetrics
+
+    r = RequestMetrics()
+    r.record(0, 0)  # the prefill step drafts nothing
+    for i in range(steps):
+        r.record(k, accepted_per_step[i % len(accepted_per_step)])
+    m = RunMetrics(target_s=prefill_s + steps * step_s, prefill_s=prefill_s, wall_s=prefill_s + steps * step_s)
+    m.add(r, num_generated=steps)
+    return bench.Run(tokens=steps, wall_s=m.wall_s, outputs=[[1] * steps], metrics=m)
+
+
+def test_verify_cost_leaves_prefill_out_and_pred_uses_the_chance_of_one_acceptance():
+    """A verification that costs exactly one decode step reads 1.00 whatever the prefill costs (it
+    read 1.03 with a prefill of 3 decode steps, 1.16 with 12, since a speculative row has fewer
+    steps to spread the prefill over); Leviathan's prediction takes a = accepted / (accepted +
+    rejections), the chance one draft is accepted (it took accepted / drafted: 0.18 for a = 0.42)."""
+    base = bench.Arm("autoregressive", "none", 0, None)
+    base.runs = [synthetic_run(64, [0], 0, prefill_s=12.0, step_s=1.0)]
+    arm = bench.Arm("eagle k=4", "eagle", 4, None)
+    arm.runs, arm.ratios = [synthetic_run(32, [0, 1, 2, 4], 4, prefill_s=12.0, step_s=1.0)], [1.5] * 6
+    row = bench.summarize(arm, "greedy", 1, bench.step_time(base), torch.device("cpu"), torch.float32)
+    assert bench.step_time(base) == pytest.approx(1.0) and row.verify_cost == pytest.approx(1.0)
+    a = 7 / (7 + 3)  # per 4 steps: 0 + 1 + 2 + 4 accepted, 3 steps with a rejection (one accepted all 4)
+    assert row.predicted_speedup == pytest.approx(bench.predicted_speedup(a, 4, row.draft_cost))
+
+
+def test_a_cut_short_request_is_no_result(tiny_llama, monkeypatch):
+    """A speculative run whose request ended early (an error, say) used to count as a round, and its
+    shorter output passed the greedy check as identical."""
+    import dataclasses
+
+    from minispec import LLM, SamplingParams, load_checkpoint
+
+    args = bench.parse_args(["--quick", "--target", str(tiny_llama), "--drafters", "ngram"])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    target = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
+    arm = bench.minispec_arm(target, None, "ngram", 2, params, 1, args, torch.device("cpu"), [1, 2, 3])
+    assert len(arm.run([[1, 2, 3]]).outputs[0]) == 6
+    generate = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, p: generate(self, prompts, dataclasses.replace(p, max_tokens=3)))
+    with pytest.raises(RuntimeError, match="ended after 3 of 6 tokens .length.; a failed run is no result"):
+        arm.run([[1, 2, 3]])
+
+
 def test_divergence_check_tells_rounding_ties_from_mismatches(tiny_llama):
     """check_divergences excuses a divergence only where the target rates both tokens within the
     tolerance: the runner-up at a tolerance just above its gap is a tie; the least likely token,

@@ -79,3 +79,30 @@ def test_runs_merge_as_their_requests_would_add():
     second.add(reqs[1], 3)
     first.merge(second)
     assert first == one
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_streams_servers_and_traces_count_drafts_as_the_run_does(tiny_llama, tiny_llama_draft, tree):
+    """A tree step's event shows its taken branch and first rejected child, but counts the tree's
+    depth as drafted, as RequestMetrics does; the server and the trace used to count the shown
+    tokens, so a tree's acceptance rate differed by where it was read (0.364 against 0.267)."""
+    from minispec import LLM, SamplingParams
+    from minispec.server.protocol import accumulate
+    from minispec.trace import RequestTrace
+
+    options = dict(draft_tree_budget=6, draft_tree_top_k=2) if tree else {}
+    llm = LLM(model=str(tiny_llama), draft_model=str(tiny_llama_draft), num_speculative_tokens=3, kv_cache_gib=0.01, **options)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    events = list(llm.stream([[1, 2, 3, 4], [5, 6, 7]], params))
+    run = llm.last_metrics
+    choices, traces = {}, [RequestTrace(""), RequestTrace("")]
+    for e in events:
+        accumulate(choices, e)
+        traces[e.index].add(e, llm.tokenizer)
+    assert run.num_drafted > 0 and run.num_accepted < run.num_drafted
+    assert sum(c["drafted"] for c in choices.values()) == run.num_drafted
+    assert sum(c["accepted"] for c in choices.values()) == run.num_accepted
+    by_position = [tuple(map(sum, zip(*counts))) for counts in zip(*(t.acceptance_by_position() for t in traces))]
+    assert by_position == list(zip(run.accepted_per_position + [0] * 8, run.drafted_per_position))
+    if tree:
+        assert any(len(e.drafted) != e.num_drafted for e in events)  # what is shown is not what is counted

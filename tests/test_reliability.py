@@ -319,15 +319,15 @@ def test_non_finite_rows_past_the_first_rejection_change_nothing(temperature):
         seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16, "cpu")
         target = ScriptedTarget(vocab=32, best=best, nan_after_draft=True)
         verdicts = speculative_step([seq], target, ProposeAlways([9, 9, 9]), 3,
-                                    lambda s, t: s.append(t, [], lambda ids: ""), StepTimes())
+                                    lambda s, t: s.append(t, [], None), StepTimes())
         return seq, verdicts
 
     seq, verdicts = run(best=4)
     assert seq.finish_reason is None and seq.output_ids == [4]  # (at 0.8, p(4) = 0.9986 and the seed is fixed)
-    assert verdicts == [([9], 0)]  # the drafts past the first non-finite row were dropped
+    assert verdicts == [([9], 0, 1)]  # the drafts past the first non-finite row were dropped
     seq, verdicts = run(best=9)
     assert seq.output_ids == [9] and seq.finish_reason == "error" and "position 4" in seq.error
-    assert verdicts == [([9], 1)]
+    assert verdicts == [([9], 1, 1)]
 
 
 def nan_draft(path):

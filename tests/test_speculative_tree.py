@@ -619,12 +619,12 @@ def test_non_finite_node_rows_the_walk_never_reaches_change_nothing(temperature)
         seq = Sequence(0, [1, 2, 3], SP(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16, "cpu")
         target = ScriptedTarget(vocab=32, best=best, nan_after_draft=True)
         target.cache.copy_slots = lambda src, dst: None  # no K/V here (and no path moves: 9 is node 0)
-        verdicts = tree_step([seq], target, FixedTree(), 3, lambda s, t: s.append(t, [], lambda ids: ""), StepTimes())
+        verdicts = tree_step([seq], target, FixedTree(), 3, lambda s, t: s.append(t, [], None), StepTimes())
         return seq, verdicts
 
     seq, verdicts = run(best=4)
     assert seq.finish_reason is None and seq.output_ids == [4]
-    assert verdicts == [([9], 0)]  # nothing accepted; the draft's first choice reported
+    assert verdicts == [([9], 0, 2)]  # nothing accepted; the draft's first choice reported; depth 2 counted
     seq, verdicts = run(best=9)
     assert seq.output_ids == [9] and seq.finish_reason == "error" and "position 4" in seq.error
-    assert verdicts == [([9, 12], 1)]
+    assert verdicts == [([9, 12], 1, 2)]

@@ -1,8 +1,12 @@
-"""Speculative-decoding metrics, per request and per run (vLLM's definitions).
+"""Speculative-decoding metrics, per request and per run.
 
-acceptance rate            = accepted draft tokens / drafted tokens
-mean accepted per step     = tokens emitted per target forward = 1 + accepted / steps
+acceptance rate            = accepted draft tokens / drafted tokens (vLLM's)
+mean accepted per step     = tokens emitted per target forward = 1 + accepted / steps, over EVERY
+                             target step (vLLM's mean acceptance length divides by the steps that
+                             drafted; the server's /metrics reports that one)
 per-position acceptance[i] = steps whose i-th draft was accepted / steps that drafted an i-th token
+                             (vLLM divides by the steps that drafted at all: the same at a fixed k)
+A tree step counts its depth as drafted and its accepted path as accepted (speculative_tree.py).
 TTFT (time to first token) = first token's time - the request's arrival (queueing and prefill)
 TPOT (time per output token) = (finish - first token) / (tokens emitted after the step that
                              emitted the first): the decode speed a request sees, which speculation
@@ -34,6 +38,7 @@ class RequestMetrics:
     num_steps: int = 0  # target forward passes
     num_drafted: int = 0
     num_accepted: int = 0
+    num_rejected: int = 0  # steps in which the target rejected a draft (accepted < drafted)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     arrival_s: float | None = None  # time.perf_counter() when the request was added
@@ -45,6 +50,7 @@ class RequestMetrics:
         self.num_steps += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
+        self.num_rejected += num_accepted < num_drafted
         for counts, n in ((self.drafted_per_position, num_drafted), (self.accepted_per_position, num_accepted)):
             counts.extend([0] * (n - len(counts)))
             for i in range(n):
@@ -85,6 +91,7 @@ class RunMetrics(RequestMetrics):
     num_preemptions: int = 0
     draft_s: float = 0.0  # time in the drafter (proposals, catch-up)
     target_s: float = 0.0  # time in target verification and rejection sampling
+    prefill_s: float = 0.0  # the part of target_s in steps that fed some request its prompt
     wall_s: float = 0.0
     ttft_sum_s: float = 0.0  # over the requests that have a TTFT ...
     num_ttft: int = 0
@@ -105,7 +112,7 @@ class RunMetrics(RequestMetrics):
     def merge(self, other: "RunMetrics") -> None:
         """Add another run's totals in (bench.py sums its rounds so)."""
         self._add_counts(other)
-        for name in ("num_requests", "num_generated", "num_preemptions", "draft_s", "target_s", "wall_s",
+        for name in ("num_requests", "num_generated", "num_preemptions", "draft_s", "target_s", "prefill_s", "wall_s",
                      "ttft_sum_s", "num_ttft", "tpot_sum_s", "num_tpot"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -113,6 +120,7 @@ class RunMetrics(RequestMetrics):
         self.num_steps += r.num_steps
         self.num_drafted += r.num_drafted
         self.num_accepted += r.num_accepted
+        self.num_rejected += r.num_rejected
         for mine, theirs in ((self.drafted_per_position, r.drafted_per_position), (self.accepted_per_position, r.accepted_per_position)):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, n in enumerate(theirs):
@@ -148,6 +156,7 @@ class RunMetrics(RequestMetrics):
             "mean_tpot_ms": None if self.mean_tpot_s is None else round(self.mean_tpot_s * 1e3, 2),
             "draft_s": round(self.draft_s, 4),
             "target_s": round(self.target_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
             "wall_s": round(self.wall_s, 4),
             "preemptions": self.num_preemptions,
         }
@@ -155,17 +164,22 @@ class RunMetrics(RequestMetrics):
 
 @dataclass
 class StepTimes:
-    """Seconds spent drafting and in the target (verification), summed over steps."""
+    """Seconds spent drafting and in the target (verification), summed over steps; prefill_s:
+    the part of target_s in steps that fed some sequence its prompt (a decode step's cost is
+    (target_s - prefill_s) over the other steps)."""
 
     draft_s: float = 0.0
     target_s: float = 0.0
+    prefill_s: float = 0.0
 
     @contextmanager
-    def timing(self, part: str, device: torch.device):
-        """Add the block's wall time to `part` ("draft_s" or "target_s"); on CUDA the device's
-        queued work is waited for first, so the time is the work's, not its launch's."""
+    def timing(self, part: str, device: torch.device, also: str | None = None):
+        """Add the block's wall time to `part` ("draft_s" or "target_s"), and to `also` if given;
+        on CUDA the device's queued work is waited for first, so the time is the work's, not its
+        launch's."""
         start = time.perf_counter()
         yield
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        setattr(self, part, getattr(self, part) + time.perf_counter() - start)
+        for name in (part, also) if also else (part,):
+            setattr(self, name, getattr(self, name) + time.perf_counter() - start)

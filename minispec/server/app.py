@@ -195,7 +195,7 @@ class Server:
                     break
                 index = event.index * n + event.completion_index
                 tokens[index] = tokens.get(index, 0) + len(event.new_token_ids)
-                speculative["draft_tokens"] += len(event.drafted)
+                speculative["draft_tokens"] += event.num_drafted
                 speculative["accepted_tokens"] += event.num_accepted
                 logprobs = (logprobs_json(event.new_logprobs, event.new_token_ids, parsed.chat, parsed.logprobs or 0,
                                           offsets.get(index, 0))

@@ -84,14 +84,14 @@ class ServerMetrics:
             self.tokens_per_step.labels(**L).observe(n)
             if since_last_s is not None:
                 self.itl.labels(**L).observe(since_last_s)
-        if e.drafted:
+        if e.num_drafted:
             self.drafts.labels(**L).inc()
-            self.draft_tokens.labels(**L).inc(len(e.drafted))
+            self.draft_tokens.labels(**L).inc(e.num_drafted)
             self.accepted.labels(**L).inc(e.num_accepted)
             for i in range(e.num_accepted):
                 self.per_pos.labels(**L, position=str(i)).inc()
         with self.lock:
-            self.recent.append((time.time(), int(bool(e.drafted)), len(e.drafted), e.num_accepted, e.num_accepted, n, 0))
+            self.recent.append((time.time(), int(bool(e.num_drafted)), e.num_drafted, e.num_accepted, e.num_accepted, n, 0))
         if e.finished:
             self.success.labels(**L, finished_reason=e.finish_reason or "abort").inc()
             m = e.metrics

@@ -169,7 +169,7 @@ def accumulate(choices: dict, event) -> None:
     c["text"] += event.new_text
     c["tokens"] += event.new_token_ids
     c["logprobs"] += event.new_logprobs or []
-    c["drafted"] += len(event.drafted)
+    c["drafted"] += event.num_drafted
     c["accepted"] += event.num_accepted
     if event.finished:
         c["finish_reason"], c["stop_reason"] = event.finish_reason, event.stop_reason
