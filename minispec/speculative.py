@@ -278,7 +278,8 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
 
 
 def with_sampled(top: dict[int, Logprob], row: torch.Tensor, token: int) -> dict[int, Logprob]:
-    """The top entries plus the sampled token's (its rank: 1 + the tokens strictly more likely)."""
+    """The top entries plus the sampled token's; its rank is vLLM's: the tokens at least as likely,
+    itself and its ties included (a top entry keeps its place in the top)."""
     if token in top:
         return dict(top)
-    return {**top, token: Logprob(row[token].item(), int((row > row[token]).sum()) + 1)}
+    return {**top, token: Logprob(row[token].item(), int((row >= row[token]).sum()))}

@@ -182,6 +182,18 @@ def test_a_stop_string_ending_in_a_split_character_is_never_streamed(tiny_llama)
     assert "".join(e.new_text for e in llm.stream(["hello world"], params)) == final.text
 
 
+def test_a_sampled_tokens_rank_counts_its_ties_as_vllm_does():
+    """vLLM ranks a sampled token outside the top entries by the tokens at least as likely (bf16
+    logits tie often); it was 1 + those strictly more likely."""
+    from minispec.outputs import Logprob
+    from minispec.speculative import with_sampled
+
+    row = torch.tensor([-0.5, -1.0, -2.0, -2.0, -3.0])
+    top = {0: Logprob(-0.5, 1)}
+    assert with_sampled(top, row, 3)[3].rank == 4 and with_sampled(top, row, 4)[4].rank == 5
+    assert with_sampled(top, row, 0)[0].rank == 1
+
+
 def test_a_chat_template_that_refuses_a_conversation_says_why(tiny_llama):
     from minispec import load_checkpoint
 
