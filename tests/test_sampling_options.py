@@ -26,7 +26,11 @@ def llms(tiny_llama, tiny_llama_draft, tiny_llama_eagle):
             "draft": LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, **common),
             "ngram": LLM(model=tiny_llama, draft_model="ngram", num_speculative_tokens=3, **common),
             "eagle": LLM(model=tiny_llama, draft_model=tiny_llama_eagle, num_speculative_tokens=3,
-                         prompt_lookup_min=2, **common)}
+                         prompt_lookup_min=2, **common),
+            "eagle-tree": LLM(model=tiny_llama, draft_model=tiny_llama_eagle, num_speculative_tokens=3,
+                              draft_tree_budget=6, draft_tree_top_k=2, **common),
+            "self-tree": LLM(model=tiny_llama, draft_model=tiny_llama, num_speculative_tokens=3,  # long accepted paths
+                             draft_tree_budget=8, draft_tree_top_k=3, **common)}
 
 
 @pytest.mark.parametrize("params", [
@@ -39,7 +43,7 @@ def test_penalised_greedy_output_is_plain_decodings_with_every_drafter(llms, par
     unpenalised = [o.token_ids for o in llms["none"].generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16,
                                                                                        ignore_eos=True))]
     assert plain != unpenalised  # the penalties do change the greedy path here
-    for name in ("draft", "ngram", "eagle"):
+    for name in ("draft", "ngram", "eagle", "eagle-tree", "self-tree"):  # (trees: each node's row by its own path)
         assert [o.token_ids for o in llms[name].generate(PROMPTS, params)] == plain, name
 
 

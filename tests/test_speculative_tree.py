@@ -2,12 +2,15 @@
 
 1. The rule, by exact enumeration of the real `walk_one`: its coins are scripted objects that
    record each acceptance threshold and branch both ways, so every outcome of one tree step is
-   enumerated with its exact probability. For every node v (the root included) and token x:
-       P(the walk reaches v and emits x right after it) = P_target(path to v) * p_v(x),
+   enumerated with its exact probability (each node's uniform may be compared once: a walk that
+   reuses one, whose comparisons would not be independent, fails loudly). For every node v (the
+   root included) and token x:
+       P(the emitted tokens start with v's path, then x) = P_target(path to v) * p_v(x),
    which is the target's law for the step's emitted tokens (the next token after v is x with
    p_v(x), for every v the walk can reach). Checked for several tree shapes (repeated siblings
-   included), temperatures, top-k and top-p, to float tolerance; two wrong rules are shown to
-   fail the same check (power).
+   included: nodes with the same path get the same row, as a real target gives them),
+   temperatures, top-k and top-p, to float tolerance; four wrong rules are shown to fail the
+   same check (power).
 2. The whole pipeline, statistically: LLM.generate with trees grown by the EAGLE head and by a
    draft model, the chi-square harness of test_speculative_statistical.py (ALPHA = 1e-3,
    N = 2000 seeded requests, the same exact law by enumeration); planted mutants (the residual
@@ -55,13 +58,18 @@ SP = SamplingParams
 
 
 class Coin:
-    """A uniform whose comparison `coin < threshold` is scripted: it records the threshold and
-    answers what the enumeration's tape says (False past the tape's end)."""
+    """A node's uniform whose comparison `coin < threshold` is scripted: it records the threshold
+    and answers what the enumeration's tape (shared by the step's coins, one entry per comparison)
+    says (False past the tape's end). Comparisons of different coins are independent; a second
+    comparison of the same coin would not be, so it is refused."""
 
     def __init__(self, tape: list[bool], seen: list[float]):
-        self.tape, self.seen = tape, seen
+        self.tape, self.seen, self.used = tape, seen, False
 
     def __lt__(self, threshold: float) -> bool:
+        if self.used:
+            raise AssertionError("a node's uniform was compared twice: the walk's tests are not independent")
+        self.used = True
         i = len(self.seen)
         self.seen.append(float(threshold))
         return self.tape[i] if i < len(self.tape) else False
@@ -92,9 +100,16 @@ def enumerate_step(tree: DraftTree, probs: torch.Tensor, walk=walk_one) -> dict[
 
 
 def check_target_law(tree: DraftTree, probs: torch.Tensor, law: dict[tuple[int, ...], float]) -> float:
-    """Largest |P(reach v, emit x after v) - P_target(path v) p_v(x)| over nodes v and tokens x."""
+    """Largest |P(emit v's path, then x) - P_target(path v) p_v(x)| over the nodes v a walk can
+    pass (not a sibling repeating an earlier sibling's token, whose path that sibling already
+    takes, nor a node below one) and tokens x."""
     worst = 0.0
-    for node in range(-1, len(tree)):
+    passable = {-1}
+    for i, parent in enumerate(tree.parents):  # parents first
+        earlier = [c for c in tree.children()[parent + 1] if c < i]
+        if parent in passable and all(tree.tokens[c] != tree.tokens[i] for c in earlier):
+            passable.add(i)
+    for node in sorted(passable):
         path = tree.path_tokens(node)
         chance = math.prod(float(probs[(tree.parents[i] + 1), tree.tokens[i]]) for i in ancestors(tree, node))
         for x in range(probs.shape[1]):
@@ -112,10 +127,14 @@ def ancestors(tree: DraftTree, node: int) -> list[int]:
     return out[::-1]
 
 
-def reachable_tree(tree: DraftTree) -> bool:
-    """No two siblings' paths give the same tokens (else 'reach v' is ambiguous in the check)."""
-    paths = [tuple(tree.path_tokens(i)) for i in range(len(tree))]
-    return len(set(paths)) == len(paths)
+def same_row_for_same_path(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
+    """probs with every node's row replaced by the first row of a node with the same path tokens
+    (repeated siblings): a target's next-token law depends on the tokens before, not on the node."""
+    first: dict[tuple[int, ...], int] = {}
+    out = probs.clone()
+    for i in range(len(tree)):
+        out[i + 1] = out[first.setdefault(tuple(tree.path_tokens(i)), i) + 1]
+    return out
 
 
 TREES = {
@@ -136,15 +155,10 @@ def test_one_tree_step_emits_the_target_law_exactly(name, params):
     gen = torch.Generator().manual_seed(len(name))
     logits = 2.0 * torch.randn(len(tree) + 1, 5, generator=gen)  # V = 5: the target puts mass off the tree
     probs = warp_probs(logits, [params] * (len(tree) + 1)).double()
-    probs = probs / probs.sum(-1, keepdim=True)  # rows that sum to 1 in fp64, so 1e-9 can be asked
+    probs = same_row_for_same_path(tree, probs / probs.sum(-1, keepdim=True))  # rows summing to 1 in fp64: 1e-9 can be asked
     law = enumerate_step(tree, probs)
     assert abs(sum(law.values()) - 1) < 1e-9
-    if name == "repeated siblings":  # 'reach v' is ambiguous there: check the first emitted token's law
-        first = [sum(pr for out, pr in law.items() if out[0] == x) for x in range(5)]
-        torch.testing.assert_close(torch.tensor(first, dtype=torch.float64), probs[0], atol=1e-9, rtol=0)
-    else:
-        assert reachable_tree(tree)
-        assert check_target_law(tree, probs, law) < 1e-9
+    assert check_target_law(tree, probs, law) < 1e-9
 
 
 def residual_not_updated(tree, node_p, totals, u, finite):
@@ -177,6 +191,48 @@ def specinfer_with_q(q: torch.Tensor):
 PROBS_FOR_MUTANT: dict = {}
 
 
+def one_uniform_per_level(tree, node_p, totals, u, finite):
+    """Mutant: every sibling tested against the first child's uniform (the rule otherwise right)."""
+    shared = [u[tree.children()[tree.parents[c] + 1][0]] for c in range(len(tree))]
+    return walk_one(tree, node_p, totals, shared, finite)
+
+
+def repeats_rejected_at_the_root_only(tree, node_p, totals, u, finite):
+    """Mutant: a sibling repeating a rejected token is skipped (p 0) among the root's children only;
+    below the root it is tested again with its full p."""
+    children, path, node = tree.children(), [], -1
+    while True:
+        mass, rejected, accepted = totals[node + 1], [], None
+        for c in children[node + 1]:
+            p_c = 0.0 if node < 0 and tree.tokens[c] in rejected else node_p[c]
+            if mass > 0 and u[c] < p_c / mass:
+                accepted = c
+                break
+            rejected.append(tree.tokens[c])
+            mass -= p_c
+        if accepted is None:
+            return path, rejected, False
+        path.append(accepted)
+        node = accepted
+
+
+def test_a_reused_uniform_and_repeats_handled_at_the_root_only_fail_too():
+    """Power, for the two gaps a review found: a walk testing siblings against one uniform (its
+    tests are not independent; the enumeration used to count them as if they were, and passed
+    it) and repeated siblings handled at the root only (only the first token's law was checked
+    on repeated siblings, which it passes)."""
+    tree = TREES["repeated siblings"]
+    probs = warp_probs(2.0 * torch.randn(len(tree) + 1, 5, generator=torch.Generator().manual_seed(4)),
+                       [SP(temperature=1.0)] * (len(tree) + 1)).double()
+    probs = same_row_for_same_path(tree, probs / probs.sum(-1, keepdim=True))
+    with pytest.raises(AssertionError, match="compared twice"):
+        enumerate_step(TREES["star"], probs[:5], walk=one_uniform_per_level)
+    wrong = enumerate_step(tree, probs, walk=repeats_rejected_at_the_root_only)
+    first = [sum(pr for out, pr in wrong.items() if out[0] == x) for x in range(5)]
+    torch.testing.assert_close(torch.tensor(first, dtype=torch.float64), probs[0], atol=1e-9, rtol=0)  # (the old check)
+    assert check_target_law(tree, probs, wrong) > 0.01
+
+
 def test_wrong_rules_fail_the_same_enumeration():
     """Power. TREES.md's case: p = (.5, .5), q = (.9, .1), children {a, b} fixed: SpecInfer's rule
     with q emits a with probability .556 (biased); ours .5. And a rule that does not update the
@@ -196,6 +252,57 @@ def test_wrong_rules_fail_the_same_enumeration():
                        [SP(temperature=1.0)] * (len(tree) + 1)).double()
     probs = probs / probs.sum(-1, keepdim=True)
     assert check_target_law(tree, probs, enumerate_step(tree, probs, walk=residual_not_updated)) > 0.01
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sample_walks_follows_the_rule_draw_by_draw(seed):
+    """The batched sampled walk against the rule written out here: node c is tested with the c-th
+    of len(tree) uniforms of its request's generator, u_c < p_parent(token_c) / (the parent's mass
+    left after the siblings rejected before it; 0 for a token already rejected there), then one
+    more uniform draws the final token from the residual of the row where the walk ended; each
+    request's draws come from its own generator only. (The enumeration above checks walk_one's
+    law; this checks that sample_walks feeds it the right uniforms and rows.)"""
+    from minispec.runtime.sequence import Sequence
+    from minispec.speculative_tree import sample_walks
+
+    gen = torch.Generator().manual_seed(seed)
+    B, V = 3, 5
+    trees, params = [], []
+    for b in range(B):
+        n = int(torch.randint(0, 7, (), generator=gen))
+        parents = [int(torch.randint(-1, i, (), generator=gen)) for i in range(n)]  # parents first
+        trees.append(DraftTree(torch.randint(0, V, (n,), generator=gen).tolist(), parents))
+        params.append(WARPS[(seed + b) % len(WARPS)])
+    offsets = [0]
+    for t in trees:
+        offsets.append(offsets[-1] + len(t) + 1)
+    logits = 2.0 * torch.randn(offsets[-1], V, generator=gen)
+    seqs = [Sequence(b, [1, 2], dataclasses.replace(p, seed=100 * seed + b), 16, "cpu") for b, p in enumerate(params)]
+    walks, finals = sample_walks(logits, seqs, trees, offsets, [True] * offsets[-1])
+    for b, (t, p) in enumerate(zip(trees, params)):
+        g = torch.Generator().manual_seed(100 * seed + b)
+        u = torch.rand(len(t), generator=g, dtype=torch.float64).tolist()
+        probs = warp_probs(logits[offsets[b] : offsets[b + 1]], [p] * (len(t) + 1)).double()  # row 0 the root's
+        path, node = [], -1
+        while True:
+            row, mass, rejected, nxt = probs[node + 1], float(probs[node + 1].sum()), [], None
+            for c in [c for c, q in enumerate(t.parents) if q == node]:
+                p_c = 0.0 if t.tokens[c] in rejected else float(row[t.tokens[c]])
+                if mass > 0 and u[c] < p_c / mass:
+                    nxt = c
+                    break
+                rejected.append(t.tokens[c])
+                mass -= p_c
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        residual = row.clone()
+        residual[rejected] = 0.0
+        residual = residual if residual.sum() > 0 else row
+        cdf = residual.cumsum(-1)
+        final = int(torch.searchsorted(cdf, torch.rand(1, generator=g, dtype=torch.float64) * cdf[-1:], right=True))
+        assert (walks[b][0], walks[b][1], finals[b]) == (path, rejected, final), b
 
 
 def test_greedy_walk_is_the_sampled_walk_at_temperature_zero():
