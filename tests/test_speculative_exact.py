@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from minispec import sampling
+from minispec.drafters.base import AutoregressiveDrafter
 from minispec.sampling import SamplingParams, penalize, sample, warp_probs
 from minispec.speculative import accept_probability, rejection_sample, residual_distribution
 from test_speculative_statistical import ALPHA, pooled_chi_square
@@ -517,3 +518,56 @@ def test_a_reduced_vocabulary_draft_keeps_the_target_law_exactly(data):
     emitted = emitted_distribution(target, draft)
     torch.testing.assert_close(emitted, target, rtol=0, atol=1e-12)
     torch.testing.assert_close(emitted[outside], target[outside], rtol=0, atol=1e-12)
+
+
+class ScriptedDraft(AutoregressiveDrafter):
+    """A drafter whose logits over a reduced vocabulary are a fixed function of the fed tokens
+    (EAGLE-style: draft column i is target id draft_ids[i])."""
+
+    def __init__(self, vocab: int, draft_ids: list[int]):
+        super().__init__()
+        self.vocab_size, self.draft_ids = vocab, torch.tensor(draft_ids)
+        self.runner = type("Runner", (), {"device": torch.device("cpu")})()
+
+    def logits_after(self, tokens: list[int]) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(hash(tuple(tokens)) % 2**31)
+        return 2.0 * torch.randn(len(self.draft_ids), generator=gen, dtype=torch.float32)
+
+    def draftable(self, seq, n):
+        return n
+
+    def first_forward(self, seqs, active):
+        return torch.stack([self.logits_after(seqs[b].tokens) for b in active]), None
+
+    def next_forward(self, seqs, active, tokens, carry):
+        return torch.stack([self.logits_after(seqs[b].tokens + tokens[b]) for b in active]), None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.7, seed=5),
+    SamplingParams(temperature=1.2, top_k=4, presence_penalty=1.0, frequency_penalty=0.5, seed=6),
+    SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[7], seed=7),
+], ids=["repetition+top_p", "presence+frequency+top_k", "min_tokens"])
+def test_a_draft_reports_the_q_it_drew_from(params):
+    """The implementation's drafting, replayed: draft j is drawn from q_j = warp(penalize(the draft's
+    logits lifted to the target's vocabulary, history = tokens so far + drafts 0..j-1)) with the
+    request's own generator, and the q reported for position j is that q_j (zero outside the
+    draft vocabulary). The exactness identities elsewhere build p and q themselves; this pins the
+    code that makes q."""
+    from minispec.runtime.sequence import Sequence
+
+    V, draft_ids, k = 12, [0, 2, 3, 5, 7, 8, 11], 4
+    drafter = ScriptedDraft(V, draft_ids)
+    seq = Sequence(0, [3, 5, 3, 8], params, 16, "cpu", eos_ids=[11])
+    proposal = drafter.propose([seq], [k])
+    g = torch.Generator().manual_seed(params.seed)
+    drafted = []
+    for j in range(k):
+        full = torch.full((1, V), float("-inf"))
+        full[0, draft_ids] = drafter.logits_after(seq.tokens + drafted)
+        q = warp_probs(penalize(full, [seq.penalty_row(drafted)]), [params])[0]  # [V]
+        torch.testing.assert_close(proposal.probs[0, j], q.to(proposal.probs.dtype), rtol=0, atol=1e-7)
+        cdf = q.double().cumsum(-1)
+        drafted.append(int(torch.searchsorted(cdf, torch.rand(1, generator=g, dtype=torch.float64) * cdf[-1:], right=True)))
+    assert proposal.tokens[0] == drafted
+    assert not proposal.probs[0, k].any()  # the bonus position has no q
