@@ -184,9 +184,11 @@ def as_id_list(value, what: str) -> list[int]:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d), i < d/2, with linear or Llama-3.1 scaling. Returns [head_dim // 2] fp32."""
+    """Inverse frequencies theta^(-2i/d), i < d/2, with linear or Llama-3.1 scaling. Returns [head_dim // 2] fp32,
+    on the CPU whatever the default device (on the meta device, where the loaders build a model's
+    skeleton, these ops would import torch's compiler stack: ~1 s of every load)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [d/2], fp32 as in HF
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))  # [d/2], fp32 as in HF
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq

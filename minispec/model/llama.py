@@ -59,11 +59,10 @@ def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One nn.Linear computing the given ones side by side: y = [y_1, y_2, ...] on the last axis."""
     first = parts[0]
     fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))  # [sum(out), in]
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+                      device="meta")  # (no random init to overwrite)
+    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]))  # [sum(out), in]
+    if first.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]))
     return fused
 
 
@@ -196,7 +195,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.backend = backend or AttentionBackend()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        embedding = torch.empty(cfg.vocab_size, cfg.hidden_size)  # [V, H]
+        if not embedding.is_meta:  # (no init for the loaders' meta skeleton: as rope_inv_freq says)
+            nn.init.normal_(embedding)  # nn.Embedding's own init
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
