@@ -59,18 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--quantization", choices=["int8"], help="int8 weights for target and drafter (exact for the int8 target)")
     m.add_argument("-c", "--ctx-size", "--max-model-len", type=int, dest="ctx_size", help="context length (prompt + answer)")
     m.add_argument("-t", "--threads", type=int, help="CPU threads (torch's default otherwise)")
-    s = common.add_argument_group("sampling")
+    talk = argparse.ArgumentParser(add_help=False)  # generate and chat (a server's requests carry their own)
+    s = talk.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("-n", "--max-tokens", type=int, default=256, dest="max_tokens")
+    s.add_argument("-n", "--max-tokens", type=int, dest="max_tokens", help="new tokens at most (256, or half of a smaller --ctx-size)")
     s.add_argument("--min-tokens", type=int, default=0)
     s.add_argument("--repeat-penalty", "--repetition-penalty", type=float, default=1.0, dest="repetition_penalty")
     s.add_argument("--presence-penalty", type=float, default=0.0)
     s.add_argument("--frequency-penalty", type=float, default=0.0)
     s.add_argument("--seed", type=int)
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    o = common.add_argument_group("prompt and output")
+    o = talk.add_argument_group("prompt and output")
     o.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     o.add_argument("--system", help="a system message (chat template only)")
     o.add_argument("--no-color", action="store_true", help="no colours (also when NO_COLOR is set or stdout is no TTY)")
@@ -79,11 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minispec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"minispec {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", parents=[common], help="answer prompts (several in one batched call)")
+    gen = sub.add_parser("generate", parents=[common, talk], help="answer prompts (several in one batched call)")
     gen.add_argument("prompts", nargs="*", help="prompts (or --prompts FILE)")
     gen.add_argument("--prompts", dest="prompts_file", type=Path, help="a file with one prompt per line")
     gen.add_argument("--json", action="store_true", help="one JSON object per answer on stdout (no colours)")
-    chat = sub.add_parser("chat", parents=[common], help="an interactive multi-turn chat (/help lists the commands)")
+    chat = sub.add_parser("chat", parents=[common, talk], help="an interactive multi-turn chat (/help lists the commands)")
     chat.set_defaults(json=False)
     serve = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible server (pip install 'minispec[serve]')")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (1 MiB)")
     serve.add_argument("--max-concurrency", type=int, default=256, help="sequences in flight (each request counts prompts x n); past it 429 (256)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in one continuous batch (64)")
-    serve.set_defaults(json=False)
+    serve.set_defaults(json=False, no_color=True, trace=None)
     return parser
 
 
@@ -138,11 +139,15 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
         raise CliError(f"--draft {draft}: no such file or directory (or use 'ngram' / 'none')")
     if args.lookup_min is not None and draft in ("ngram", "none"):
         raise CliError(f"--lookup-min puts prompt lookup in front of a draft model or EAGLE head; --draft is {draft}")
+    if getattr(args, "system", None) and args.no_chat_template:
+        raise CliError("--system needs the chat template (--no-chat-template is set); put the instruction in the prompt instead")
+    if args.command != "serve":  # (a server's requests say their own max_tokens)
+        check_context(target, args)
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-                                min_tokens=args.min_tokens, seed=args.seed, stop=args.stop,
-                                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                                frequency_penalty=args.frequency_penalty)
+        params = None if args.command == "serve" else SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens, seed=args.seed, stop=args.stop, repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
         options = dict(draft_model=None if draft == "none" else draft, num_speculative_tokens=None if draft == "none" else args.k,
                        dtype=args.dtype, quantization=args.quantization, prompt_lookup_min=args.lookup_min,
                        draft_confidence_threshold=args.draft_confidence, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -150,24 +155,26 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
         EngineOptions(model=str(target), **options)  # validates every option without loading anything
     except ValueError as e:
         raise flagged(e) from None
-    if args.command != "serve":  # (a server's requests say their own max_tokens)
-        check_context(target, args)
     return target, draft, params, options
 
 
 def check_context(target: Path, args) -> None:
-    """--max-tokens against the context, read from an HF directory's config.json (a GGUF's is
-    checked when the prompt is queued)."""
+    """--max-tokens against the context: --ctx-size, or an HF directory's config.json (a GGUF's
+    is checked when the prompt is queued); unset, it becomes 256, or half a smaller context."""
+    context = None
     config = target / "config.json"
-    if not config.is_file():
-        return
-    from .io.tokenizer import read_json_object
+    if config.is_file():
+        from .io.tokenizer import read_json_object
 
-    context = read_json_object(config).get("max_position_embeddings")
-    context = min(c for c in (context, args.ctx_size) if isinstance(c, int)) if isinstance(context, int) else args.ctx_size
-    if context is not None and args.max_tokens is not None and args.max_tokens >= context:
-        raise CliError(f"--max-tokens {args.max_tokens}: the model's context length is {context} "
-                       "(prompt and answer together)")
+        context = read_json_object(config).get("max_position_embeddings")
+        context = context if isinstance(context, int) else None
+    ctx_size = args.ctx_size if args.ctx_size is not None and args.ctx_size > 0 else None  # (a bad one: EngineOptions says)
+    limit = min(c for c in (context, ctx_size) if c is not None) if (context or ctx_size) else None
+    if args.max_tokens is None:
+        args.max_tokens = 256 if limit is None or limit > 512 else max(limit // 2, 1)
+    elif limit is not None and args.max_tokens >= limit:
+        which = "--ctx-size" if limit == ctx_size else "the model's context length"
+        raise CliError(f"--max-tokens {args.max_tokens}: {which} is {limit} (prompt and answer together)")
 
 
 def read_prompts(args) -> list[str]:

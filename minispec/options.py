@@ -211,6 +211,9 @@ class EngineOptions:
         return {key: config[key] for key in window if config.get(key) is not None}
 
     def check_drafter(self) -> None:
+        if isinstance(self.draft_model, (str, Path)) and not self.uses_ngram and not Path(self.draft_model).exists():
+            raise ValueError(f"draft_model {str(self.draft_model)!r}: no such file or directory (a draft model's HF "
+                             "directory or .gguf, an EAGLE-3 directory, or 'ngram')")  # before the target loads
         if self.draft_model is not None:
             check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 32)
         for name in ("prompt_lookup_min", "ngram_min", "ngram_max"):

@@ -22,6 +22,9 @@ def call_requests(prompts, params, tokenizer: Tokenizer, engine: LLMEngine) -> l
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
+    if isinstance(params, (dict, str)):  # (a dict would be read as its keys)
+        raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got a {type(params).__name__}; "
+                        "for a dict of options: SamplingParams(**options)")
     params = list(params)
     if len(params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")

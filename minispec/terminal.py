@@ -111,12 +111,13 @@ def answer_all(llm: LLM, prompts: list[str | dict], raw_prompts: list[str], para
                 print(f"\r[minispec] {done}/{len(prompts)} answered", end="", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         stream.close()  # its requests and pages leave the engine
-        if current < len(answers) and answers[current].painter is not None and answers[current].num_tokens:
-            out.write(("\n" if not args.json else "") + "[stopped]\n")
+        cut = int(current < len(answers) and answers[current].num_tokens > 0)  # the answer being printed
+        if cut and answers[current].painter is not None:
+            out.write("\n[stopped]\n")
         out.flush()
-        print(f"\n[minispec] interrupted: {current} of {len(prompts)} prompts answered, "
-              f"{len(prompts) - current} skipped", file=sys.stderr)
-        return answers[:current], False
+        print(f"\n[minispec] interrupted: {current} of {len(prompts)} prompts answered"
+              + (", 1 cut short" if cut else "") + f", {len(prompts) - current - cut} skipped", file=sys.stderr)
+        return answers[: current + cut], False
     if progress:
         print(file=sys.stderr)
     return answers, True

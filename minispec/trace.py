@@ -106,7 +106,7 @@ def write_html(path: Path, traces: list[RequestTrace], title: str) -> None:
            + tok("rejected draft", "rej") + "</p>"]
     for r, t in enumerate(traces):
         drafted = sum(s.num_drafted for s in t.steps)
-        accepted = sum(min(s.num_accepted, len(s.emitted)) for s in t.steps)
+        accepted = sum(s.num_accepted for s in t.steps)  # the sampler's decisions, as every other count
         emitted = sum(len(s.emitted) for s in t.steps)
         out.append(f"<h2>Request {r}</h2><p><b>Prompt</b></p><div class='text'>{html.escape(t.prompt)}</div>")
         colored = "".join(tok(x, "acc" if i < s.num_accepted else "own") for s in t.steps for i, x in enumerate(s.emitted_text))

@@ -389,3 +389,19 @@ def test_vllm_speculative_config_is_accepted(tiny_llama, tiny_llama_draft):
 def test_vllm_spellings_are_checked(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=str(tiny_llama), **kwargs)
+
+
+def test_a_mistyped_draft_model_is_named_before_the_target_loads(monkeypatch):
+    """LLM(draft_model="ngarm") loaded the target first, then said 'checkpoint ngarm is neither a
+    directory nor a .gguf file', naming neither draft_model nor 'ngram'."""
+    from minispec.options import EngineOptions
+
+    with pytest.raises(ValueError, match="draft_model 'ngarm': no such file or directory .* or 'ngram'"):
+        EngineOptions(model="anything", draft_model="ngarm", num_speculative_tokens=2)
+
+
+def test_a_dict_of_sampling_options_is_named(tiny_llama):
+    """A dict passed as sampling_params was read as its keys ('got str', or '1 prompts but 2 SamplingParams')."""
+    llm = LLM(model=tiny_llama, kv_cache_gib=0.01)
+    with pytest.raises(TypeError, match="got a dict; for a dict of options: SamplingParams"):
+        llm.generate("hi", {"max_tokens": 4, "temperature": 0})

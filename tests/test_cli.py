@@ -344,9 +344,13 @@ def test_ctrl_c_exits_130_and_says_what_was_skipped(tiny_llama, tmp_path, capsys
         original(self, e)
 
     monkeypatch.setattr(terminal.Painter, "event", event)
-    status, out, err = run_cli(capsys, "generate", *base(tiny_llama), "--prompts", str(prompts), "--no-chat-template")
+    trace = tmp_path / "cut.jsonl"
+    status, out, err = run_cli(capsys, "generate", *base(tiny_llama), "--prompts", str(prompts), "--no-chat-template",
+                               "--trace", str(trace))
     assert status == 130 and "[stopped]" in out
-    assert "interrupted: 1 of 3 prompts answered, 2 skipped" in err
+    assert "interrupted: 1 of 3 prompts answered, 1 cut short, 1 skipped" in err
+    finals = [json.loads(line) for line in trace.read_text().splitlines() if '"final": true' in line]
+    assert len(finals) == 2 and finals[1]["finish_reason"] is None  # the answer being printed is in the trace (was left out)
 
 
 def test_chat_has_line_editing_and_history(tiny_llama, tmp_path):
@@ -385,3 +389,40 @@ def test_chat_has_line_editing_and_history(tiny_llama, tmp_path):
     assert proc.returncode == 0
     finals = [json.loads(line) for line in trace.read_text().splitlines() if json.loads(line).get("final")]
     assert [f["prompt"] for f in finals] == ["hello", "hello"]
+
+
+@pytest.mark.parametrize("flag", [["--temperature", "0"], ["--max-tokens", "4"], ["--system", "x"], ["--trace", "t.html"]])
+def test_serve_refuses_per_request_flags(tiny_llama, capsys, monkeypatch, flag):
+    """serve took the sampling and output flags and ignored them (a user passing --temperature 0
+    believed the server greedy); a request's body carries them."""
+    monkeypatch.setattr(cli, "serve", lambda *a: pytest.fail("the server started"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--target", str(tiny_llama), *flag])
+    assert e.value.code == 2 and f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err
+
+
+def test_a_small_ctx_size_caps_the_default_max_tokens_and_is_named(tiny_llama, capsys, monkeypatch):
+    """-c 256 failed with '--max-tokens 256: the model's context length is 256' though the user set
+    neither; the default is now half a smaller context, and an explicit -n is told which limit."""
+    args = ["generate", "--target", str(tiny_llama), "--draft", "none", "--seed", "0", PROMPT]
+    status, out, _ = run_cli(capsys, *args[:-1], "-c", "64", "--no-chat-template", PROMPT)
+    assert status == 0 and out.strip()
+    status, _, err = run_cli(capsys, *args[:-1], "-c", "64", "-n", "64", PROMPT)
+    assert status == 1 and "--max-tokens 64: --ctx-size is 64" in err
+
+
+def test_system_without_a_template_is_refused_before_loading(tiny_llama, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "LLM", lambda *a, **k: pytest.fail("the model was loaded before the arguments were checked"))
+    status, _, err = run_cli(capsys, "generate", *base(tiny_llama), "--system", "x", "--no-chat-template", PROMPT)
+    assert status == 1 and "--system needs the chat template (--no-chat-template is set)" in err
+
+
+def test_the_html_trace_counts_accepted_drafts_as_its_table_does(tiny_llama, tmp_path):
+    """Its header counted min(accepted, emitted) where EOS or a stop string cut a run (1/22 beside a
+    table and a summary that said 2/22)."""
+    from minispec.trace import RequestTrace, Step, write_html
+
+    t = RequestTrace("p", [Step([5, 6, 7], 2, [5], ["a", "b", "c"], ["a"], 3), Step([8], 0, [9], ["d"], ["e"], 1)])
+    write_html(tmp_path / "t.html", [t], "t")
+    assert "2/4 drafts accepted" in (tmp_path / "t.html").read_text()
+    assert t.acceptance_by_position() == [(1, 2), (1, 1), (0, 1)]
