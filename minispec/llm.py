@@ -125,8 +125,11 @@ class LLM:
             seq.finish_reason, seq.error = "error", f"the engine step failed: {message}"
             call = self._owners.pop(seq.request_id, None)
             if call is not None:
-                i, j = call.index[seq.request_id]
-                call.events.append(StreamEvent(i, [], True, None, "", "error", seq.error, completion_index=j))
+                (i, j), k, text = call.index[seq.request_id], call.position[seq.request_id], ""
+                if call.with_text:  # what was held back (a stop string's possible start, ...) ends the stream
+                    full = output_text(seq, self.tokenizer)
+                    text, call.text_sent[k] = full[call.text_sent[k] :], len(full)
+                call.events.append(StreamEvent(i, [], True, None, text, "error", seq.error, completion_index=j))
 
     def _close(self, call: _Call) -> None:
         """Abort the call's unfinished requests (their pages are freed) and record its metrics."""

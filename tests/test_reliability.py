@@ -227,6 +227,28 @@ def test_a_failing_engine_step_ends_every_request_and_leaves_the_llm_usable(spec
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == solo[0]
 
 
+def test_a_stream_that_ends_in_an_engine_failure_sends_the_text_it_held_back(spec):
+    """A stream holds back what may be a stop string's start; a request that ended with "error"
+    used to end its stream without it, so the deltas did not add up to the request's text."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["#" * 40])  # holds back 39 chars
+    paused = spec.stream(PROMPTS[:1], params)
+    events = [next(paused) for _ in range(3)]
+    step = spec.engine.step
+
+    def broken_step():
+        spec.engine.step = step
+        raise RuntimeError("device lost")
+
+    spec.engine.step = broken_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        spec.generate(PROMPTS[1:], GREEDY)
+    events += list(paused)
+    tokens = [t for e in events for t in e.new_token_ids]
+    assert events[-1].finish_reason == "error" and tokens
+    assert "".join(e.new_text for e in events) == spec.tokenizer.decode_after(spec.tokenizer.encode(PROMPTS[0]), tokens)
+    assert idle_and_whole(spec)
+
+
 # --- numbers that break -------------------------------------------------------------------------
 
 
