@@ -159,15 +159,19 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
 
 
 def check_context(target: Path, args) -> None:
-    """--max-tokens against the context: --ctx-size, or an HF directory's config.json (a GGUF's
-    is checked when the prompt is queued); unset, it becomes 256, or half a smaller context."""
+    """--max-tokens against the context (--ctx-size, an HF directory's config.json or a GGUF's
+    metadata); unset, it becomes 256, or half a smaller context."""
     context = None
     config = target / "config.json"
     if config.is_file():
         from .io.tokenizer import read_json_object
 
         context = read_json_object(config).get("max_position_embeddings")
-        context = context if isinstance(context, int) else None
+    elif target.suffix == ".gguf":  # (its metadata only: no tensor is read)
+        from .io.gguf import gguf_context_length
+
+        context = gguf_context_length(target)
+    context = context if isinstance(context, int) else None
     ctx_size = args.ctx_size if args.ctx_size is not None and args.ctx_size > 0 else None  # (a bad one: EngineOptions says)
     limit = min(c for c in (context, ctx_size) if c is not None) if (context or ctx_size) else None
     if args.max_tokens is None:

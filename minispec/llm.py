@@ -126,8 +126,8 @@ class LLM:
             call = self._owners.pop(seq.request_id, None)
             if call is not None:
                 (i, j), k, text = call.index[seq.request_id], call.position[seq.request_id], ""
-                if call.with_text:  # what was held back (a stop string's possible start, ...) ends the stream
-                    full = output_text(seq, self.tokenizer)
+                if call.with_text:  # what was held back (a stop string's possible start, ...) of the tokens sent
+                    full = self.tokenizer.decode_after(seq.prompt_ids, seq.output_ids[: call.ids_sent[k]])
                     text, call.text_sent[k] = full[call.text_sent[k] :], len(full)
                 call.events.append(StreamEvent(i, [], True, None, text, "error", seq.error, completion_index=j))
 
@@ -248,12 +248,14 @@ class _Call:
         self.events: deque[StreamEvent] = deque()
         self.with_text = with_text  # streams carry text; generate decodes once at the end
         self.text_sent = [0] * len(seqs)  # characters of each request's text already in events
+        self.ids_sent = [0] * len(seqs)  # ... and its tokens
         self.t0 = time.perf_counter()
         self.times_at_start = dataclasses.replace(times)  # the engine's cumulative times, copied
 
     def add_event(self, out: StepOutput, tokenizer: Tokenizer) -> None:
         s, new_ids, finished = out.seq, out.new_token_ids, out.finished
         (i, j), k, n = self.index[s.request_id], self.position[s.request_id], len(new_ids)
+        self.ids_sent[k] += n
         logprobs = decoded(s, len(s.logprobs) - n, tokenizer) if s.params.logprobs is not None and n else None
         text = ""
         if self.with_text:

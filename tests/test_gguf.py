@@ -216,3 +216,14 @@ def test_default_target_dir_is_the_converted_smollm2(smollm2):
     err = (minispec_logits(converted, ids) - minispec_logits(model, ids)).abs().max().item()
     print(f"SmolLM2 bf16 conversion: max |logit error| {err:.2e}")
     assert err < 1.0  # bf16 keeps 8 mantissa bits of each dequantized weight (measured ~0.3)
+
+
+def test_the_cli_reads_a_gguf_context_for_its_default_max_tokens(tmp_path, tokenizer, capsys):
+    """An unset -n is half a context under 512: read from a GGUF's metadata too (it took 256 and
+    failed: 'prompt of 9 tokens + max_tokens 256 exceeds the model's context length 256')."""
+    from minispec import cli
+
+    state = random_hf_state("llama", tokenizer.get_vocab_size(), tied=False)
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", state, tokenizer)  # context length 256
+    status = cli.main(["generate", "--target", str(path), "--draft", "none", "--no-chat-template", "--json", "hi"])
+    assert status == 0 and 0 < json.loads(capsys.readouterr().out)["num_tokens"] <= 128

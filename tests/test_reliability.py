@@ -249,6 +249,30 @@ def test_a_stream_that_ends_in_an_engine_failure_sends_the_text_it_held_back(spe
     assert idle_and_whole(spec)
 
 
+def test_the_error_events_text_covers_the_tokens_it_reported(tiny_llama):
+    """A step that fails after emitting (here in the drafter's rollback) leaves tokens the stream
+    never reported; the error event's text covered them too ('\ufffd,\ufffd' for ids whose text is
+    '\ufffd,'): it is the held-back text of the reported tokens only."""
+    llm = LLM(model=tiny_llama, draft_model="ngram", num_speculative_tokens=3, kv_cache_gib=0.01)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["#" * 40])
+    paused = llm.stream(["hello world"], params)
+    events = [next(paused) for _ in range(2)]
+    rollback = llm.engine.drafter.rollback
+
+    def broken(seqs):
+        llm.engine.drafter.rollback = rollback
+        raise RuntimeError("device lost")
+
+    llm.engine.drafter.rollback = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(["x y"], params)
+    events += list(paused)
+    ids = [t for e in events for t in e.new_token_ids]
+    assert events[-1].finish_reason == "error"
+    assert "".join(e.new_text for e in events) == llm.tokenizer.decode_after(llm.tokenizer.encode("hello world"), ids)
+    assert idle_and_whole(llm)
+
+
 # --- numbers that break -------------------------------------------------------------------------
 
 

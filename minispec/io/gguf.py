@@ -96,6 +96,15 @@ def open_gguf(path: Path) -> GGUFReader:
     return reader
 
 
+def gguf_context_length(path: Path) -> int | None:
+    """The context length a GGUF file declares (None if it cannot be read: the load will say why)."""
+    try:
+        reader = open_gguf(path)
+        return int(_get(reader, f"{_require(reader, 'general.architecture')}.context_length", 4096))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def gguf_config(reader: GGUFReader, arch: str) -> dict:
     """The HF config.json a GGUF's `{arch}.*` metadata and tensor list describe."""
     tensors = {t.name: t for t in reader.tensors}
