@@ -355,9 +355,9 @@ def run_vllm(target_dir, draft_dir, prompts, params, device) -> list[Row]:
 
 
 def target_step_time(m) -> float:
-    """One request's share of a target step of run metrics `m`, steps that fed a prompt left out
-    (every request's first, and its first after each preemption): the unit of verify and draft."""
-    return (m.target_s - m.prefill_s) / max(m.num_steps - m.num_requests - m.num_preemptions, 1)
+    """One request's share of a target step of run metrics `m`, the time and the request-steps of
+    steps that fed a prompt left out (and catch-ups after preemptions): the unit of verify and draft."""
+    return (m.target_s - m.prefill_s) / max(m.num_steps - m.prefill_steps, 1)
 
 
 def step_time(arm: Arm) -> float:

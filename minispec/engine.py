@@ -167,7 +167,7 @@ class LLMEngine:
         lagging = [s for s in seqs if s.output_ids and s.target_table.num_cached < len(s) - 1] if layers else []
         if not lagging:
             return
-        with self.times.timing("target_s", self.target.device):
+        with self.times.timing("target_s", self.target.device, also="prefill_s"):  # (recomputing: prefill work)
             feeds = [Feed(s.target_table, s.tokens[s.target_table.num_cached : len(s) - 1]) for s in lagging]
             starts = [s.target_table.num_cached for s in lagging]
             _, hidden = self.target.forward(feeds, hidden_layers=layers)  # [sum(fed), len(layers) * H]
@@ -178,7 +178,8 @@ class LLMEngine:
         self.times taken earlier), so they include steps of other requests run meanwhile."""
         since = since or StepTimes()
         m = RunMetrics(draft_s=self.times.draft_s - since.draft_s, target_s=self.times.target_s - since.target_s,
-                       prefill_s=self.times.prefill_s - since.prefill_s, wall_s=wall_s)
+                       prefill_s=self.times.prefill_s - since.prefill_s,
+                       prefill_steps=self.times.prefill_steps - since.prefill_steps, wall_s=wall_s)
         for s in seqs:
             m.add(s.metrics, len(s.output_ids))
         m.num_preemptions = sum(s.num_preemptions for s in seqs)

@@ -64,7 +64,7 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     with times.timing("draft_s", target.device):
         proposal = drafter.propose(seqs, [min(k, s.remaining - 1) for s in seqs])
 
-    with times.timing("target_s", target.device, also=prefill_part(seqs)):
+    with times.verifying(seqs, target.device):
         # 2. Verify: ONE target forward feeds each sequence its uncached tokens plus its drafts and
         # returns logits for the last n+1 positions [sum(n_b + 1), V] (and the target's features
         # at every fed position, for a drafter that reads them).
@@ -225,12 +225,6 @@ def penalized(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]
     if not any(s.params.adjusts_logits for s in seqs):
         return logits
     return penalize(logits, [s.penalty_row(d[:j]) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)])
-
-
-def prefill_part(seqs: list[Sequence]) -> str | None:
-    """"prefill_s" when this step feeds some sequence its prompt (nothing of it cached: a new or
-    a recomputed request), for StepTimes: a decode step's cost is measured without such steps."""
-    return "prefill_s" if any(s.target_table.num_cached == 0 for s in seqs) else None
 
 
 def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:

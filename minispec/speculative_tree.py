@@ -52,7 +52,7 @@ from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner, TreeFeed
 from .runtime.sequence import Sequence
 from .sampling import finite_rows, penalize, sample, warp_probs
-from .speculative import emit_accepted, prefill_part, top_logprobs, verify_forward
+from .speculative import emit_accepted, top_logprobs, verify_forward
 
 
 def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth: int,
@@ -65,7 +65,7 @@ def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth
     with times.timing("draft_s", target.device):
         trees = drafter.propose_trees(seqs, [min(depth, s.remaining - 1) for s in seqs])
 
-    with times.timing("target_s", target.device, also=prefill_part(seqs)):
+    with times.verifying(seqs, target.device):
         # 2. Verify: one forward; row offsets[b] is sequence b's root row, offsets[b] + 1 + i node i's.
         feeds = [tree_feed(s, t) for s, t in zip(seqs, trees)]
         starts = [s.target_table.num_cached for s in seqs]

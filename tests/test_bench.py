@@ -230,7 +230,7 @@ def synthetic_run(steps: int, accepted_per_step: list[int], k: int, prefill_s: f
     r.record(0, 0)  # the prefill step drafts nothing
     for i in range(steps):
         r.record(k, accepted_per_step[i % len(accepted_per_step)])
-    m = RunMetrics(target_s=prefill_s + steps * step_s, prefill_s=prefill_s, wall_s=prefill_s + steps * step_s)
+    m = RunMetrics(target_s=prefill_s + steps * step_s, prefill_s=prefill_s, prefill_steps=1, wall_s=prefill_s + steps * step_s)
     m.add(r, num_generated=steps)
     return bench.Run(tokens=steps, wall_s=m.wall_s, outputs=[[1] * steps], metrics=m)
 

@@ -91,7 +91,8 @@ class RunMetrics(RequestMetrics):
     num_preemptions: int = 0
     draft_s: float = 0.0  # time in the drafter (proposals, catch-up)
     target_s: float = 0.0  # time in target verification and rejection sampling
-    prefill_s: float = 0.0  # the part of target_s in steps that fed some request its prompt
+    prefill_s: float = 0.0  # the part of target_s in steps that fed some request its prompt (and in catch-ups)
+    prefill_steps: int = 0  # the request-steps of those steps (every request in them)
     wall_s: float = 0.0
     ttft_sum_s: float = 0.0  # over the requests that have a TTFT ...
     num_ttft: int = 0
@@ -112,7 +113,7 @@ class RunMetrics(RequestMetrics):
     def merge(self, other: "RunMetrics") -> None:
         """Add another run's totals in (bench.py sums its rounds so)."""
         self._add_counts(other)
-        for name in ("num_requests", "num_generated", "num_preemptions", "draft_s", "target_s", "prefill_s", "wall_s",
+        for name in ("num_requests", "num_generated", "num_preemptions", "draft_s", "target_s", "prefill_s", "prefill_steps", "wall_s",
                      "ttft_sum_s", "num_ttft", "tpot_sum_s", "num_tpot"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -165,12 +166,23 @@ class RunMetrics(RequestMetrics):
 @dataclass
 class StepTimes:
     """Seconds spent drafting and in the target (verification), summed over steps; prefill_s:
-    the part of target_s in steps that fed some sequence its prompt (a decode step's cost is
-    (target_s - prefill_s) over the other steps)."""
+    the part of target_s spent feeding prompts (steps that fed some sequence its prompt, and the
+    catch-up of preempted sequences), prefill_steps: the request-steps of those steps. A decode
+    step's cost is (target_s - prefill_s) over the other request-steps."""
 
     draft_s: float = 0.0
     target_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_steps: int = 0
+
+    @contextmanager
+    def verifying(self, seqs: list, device: torch.device):
+        """Time one step's verification into target_s, and into prefill_s (its sequences into
+        prefill_steps) when it feeds some sequence its prompt: nothing of it cached yet."""
+        prefill = any(s.target_table.num_cached == 0 for s in seqs)
+        with self.timing("target_s", device, also="prefill_s" if prefill else None):
+            yield
+        self.prefill_steps += len(seqs) if prefill else 0
 
     @contextmanager
     def timing(self, part: str, device: torch.device, also: str | None = None):
