@@ -78,6 +78,15 @@ def test_a_word_after_a_long_run_of_byte_tokens_keeps_its_space(tokenizers):
                                                        if "\ufffd" not in tok.decode_after([2], output[:n])]
 
 
+def test_a_word_after_a_prompt_ending_in_a_run_of_byte_tokens_keeps_its_space(tokenizers):
+    """The prompt-side twin: a prompt's last 5 tokens starting inside a run of byte tokens decode to
+    U+FFFD only, and the first output word lost its leading space ('the' for ' the'; found in review)."""
+    tok = tokenizers["sentencepiece"]
+    prompt, output = [6, 7, 8, 9, 10, 6, 7, 6, 7], [2, 3]  # é € é é | ▁a ▁b: the last 5 start on €'s last byte
+    assert tok.decode(prompt[-5:]).endswith("\ufffd")  # (the window starts on a continuation byte)
+    assert tok.decode_after(prompt, output) == " a b" == IncrementalDetokenizer().text(tok, prompt, output)
+
+
 class Counting:
     """A tokenizer that records how many ids each call decodes."""
 

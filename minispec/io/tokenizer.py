@@ -90,6 +90,12 @@ class Tokenizer:
         candidates), the context decoded once."""
         context = list(context[-CONTEXT_TOKENS:])
         before = self.decode(context, skip_special_tokens) if context else None
+        while before is not None and before.endswith("\ufffd") and len(context) > 1:
+            # A byte-fallback decoder (Llama 2, Mistral) replaces a whole run of byte tokens that does
+            # not start on a character: a shorter context may start on one (if it still ends in
+            # U+FFFD, the context's last character is incomplete and the ids are decoded alone)
+            context = context[1:]
+            before = self.decode(context, skip_special_tokens)
         texts = []
         for ids in continuations:
             full = self.decode(context + list(ids), skip_special_tokens) if before is not None and ids else None
