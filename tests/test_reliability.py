@@ -206,19 +206,24 @@ def test_threads_sharing_one_llm_get_their_own_exact_outputs(spec, solo):
     assert idle_and_whole(spec)
 
 
+def fail_once(owner, name: str) -> None:
+    """owner.name raises RuntimeError("device lost") at its next call, then is itself again."""
+    original = getattr(owner, name)
+
+    def broken(*args, **kwargs):
+        setattr(owner, name, original)
+        raise RuntimeError("device lost")
+
+    setattr(owner, name, broken)
+
+
 def test_a_failing_engine_step_ends_every_request_and_leaves_the_llm_usable(spec, solo):
     """An exception inside a step (a bug, a device error) re-raises in the caller; every request
     in the engine, the caller's and a paused stream's, ends with finish_reason "error" (the
     engine's state is not trusted after it); pages are free and the next call is exact."""
     paused = spec.stream(PROMPTS[:1], GREEDY)
     next(paused)
-    step = spec.engine.step
-
-    def broken_step():
-        spec.engine.step = step
-        raise RuntimeError("device lost")
-
-    spec.engine.step = broken_step
+    fail_once(spec.engine, "step")
     with pytest.raises(RuntimeError, match="device lost"):
         spec.generate(PROMPTS[1:], GREEDY)
     assert idle_and_whole(spec)
@@ -233,13 +238,7 @@ def test_a_stream_that_ends_in_an_engine_failure_sends_the_text_it_held_back(spe
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["#" * 40])  # holds back 39 chars
     paused = spec.stream(PROMPTS[:1], params)
     events = [next(paused) for _ in range(3)]
-    step = spec.engine.step
-
-    def broken_step():
-        spec.engine.step = step
-        raise RuntimeError("device lost")
-
-    spec.engine.step = broken_step
+    fail_once(spec.engine, "step")
     with pytest.raises(RuntimeError, match="device lost"):
         spec.generate(PROMPTS[1:], GREEDY)
     events += list(paused)
@@ -257,13 +256,7 @@ def test_the_error_events_text_covers_the_tokens_it_reported(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["#" * 40])
     paused = llm.stream(["hello world"], params)
     events = [next(paused) for _ in range(2)]
-    rollback = llm.engine.drafter.rollback
-
-    def broken(seqs):
-        llm.engine.drafter.rollback = rollback
-        raise RuntimeError("device lost")
-
-    llm.engine.drafter.rollback = broken
+    fail_once(llm.engine.drafter, "rollback")
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(["x y"], params)
     events += list(paused)
