@@ -30,6 +30,14 @@ def check_same_device(**tensors: torch.Tensor) -> None:
           lambda: f"tensors are on different devices: { {name: t.device for name, t in tensors.items()} }")
 
 
+def check_dense(**tensors: torch.Tensor) -> None:
+    """1-D index tensors must be dense (stride 1): the kernels read element i at base + i, so a
+    strided view (x[::2]) would be read past its values, out of bounds on a GPU."""
+    for name, t in tensors.items():
+        check(t.dim() != 1 or t.numel() < 2 or t.stride(0) == 1,
+              lambda: f"{name} must be contiguous (stride 1), got stride {t.stride(0)}; pass {name}.contiguous()")
+
+
 def should_validate(validate: bool | None, t: torch.Tensor) -> bool:
     """Whether a launcher checks the VALUES of its index tensors (a device sync on a GPU). None:
     yes, on every device, except while a CUDA graph is being captured (a sync there is an

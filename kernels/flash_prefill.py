@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window, should_validate
+from minispec_kernels._checks import check, check_dense, check_head_dim, check_same_device, dot_precision, no_window, should_validate
 from minispec_kernels._triton import tl, triton
 from minispec_kernels.reference import masked_attention
 
@@ -219,6 +219,7 @@ def _check_prefill_args(q, k, v, cu_seqlens, max_seqlen, sliding_window, validat
     check(cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1 and cu_seqlens.dtype == torch.int32,
           lambda: f"cu_seqlens must be a 1-D int32 tensor [B+1]; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     check_same_device(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+    check_dense(cu_seqlens=cu_seqlens)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check(t.stride(2) == 1, lambda: f"{name} must be contiguous in its last (head_dim) dimension")
     check(sliding_window is None or sliding_window >= 1, lambda: f"sliding_window must be >= 1, got {sliding_window}")

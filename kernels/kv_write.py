@@ -10,7 +10,7 @@ not be written. One program copies all heads of one token.
 
 import torch
 
-from minispec_kernels._checks import check, check_same_device, should_validate
+from minispec_kernels._checks import check, check_dense, check_same_device, should_validate
 from minispec_kernels._triton import tl, triton
 
 
@@ -117,6 +117,7 @@ def _check_write_args(k, v, k_cache, v_cache, slot_mapping, validate) -> None:
     check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,),
           lambda: f"slot_mapping must be int64 [T={num_tokens}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    check_dense(slot_mapping=slot_mapping)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check(t.stride(-1) == 1, lambda: f"{name} must be contiguous in its last (head_dim) dimension")
     validate = should_validate(validate, k)

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minispec_kernels._checks import check, check_head_dim, check_same_device, dot_precision, no_window, should_validate
+from minispec_kernels._checks import check, check_dense, check_head_dim, check_same_device, dot_precision, no_window, should_validate
 from minispec_kernels._triton import tl, triton
 from minispec_kernels.reference import masked_attention, visible_keys
 
@@ -527,6 +527,7 @@ def _check_tree_args(q, seq_lens, tree_start, tree_bits, validate) -> None:
     check(tree_bits.shape == q.shape[:1] and tree_bits.dtype == torch.int64,
           lambda: f"tree_bits must be int64 [T={q.shape[0]}]; got {tree_bits.dtype} {tuple(tree_bits.shape)}")
     check_same_device(q=q, tree_start=tree_start, tree_bits=tree_bits)
+    check_dense(tree_start=tree_start, tree_bits=tree_bits)
     if should_validate(validate, q) and seq_lens.numel():
         check(bool(((seq_lens - tree_start) <= 63).all() & (tree_start >= 0).all()),
               "a tree block holds at most 63 keys and starts at a key index >= 0")
@@ -561,6 +562,7 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check(t.stride(-1) == 1, lambda: f"{name} must be contiguous in its last (head_dim) dimension")
     check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
+    check_dense(seq_lens=seq_lens, query_start_loc=query_start_loc)
     check(sliding_window is None or sliding_window >= 1, lambda: f"sliding_window must be >= 1, got {sliding_window}")
     check(0 <= max_query_len <= max_seq_len,
           lambda: f"need 0 <= max_query_len ({max_query_len}) <= max_seq_len ({max_seq_len})")

@@ -372,6 +372,8 @@ PAGED_BAD_LAUNCHES = {
     "block_tables must be a 2-D int32": lambda a: dict(block_tables=a["block_tables"].long()),
     "query_start_loc must run from 0 to T": lambda a: dict(
         query_start_loc=torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)),
+    "seq_lens must be contiguous": lambda a: dict(  # a strided view: the kernel would read between its values
+        seq_lens=torch.stack([a["seq_lens"], a["seq_lens"]], 1)[:, 0]),
 }
 
 
@@ -407,6 +409,8 @@ def test_flash_prefill_rejects_bad_launch_before_running(fn):
         fn(q, k, v, cu_seqlens, 3, sm_scale=1.0)
     with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32"):
         fn(q, k, v, cu_seqlens.long(), 4, sm_scale=1.0)
+    with pytest.raises(ValueError, match="cu_seqlens must be contiguous"):  # (read past its values, out of bounds)
+        fn(q, k, v, torch.stack([cu_seqlens, cu_seqlens], 1)[:, 0], 4, sm_scale=1.0)
 
 
 @pytest.mark.parametrize("fn", [write_kv, write_kv_ref], ids=["kernel", "ref"])
@@ -423,6 +427,8 @@ def test_write_kv_rejects_bad_launch_before_running(fn):
         fn(k.half(), k.half(), cache, cache.clone(), slots)
     with pytest.raises(ValueError, match="differ from k's"):
         fn(k[:, :1], k[:, :1], cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):  # (a review saw heap corruption)
+        fn(k, k, cache, cache.clone(), torch.tensor([0, 100, 5, 100, 7, 100], device=DEVICE)[::2])
     assert not cache.any(), "a rejected launch wrote to the cache"
 
 
