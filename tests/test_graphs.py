@@ -136,3 +136,22 @@ def test_cuda_graphs_replay_what_eager_computes(tiny_llama, tiny_llama_draft, ti
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] + [
         SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=i) for i in range(2)]
     assert [o.token_ids for o in graphs.generate(PROMPTS, params)] == [o.token_ids for o in eager.generate(PROMPTS, params)]
+
+
+def test_no_sequence_of_a_static_bucket_has_more_rows_than_the_launch_covers(tiny_llama):
+    """The kernels launch max_query_len = Q rows per sequence; one padding sequence used to take
+    every row left (up to B*Q), so on the Triton path some padding rows were never computed
+    (garbage, possibly NaN, in the graph's buffers; found in review). Padding now comes in
+    sequences of at most Q rows, for every bucket after real steps and as captured (all padding)."""
+    llm = LLM(model=str(tiny_llama), draft_model="ngram", num_speculative_tokens=3, kv_cache_gib=0.01,
+              static_shapes=True, max_num_seqs=4)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    static = llm.engine.target.static
+    assert static.buckets
+    for bucket in list(static.buckets.values()) + [static.bucket(4)]:
+        for feeds in ([], None):
+            if feeds is not None:
+                static.fill(bucket, feeds)
+            m = bucket.meta
+            q_lens = m.query_start_loc.diff()
+            assert int(q_lens.max()) <= m.max_query_len and int(m.query_start_loc[-1]) == bucket.batch * bucket.query_len

@@ -5,19 +5,21 @@ forward); a CUDA graph replays them all with one launch. A graph fixes every sha
 decode, verification and draft steps (each sequence feeds 1..Q tokens) are laid out per bucket:
 
     rows [0, B*Q):  sequence b's n_b tokens packed from row query_start_loc[b] (as the dynamic path
-                    packs them), then all padding rows, which belong to one extra padding sequence
-    metadata:       B + 1 sequences (real ones, empty ones with 0 tokens, the padding sequence),
-                    in persistent per-bucket buffers filled in place before each forward
+                    packs them), then all padding rows, which belong to B padding sequences of at
+                    most Q rows each (a kernel launch covers max_query_len = Q rows per sequence:
+                    one padding sequence of more rows would leave some uncomputed)
+    metadata:       2B sequences (real ones, empty ones with 0 tokens, the padding ones), in
+                    persistent per-bucket buffers filled in place before each forward
     launch sizes:   max_query_len = Q and max_seq_len = the runner's context limit, fixed per bucket
 
-With `trees`, every bucket also carries the tree mask (tree_start [B+1], tree_bits [B*Q]): a
+With `trees`, every bucket also carries the tree mask (tree_start [2B], tree_bits [B*Q]): a
 tree verification of a fixed node budget is a static shape too; sequences without a tree get
 tree_start = their length (no key in a tree block), so the same graph serves both.
 
 Real sequences get exactly the metadata of the dynamic path (their rows, context lengths and block
 tables), so their logits are the dynamic path's. The padding sequence starts at position 0, owns
 only the scratch page (KVCache.scratch_page: its K/V writes land there) and its outputs are
-dropped. Steps that feed a sequence more than Q tokens (prompts) take the dynamic path.
+dropped; so do the other padding sequences. Steps that feed a sequence more than Q tokens (prompts) take the dynamic path.
 
 On CUDA each bucket's forward is captured once (`capture`) and replayed; on CPU, and wherever a
 capture fails (one warning, then eager for good), the static forward runs eagerly: the same
@@ -45,7 +47,7 @@ class Bucket:
     batch: int
     query_len: int
     input_ids: torch.Tensor  # [B*Q] int64
-    meta: BatchMetadata  # positions [B*Q], query_start_loc [B+2], seq_lens [B+1], slot_mapping [B*Q], block_tables [B+1, P]
+    meta: BatchMetadata  # positions [B*Q], query_start_loc [2B+1], seq_lens [2B], slot_mapping [B*Q], block_tables [2B, P]
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     output: object | None = None  # what the captured forward returned (its buffers are rewritten by replay)
 
@@ -58,9 +60,9 @@ class StaticShapes:
         self.query_len = query_len
         self.trees = trees  # buckets carry the tree mask
         self.batches = [b for b in BATCH_BUCKETS if b < max_batch] + [b for b in BATCH_BUCKETS if b >= max_batch][:1]
-        # Block-table width: a real sequence's pages, or the padding sequence's rows (all on the scratch page).
+        # Block-table width: a real sequence's pages, or a padding sequence's Q rows (all on the scratch page).
         ps = runner.cache.page_size
-        self.pages_per_seq = max(-(-runner.max_positions // ps), -(-self.batches[-1] * query_len // ps))
+        self.pages_per_seq = max(-(-runner.max_positions // ps), -(-query_len // ps))
         self.buckets: dict[int, Bucket] = {}
         self.graph_args: dict | None = None  # the model_args the graphs were captured with
         self.graphs_failed = False
@@ -76,19 +78,19 @@ class StaticShapes:
     def bucket(self, batch: int) -> Bucket:
         size = next(b for b in self.batches if b >= batch)
         if size not in self.buckets:
-            dev, T = self.runner.device, size * self.query_len
+            dev, T, seqs = self.runner.device, size * self.query_len, 2 * size  # (size real slots, size padding)
             meta = BatchMetadata(
                 positions=torch.zeros(T, dtype=torch.int64, device=dev),
-                query_start_loc=torch.zeros(size + 2, dtype=torch.int32, device=dev),
-                seq_lens=torch.zeros(size + 1, dtype=torch.int32, device=dev),
+                query_start_loc=torch.zeros(seqs + 1, dtype=torch.int32, device=dev),
+                seq_lens=torch.zeros(seqs, dtype=torch.int32, device=dev),
                 max_query_len=self.query_len,
                 max_seq_len=self.runner.max_positions,
                 slot_mapping=torch.zeros(T, dtype=torch.int64, device=dev),
-                block_tables=torch.zeros(size + 1, self.pages_per_seq, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(seqs, self.pages_per_seq, dtype=torch.int32, device=dev),
                 logits_indices=None,  # every row: the real ones are picked afterwards
             )
             if self.trees:
-                meta.tree_start = torch.zeros(size + 1, dtype=torch.int32, device=dev)  # [B+1]
+                meta.tree_start = torch.zeros(seqs, dtype=torch.int32, device=dev)  # [2B]
                 meta.tree_bits = torch.zeros(T, dtype=torch.int64, device=dev)  # [B*Q]
             self.buckets[size] = Bucket(size, self.query_len, torch.zeros(T, dtype=torch.int64, device=dev), meta)
         return self.buckets[size]
@@ -96,18 +98,19 @@ class StaticShapes:
     def fill(self, bucket: Bucket, feeds) -> tuple[list[int], list[int]]:
         """Write the feeds into the bucket's buffers. Returns (logit rows, rows of every fed token)."""
         cache, ps = self.runner.cache, self.runner.cache.page_size
-        B, T = bucket.batch, bucket.batch * bucket.query_len
-        q_lens = np.zeros(B + 1, dtype=np.int64)
-        cached = np.zeros(B + 1, dtype=np.int64)
+        B, Q = bucket.batch, bucket.query_len
+        q_lens = np.zeros(2 * B, dtype=np.int64)
+        cached = np.zeros(2 * B, dtype=np.int64)
         q_lens[: len(feeds)] = [len(f.tokens) for f in feeds]
         cached[: len(feeds)] = [f.table.num_cached for f in feeds]
-        q_lens[B] = T - q_lens[:B].sum()  # the padding sequence takes every row left
-        tables = np.full((B + 1, self.pages_per_seq), cache.scratch_page, dtype=np.int32)
+        padding = B * Q - q_lens[:B].sum()  # every row left, Q at most per padding sequence
+        q_lens[B:] = np.clip(padding - Q * np.arange(B), 0, Q)
+        tables = np.full((2 * B, self.pages_per_seq), cache.scratch_page, dtype=np.int32)
         for b, f in enumerate(feeds):  # pages past this runner's context (a draft's reservation for the target's) are never read
             pages = f.table.pages[: self.pages_per_seq]
             tables[b, : len(pages)] = pages
-        starts, positions, slots = token_layout(q_lens, cached, tables, ps)  # [B+2], [T], [T]
-        ids = np.zeros(T, dtype=np.int64)
+        starts, positions, slots = token_layout(q_lens, cached, tables, ps)  # [2B+1], [B*Q], [B*Q]
+        ids = np.zeros(B * Q, dtype=np.int64)
         ids[: starts[len(feeds)]] = [t for f in feeds for t in f.tokens]
         m = bucket.meta
         buffers = [(bucket.input_ids, ids), (m.query_start_loc, starts), (m.seq_lens, cached + q_lens),
