@@ -214,10 +214,11 @@ def load_llm(args, target: Path, draft: str, options: dict) -> LLM:
 
 def renderer(llm: LLM, args):
     """(messages, raw text) -> the prompt: the chat template's token ids, unless asked for raw text or
-    absent (then --system, which only a template can place, is refused by name)."""
-    if getattr(args, "system", None) and (args.no_chat_template or not llm.tokenizer.chat_template):
-        why = "--no-chat-template is set" if args.no_chat_template else "this model has no chat template"
-        raise CliError(f"--system needs the chat template ({why}); put the instruction in the prompt instead")
+    absent (then --system, which only a template can place, is refused by name; check_args
+    already refused it beside --no-chat-template, before the model loaded)."""
+    if getattr(args, "system", None) and not llm.tokenizer.chat_template:
+        raise CliError("--system needs the chat template (this model has no chat template); put the instruction "
+                       "in the prompt instead")
 
     def render(messages: list[dict], raw: str) -> str | dict:
         if args.no_chat_template or not llm.tokenizer.chat_template:

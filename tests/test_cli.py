@@ -426,3 +426,9 @@ def test_the_html_trace_counts_accepted_drafts_as_its_table_does(tiny_llama, tmp
     write_html(tmp_path / "t.html", [t], "t")
     assert "2/4 drafts accepted" in (tmp_path / "t.html").read_text()
     assert t.acceptance_by_position() == [(1, 2), (1, 1), (0, 1)]
+
+
+def test_system_with_a_model_without_a_template_is_refused(tiny_llama, capsys):
+    """The tiny model has no chat template: --system is refused by name once it is loaded."""
+    status, _, err = run_cli(capsys, "generate", *base(tiny_llama), "--system", "x", PROMPT)
+    assert status == 1 and "--system needs the chat template (this model has no chat template)" in err
