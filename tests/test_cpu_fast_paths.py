@@ -207,6 +207,56 @@ def test_prepacked_linear_equals_f_linear(rows, bias, seed):
     assert xg.grad is not None and layer.weight.grad is not None
 
 
+@needs_native_bf16
+def test_a_layer_holding_only_its_packed_copy_is_the_same_layer():
+    """keep_packed_only drops W (held once, not twice) and changes nothing a user can see: the
+    output, W unpacked exactly (F.linear with gradients, state_dict, copies), a cast, a reload."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(48, 80).to(torch.bfloat16)
+    weight = dense.weight.detach().clone()
+    layer = as_variant(dense, "prepacked")
+    x = torch.randn(3, 48).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = layer(x)
+    layer.keep_packed_only()
+    assert layer.packed_only and layer.weight.is_meta and layer.weight.shape == (80, 48)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), before)
+    assert torch.equal(layer.dense_weight(), weight)
+    assert torch.equal(layer.state_dict()["weight"], weight)
+    copied = copy.deepcopy(layer)
+    with torch.inference_mode():
+        assert torch.equal(copied(x), before)
+    assert torch.equal(layer(x.clone().requires_grad_()), F.linear(x, weight, layer.bias))  # grad mode: F.linear
+    fresh = as_variant(torch.nn.Linear(48, 80).to(torch.bfloat16), "prepacked")
+    fresh.keep_packed_only()
+    fresh.load_state_dict(layer.state_dict())  # a meta W would take the values silently: nothing
+    assert torch.equal(fresh.weight, weight) and not fresh.packed_only
+    layer.float()
+    assert not layer.packed_only and torch.equal(layer.weight, weight.float())
+
+
+@needs_native_bf16
+def test_a_loaded_prepacked_model_holds_each_weight_once(tiny_llama, monkeypatch):
+    """The loader keeps only the packed copy of each linear weight it owns; a tied lm_head keeps
+    the embedding's W (the embedding needs it). Logits and the checkpoint's tensors are unchanged."""
+    from minispec.io.checkpoint import read_safetensors
+    from minispec.model.llama import checkpoint_state_dict
+
+    monkeypatch.setenv("MINISPEC_CPU_MATMUL", "prepacked")
+    model, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, PrepackedLinear) and m.packed_only for m in linears)
+    saved = {k.removeprefix("model."): v for k, v in read_safetensors(tiny_llama).items()}
+    state = checkpoint_state_dict(model)
+    assert all(torch.equal(state[k], saved[k].to(torch.bfloat16)) for k in saved)
+    monkeypatch.setenv("MINISPEC_CPU_MATMUL", "linear")
+    plain, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+    ids = torch.arange(5, 30)
+    torch.testing.assert_close(model(ids, BatchMetadata.for_prompts([len(ids)])),
+                               plain(ids, BatchMetadata.for_prompts([len(ids)])), atol=0.05, rtol=0.02)
+
+
 def test_verification_logits_do_not_depend_on_the_linear_path(tiny_llama):
     """A 5-token verification over a cached prompt: logits with the weight-major product match
     the F.linear ones to fp32 rounding, and so do the greedy tokens of a speculative run."""

@@ -39,6 +39,7 @@ WEIGHT_MAJOR_ROWS = 16  # fp32 on CPU: linear layers fed 1..16 rows compute W-ma
 UPCAST_ROWS = 4  # bf16 / fp16 on a CPU without native bf16: linear layers fed more rows compute in fp32
 CPU_MATMULS = ("linear", "weight_major", "prepacked", "upcast")  # the entry points, by name
 TIMED_BYTES = 32 << 20  # models with less linear weight keep F.linear: their weights sit in the caches, timing misleads
+TIMING_SAMPLE_BYTES = 256 << 20  # a bigger model is timed on its first linear weights up to this much
 MIN_GAIN = 0.05  # another entry point replaces F.linear only if it is at least this much faster
 
 
@@ -62,7 +63,12 @@ class UpcastLinear(nn.Linear):
 
 
 class PrepackedLinear(nn.Linear):
-    """nn.Linear through oneDNN's packed copy of W (`packed_weight`), for inference in W's dtype."""
+    """nn.Linear through oneDNN's packed copy of W (`packed_weight`), for inference in W's dtype.
+
+    `keep_packed_only()` (the loaders call it for the weights they own) drops W itself, so a
+    layer is held once, not twice: W becomes a meta tensor of its shape, and whatever needs it
+    dense (F.linear with gradients, another dtype, state_dict, a copy, a move) gets it back from
+    the packed copy, exactly (oneDNN's reorder only moves values)."""
 
     _packed: tuple | None = None  # (the weight it was made from, (its version, data_ptr, dtype), oneDNN's copy)
 
@@ -70,16 +76,49 @@ class PrepackedLinear(nn.Linear):
         if x.device.type == "cpu" and x.dtype == self.weight.dtype and not (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):  # oneDNN's op has no backward
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.dense_weight(), self.bias)
+
+    @property
+    def packed_only(self) -> bool:
+        return self.weight.is_meta and self._packed is not None
+
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in]: the parameter, or unpacked from oneDNN's copy once only that is kept."""
+        return self._packed[2].to_dense() if self.packed_only else self.weight
+
+    def keep_packed_only(self) -> None:
+        """Pack W now and drop it (see the class docstring)."""
+        packed = self.packed_weight()
+        self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+        self._packed = (self.weight, None, packed)
+
+    def restore_dense(self) -> None:
+        """Undo keep_packed_only: W is a dense parameter again (the packed copy is remade on use)."""
+        if self.packed_only:
+            self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
+            self._packed = None
 
     def __getstate__(self) -> dict:
-        """Copies and pickles leave the packed weight out (an opaque tensor; remade on first use)."""
+        """Copies and pickles leave the packed weight out (an opaque tensor; remade on first use);
+        a layer holding only that is copied with W unpacked."""
         state = dict(super().__getstate__())  # a copy: the live module keeps its packed weight
+        if self.packed_only:
+            state["_parameters"] = {**state["_parameters"], "weight": nn.Parameter(self.dense_weight(), requires_grad=False)}
         state["_packed"] = None
         return state
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed_only:
+            destination[prefix + "weight"] = self.dense_weight()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.restore_dense()  # (a meta W would take the values silently: nothing)
+        super()._load_from_state_dict(*args, **kwargs)
+
     def _apply(self, fn, recurse=True):
         """Moved or cast (`.to`, `.float()`: W's data is swapped in place): the packed copy is dropped."""
+        self.restore_dense()
         self._packed = None
         return super()._apply(fn, recurse)
 
@@ -88,6 +127,8 @@ class PrepackedLinear(nn.Linear):
         W is replaced, moved, cast or changed in place through autograd-visible ops (its version
         counter moves). Writes through `weight.data` bypass the version counter: after one, call
         `set_cpu_matmul` again (a new module, no copy)."""
+        if self.packed_only:
+            return self._packed[2]
         weight = self.weight
         key = (weight._version, weight.data_ptr(), weight.dtype)
         if self._packed is None or self._packed[0] is not weight or self._packed[1] != key:
@@ -167,14 +208,20 @@ def cpu_matmul_candidates(dtype: torch.dtype) -> tuple[str, ...]:
 
 def time_cpu_matmuls(model: nn.Module, names: tuple[str, ...], rows: tuple[int, ...] = (1, 5),
                      repeats: int = 3) -> dict[str, float]:
-    """Seconds per variant: one pass of x @ W^T over ALL of model's linear weights at each row
-    count in `rows` (a decode, a k=4 verification), the best of `repeats` passes, summed over
-    `rows`. All weights in turn, as a forward streams them (one weight timed in a loop stays in
-    the cache and misleads); the variants take turns within each repeat, so a drift of the
-    machine's speed hits them alike. The variant modules are built beside the model (which is not
-    changed) and kept in `model._timed_variants`, so that a packed copy made while timing serves
-    the first forward."""
-    linears = [child for _, _, child in linear_slots(model)]
+    """Seconds per variant: one pass of x @ W^T over model's linear weights at each row count in
+    `rows` (a decode, a k=4 verification), the best of `repeats` passes, summed over `rows`. The
+    weights are taken in turn, as a forward streams them (one weight timed in a loop stays in the
+    cache and misleads): all of them, or the first TIMING_SAMPLE_BYTES of them in a bigger model
+    (far more than any cache holds, and no second copy of a large model while timing). The
+    variants take turns within each repeat, so a drift of the machine's speed hits them alike.
+    The variant modules are built beside the model (which is not changed) and kept in
+    `model._timed_variants`, so that a packed copy made while timing serves the first forward."""
+    linears, held = [], 0
+    for _, _, m in linear_slots(model):
+        if held >= TIMING_SAMPLE_BYTES:
+            break
+        linears.append(m)
+        held += m.weight.numel() * m.weight.element_size()
     variants = {name: [as_variant(m, name) for m in linears] for name in names}
     gen = torch.Generator().manual_seed(0)  # the caller's random streams are left alone
     best = {(name, n): float("inf") for name in names for n in rows}
@@ -189,7 +236,7 @@ def time_cpu_matmuls(model: nn.Module, names: tuple[str, ...], rows: tuple[int, 
                         m(inputs[n][m.in_features])
                     if repeat:
                         best[name, n] = min(best[name, n], time.perf_counter() - start)
-    model._timed_variants = variants
+    model._timed_variants = {name: {id(m): v for m, v in zip(linears, modules)} for name, modules in variants.items()}
     return {name: sum(best[name, n] for n in rows) for name in names}
 
 
@@ -235,7 +282,8 @@ def write_cached_choice(key: str, choice: str) -> None:
         pass
 
 
-def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.device, prefer: str | None = None) -> str | None:
+def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.device, prefer: str | None = None,
+                       own_weights: bool = False) -> str | None:
     """On CPU, swap every nn.Linear of `model` for the variant that is fastest HERE: `prefer` if it
     applies to this dtype (an EAGLE head passes its target's: one layer's weights are too few to
     time), else $MINISPEC_CPU_MATMUL if it applies (a warning says when it does not), else the
@@ -243,7 +291,9 @@ def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.devic
     at least MIN_GAIN faster (so that near-ties do not flip between runs); a model with under
     TIMED_BYTES of linear weight keeps F.linear untimed. A timed choice is kept in the cache
     directory per machine (CPU, torch, threads, dtype, weight shapes), so only the first load on
-    a machine pays for the timing. Returns the choice (None off CPU), also `model.cpu_matmul`."""
+    a machine pays for the timing. own_weights (a loader's model, whose weights nobody else
+    holds): prepacked layers keep only their packed copy. Returns the choice (None off CPU), also
+    `model.cpu_matmul`."""
     if device.type != "cpu":
         return None
     env = os.environ.get("MINISPEC_CPU_MATMUL") or None
@@ -256,8 +306,8 @@ def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.devic
     choice = next((c for c in (prefer, env) if c in candidates), None)
     if choice is None:
         choice = candidates[0]
-        weights = {id(m.weight): m.weight for _, _, m in linear_slots(model)}.values()
-        if len(candidates) > 1 and sum(w.numel() * w.element_size() for w in weights) >= TIMED_BYTES:
+        weight_bytes = sum({id(m.weight): m.weight.numel() * m.weight.element_size() for _, _, m in linear_slots(model)}.values())
+        if len(candidates) > 1 and weight_bytes >= TIMED_BYTES:
             key = machine_key(model, dtype)
             choice = read_cached_choice(key) if read_cached_choice(key) in candidates else None
             if choice is None:
@@ -266,11 +316,16 @@ def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.devic
                 fastest = min(candidates, key=seconds.get)
                 choice = fastest if seconds[fastest] * (1 + MIN_GAIN) < seconds[candidates[0]] else candidates[0]
                 write_cached_choice(key, choice)
-    timed = model.__dict__.pop("_timed_variants", {}).get(choice)
-    if timed is not None:  # the timer's modules (and their packed copies) go in as they are
-        for (parent, attr, _), module in zip(linear_slots(model), timed):
-            setattr(parent, attr, module)
-        model.cpu_matmul = choice
-    else:
-        set_cpu_matmul(model, choice)
+    timed = model.__dict__.pop("_timed_variants", {}).get(choice, {})
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    slots = linear_slots(model)
+    slots.reverse()
+    while slots:  # popped one by one: a swapped-out layer (and its dense W, once packed) is freed at once
+        parent, attr, child = slots.pop()
+        module = timed.pop(id(child), None) or as_variant(child, choice)  # the timer's modules go in as they are
+        if own_weights and isinstance(module, PrepackedLinear) and id(module.weight) not in shared:
+            module.keep_packed_only()  # one copy of the layer (a tied lm_head keeps the embedding's)
+        setattr(parent, attr, module)
+        del child, module
+    model.cpu_matmul = choice
     return choice

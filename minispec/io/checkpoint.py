@@ -17,7 +17,7 @@ from ..fast.int8 import check_quantization, quantize_model
 from ..fast.smoothquant import CALIBRATION_TEXT
 from ..model.attention import AttentionBackend
 from ..model.config import DTYPES, ModelConfig, rope_inv_freq
-from ..model.llama import Transformer, fuse_projections
+from ..model.llama import Transformer, fuse_projections, fused_state
 from .gguf import read_gguf
 from .tokenizer import Tokenizer, read_json_object
 
@@ -25,22 +25,27 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints save
 INTEGER_TENSORS = ("d2t", "t2d")  # an EAGLE-3 head's vocabulary maps (every other tensor is a float weight)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto'/None: the checkpoint's dtype on CUDA, fp32 on CPU (emulated bf16 is slow on most
     CPUs; where the CPU has native bf16 matmuls, pass dtype="bfloat16", as bench.py does)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)} or 'auto'")
         return dtype
-    if dtype in (None, "auto"):
-        return cfg.dtype if device.type == "cuda" else torch.float32
+    if dtype in (None, "auto"):  # cfg: the checkpoint's config, or its dtype
+        return (cfg if isinstance(cfg, torch.dtype) else cfg.dtype) if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
     return DTYPES[dtype]
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir: model.safetensors, or the shards its index names."""
+    """All tensors of a checkpoint dir: model.safetensors, or the shards its index names.
+
+    The tensors are views of the files, read from disk when first touched. Each is opened on its
+    own: every view of one `safe_open` keeps the whole file mapped, so the pages a loader had read
+    and copied would stay resident until the last tensor was done, doubling a load's peak memory;
+    a tensor mapped alone lets go of its pages as soon as the loader has copied it (build_model)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         weight_map = read_json_object(index).get("weight_map")
@@ -57,7 +62,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             raise FileNotFoundError(f"shard {name} named in {index.name} is missing from {path}")
         try:
             with safe_open(path / name, framework="pt") as f:
-                for key in f.keys():
+                keys = list(f.keys())
+            for key in keys:
+                with safe_open(path / name, framework="pt") as f:
                     tensors[key] = f.get_tensor(key)
         except Exception as e:  # SafetensorError, OSError, ...: a truncated, empty or foreign file
             raise ValueError(f"{path / name} is not a readable safetensors file ({type(e).__name__}: {e})") from None
@@ -90,10 +97,15 @@ def build_model(
     cpu_matmul: str | None = None,
     where: str = "checkpoint",
 ) -> Transformer:
-    """Instantiate the model and copy `state` (HF names, optional `model.` prefix) into it.
+    """Instantiate the model from `state` (HF names, optional `model.` prefix), which is emptied:
+    each tensor is taken out, cast (and q/k/v, gate/up fused) and placed in the model before the
+    next is read, so a load holds the model once plus one layer's tensors, never two copies.
     cpu_matmul: the nn.Linear variant to prefer on CPU (`use_cpu_fast_paths`; None: the fastest);
     where: the checkpoint's name in errors."""
-    state = {k.removeprefix("model."): v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
+    for key in [k for k in state if k.startswith("model.") or k.endswith(IGNORED_SUFFIXES)]:
+        value = state.pop(key)
+        if not key.endswith(IGNORED_SUFFIXES):
+            state[key.removeprefix("model.")] = value
     with torch.device("meta"):
         model = Transformer(cfg, backend)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -101,13 +113,14 @@ def build_model(
         expected.pop("lm_head.weight")
         state.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
     check_tensors(expected, state, where, f"this {cfg.architecture} config")
-    model = model.to_empty(device=device).to(dtype)
-    model.load_state_dict(state, strict=False, assign=False)
+    fuse_projections(model)  # on the meta device: the fused parameters' shapes
+    # Copies, never views of the file: a checkpoint rewritten while the model runs must not change it.
+    model.load_state_dict(fused_state(model, state, lambda t: t.to(device=device, dtype=dtype, copy=True)),
+                          strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
-    fuse_projections(model)
-    use_cpu_fast_paths(model, dtype, device, prefer=cpu_matmul)
+    use_cpu_fast_paths(model, dtype, device, prefer=cpu_matmul, own_weights=True)
     return model.eval()
 
 
@@ -120,14 +133,15 @@ def load_checkpoint(
 ) -> tuple[Transformer, Tokenizer]:
     """Load (model, tokenizer) from an HF directory or a .gguf file. quantization="int8": every
     linear layer's weight in int8 with dynamic per-row activation scales (fast/int8.py); a GGUF's
-    tensors (Q8_0, Q4_1, ...) go from the file to int8 in memory, nothing is written to disk."""
+    tensors (Q8_0, Q4_1, ...) go from the file to int8 in memory, nothing is written to disk.
+    A load holds one copy of the weights (build_model), plus one tensor being read."""
     check_quantization(quantization)
     path = Path(path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not isinstance(backend, AttentionBackend):
         backend = AttentionBackend(backend)
-    if path.suffix == ".gguf":
-        hf_config, state, tokenizer = read_gguf(path)
+    if path.suffix == ".gguf":  # dequantized straight to the compute dtype (a GGUF's 'auto' is fp32)
+        hf_config, state, tokenizer = read_gguf(path, resolve_dtype(dtype, torch.float32, device))
     else:
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint {path} is neither a directory nor a .gguf file")
@@ -142,6 +156,5 @@ def load_checkpoint(
     # An int8 model's Linears are replaced (quant.Int8Linear): no CPU matmul is worth timing for it.
     model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, "linear" if quantization else None,
                         f"checkpoint {path}")
-    del state  # the full-precision tensors: freed before the int8 copies are made
     calibration = [tokenizer.encode(CALIBRATION_TEXT)] if quantization else None
     return quantize_model(model, quantization, calibration), tokenizer

@@ -31,11 +31,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype)
     if dtype_name is None:
         raise ValueError(f"dtype {dtype} is not supported ({sorted(DTYPES)})")
-    hf_config, state, tokenizer = read_gguf(gguf_path)
+    hf_config, state, tokenizer = read_gguf(gguf_path, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    del state
     tokenizer.tok.save(str(out / "tokenizer.json"))
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_ids
     token = tokenizer.tok.id_to_token

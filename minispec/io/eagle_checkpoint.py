@@ -70,7 +70,7 @@ def build_eagle(cfg: EagleConfig, state: dict[str, torch.Tensor], target: Transf
     model.embed_weight = embedding.to(device=device, dtype=dtype)
     model.inv_freq = rope_inv_freq(cfg.layer).to(device)
     fuse_projections(model)
-    use_cpu_fast_paths(model, dtype, device, prefer=target.cpu_matmul)
+    use_cpu_fast_paths(model, dtype, device, prefer=target.cpu_matmul, own_weights=True)
     return model.eval()
 
 

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, TokenType
+from gguf import GGMLQuantizationType, GGUFReader, TokenType
 from gguf.quants import dequantize
+from gguf.quants import _type_traits as GGUF_QUANTS  # the quant types the gguf package dequantizes
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -50,6 +51,8 @@ LAYER_TENSORS = {  # inside blk.N / model.layers.N
     "ffn_down": "mlp.down_proj",
 }
 
+QUANT_TYPES = frozenset(GGUF_QUANTS)
+
 # tokenizer.ggml.pre -> how text is split before BPE (the regexes of the models' own tokenizer.json)
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -70,15 +73,15 @@ PRE_TOKENIZERS = {
 }
 
 
-def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
-    """(HF config.json dict, fp32 state dict with HF names, Tokenizer) from a .gguf file."""
+def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
+    """(HF config.json dict, state dict with HF names in `dtype`, Tokenizer) from a .gguf file."""
     path = Path(path)
     reader = open_gguf(path)
     arch = _require(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} in {path.name} is not supported (supported: {sorted(GGUF_ARCHITECTURES)})")
     hf_config = gguf_config(reader, arch)
-    state = gguf_state_dict(reader, arch, hf_config)
+    state = gguf_state_dict(reader, arch, hf_config, dtype)
     return hf_config, state, gguf_tokenizer(reader, path)
 
 
@@ -155,8 +158,11 @@ def gguf_config(reader: GGUFReader, arch: str) -> dict:
     return config
 
 
-def gguf_state_dict(reader: GGUFReader, arch: str, hf_config: dict) -> dict[str, torch.Tensor]:
-    """All tensors, dequantized to fp32, in torch dim order, under HF names, q/k rows unpermuted."""
+def gguf_state_dict(reader: GGUFReader, arch: str, hf_config: dict, dtype: torch.dtype = torch.float32
+                    ) -> dict[str, torch.Tensor]:
+    """All tensors, dequantized (to fp32, then rounded once to `dtype`), in torch dim order, under
+    HF names, q/k rows unpermuted. One tensor is dequantized at a time and cast at once, so the
+    fp32 copy of the whole model is never held."""
     present = {t.name for t in reader.tensors}
     required = ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{part}.weight" for i in range(hf_config["num_hidden_layers"]) for part in LAYER_TENSORS
@@ -165,6 +171,12 @@ def gguf_state_dict(reader: GGUFReader, arch: str, hf_config: dict) -> dict[str,
     if missing:
         raise ValueError(f"GGUF file is missing tensors: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
 
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *QUANT_TYPES}
+    unknown = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in readable})
+    if unknown:  # said before any tensor is dequantized
+        example = next(t.name for t in reader.tensors if t.tensor_type.name == unknown[0])
+        raise ValueError(f"GGUF tensor type {', '.join(unknown)} (e.g. {example!r}) cannot be read here "
+                         f"(readable: F32, F16, {', '.join(sorted(q.name for q in QUANT_TYPES))})")
     num_heads, num_kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     state = {}
     for tensor in reader.tensors:
@@ -173,7 +185,8 @@ def gguf_state_dict(reader: GGUFReader, arch: str, hf_config: dict) -> dict[str,
         values = dequantize(tensor.data, tensor.tensor_type)  # float32 ndarray, already torch order
         if values.shape != shape:
             raise ValueError(f"GGUF tensor {tensor.name!r} dequantized to {values.shape}, expected {shape}")
-        weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 data is a view of the mmap
+        values = np.asarray(values, dtype=np.float32)
+        weight = torch.from_numpy(values if values.flags.writeable else values.copy()).to(dtype)  # F32 data: a view of the file
         if arch == "llama" and ".attn_q." in tensor.name:
             weight = unpermute_rows(weight, num_heads)
         elif arch == "llama" and ".attn_k." in tensor.name:

@@ -60,10 +60,18 @@ def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     first = parts[0]
     fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
                       device="meta")  # (no random init to overwrite)
-    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]))  # [sum(out), in]
+    fused.weight = nn.Parameter(concat([p.weight.detach() for p in parts]))  # [sum(out), in]
     if first.bias is not None:
-        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]))
+        fused.bias = nn.Parameter(concat([p.bias.detach() for p in parts]))
     return fused
+
+
+def concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat on the first axis; for a loader's meta skeleton, an empty meta tensor of that
+    shape (torch.cat on the meta device imports torch's compiler stack, about a second)."""
+    if not tensors[0].is_meta:
+        return torch.cat(tensors)
+    return torch.empty(sum(t.shape[0] for t in tensors), *tensors[0].shape[1:], dtype=tensors[0].dtype, device="meta")
 
 
 class Attention(nn.Module):
@@ -170,6 +178,30 @@ def fuse_projections(model: nn.Module) -> nn.Module:
         if isinstance(module, (Attention, MLP)):
             module.fuse()
     return model
+
+
+def fused_state(model: nn.Module, state: dict[str, torch.Tensor], convert) -> dict[str, torch.Tensor]:
+    """The state dict of a fused `model` from a checkpoint's (HF names), emptying `state` as it
+    goes: each tensor is popped, passed through `convert` (cast, copy, move) and q/k/v or gate/up
+    concatenated, so the caller never holds a tensor twice. The inverse of checkpoint_state_dict."""
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out = {}
+    for name, like in model.state_dict().items():
+        owner, _, leaf = name.rpartition(".")
+        parent, _, kind = owner.rpartition(".")
+        if kind in parts:  # written part by part into one tensor: no intermediate copies
+            pieces = [state.pop(f"{parent}.{p}.{leaf}") for p in parts[kind]]
+            first = convert(pieces[0][:0])
+            fused = torch.empty((like.shape[0], *pieces[0].shape[1:]), dtype=first.dtype, device=first.device)
+            row = 0
+            for piece in pieces:
+                fused[row : row + piece.shape[0]].copy_(piece)
+                row += piece.shape[0]
+            out[name] = fused
+            del pieces
+        elif name in state:
+            out[name] = convert(state.pop(name))
+    return out
 
 
 class DecoderLayer(nn.Module):
