@@ -6,6 +6,7 @@ graphs) where they apply.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,11 +19,12 @@ from .drafters.ngram import NgramDrafter
 from .drafters.tree import TreeDrafter, tree_slots
 from .engine import LLMEngine
 from .fast.int8 import quantize_model
-from .io.checkpoint import load_checkpoint
+from .io.checkpoint import load_checkpoint, peek_checkpoint
 from .io.eagle_checkpoint import check_head_fits, is_eagle_checkpoint, load_eagle
 from .io.tokenizer import Tokenizer
 from .model.attention import AttentionBackend
 from .model.eagle import EagleModel
+from .model.config import ModelConfig
 from .model.llama import Transformer
 from .options import EngineOptions
 from .runtime.kv_cache import KVCache
@@ -32,7 +34,8 @@ from .runtime.runner import ModelRunner
 def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     """The engine and the target's tokenizer, as the options say."""
     backend = AttentionBackend(o.backend)
-    target, tokenizer = load_model(o.model, o, o.device, backend)
+    check_pair(o)  # before either model's weights are read
+    target, tokenizer = load_model(o.model, o.quantization, o, o.device, backend)
     if o.tokenizer is not None:
         tokenizer = Tokenizer.from_dir(Path(o.tokenizer))
         needed = max(tokenizer.get_vocab().values(), default=-1) + 1
@@ -66,11 +69,12 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     return engine, tokenizer
 
 
-def load_model(model, o: EngineOptions, device, backend: AttentionBackend) -> tuple[Transformer, Tokenizer]:
-    """A checkpoint path loaded, or a built (model, tokenizer) pair checked."""
+def load_model(model, quantization: str | None, o: EngineOptions, device, backend: AttentionBackend
+               ) -> tuple[Transformer, Tokenizer]:
+    """A checkpoint path loaded with `quantization`, or a built (model, tokenizer) pair checked."""
     if isinstance(model, tuple):
-        return check_built(model[0], o.quantization, "a model"), model[1]
-    return load_checkpoint(model, dtype=o.dtype, device=device, backend=backend, quantization=o.quantization)
+        return check_built(model[0], quantization, "a model"), model[1]
+    return load_checkpoint(model, dtype=o.dtype, device=device, backend=backend, quantization=quantization)
 
 
 def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, backend: AttentionBackend
@@ -85,8 +89,9 @@ def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, back
         return check_built(draft_model, o.quantization, "draft_model")
     if isinstance(draft_model, (str, Path)) and is_eagle_checkpoint(draft_model):
         return quantize_model(load_eagle(draft_model, target), o.quantization)
-    draft, draft_tokenizer = load_model(draft_model, o, target.device, backend)
-    check_same_vocab(tokenizer, draft_tokenizer, target, draft)
+    # A draft model may be quantized on its own (fast/int4.py): exact for any draft.
+    draft, draft_tokenizer = load_model(draft_model, o.draft_quantization or o.quantization, o, target.device, backend)
+    check_same_vocab(tokenizer, draft_tokenizer, target.cfg, draft.cfg)
     return draft
 
 
@@ -164,7 +169,25 @@ def check_built(model, quantization: str | None, what: str):
     return model
 
 
-def check_same_vocab(target_tok: Tokenizer, draft_tok: Tokenizer, target: Transformer, draft: Transformer) -> None:
+def check_pair(o: EngineOptions) -> None:
+    """A target and a draft model given as checkpoint paths are checked from their configs and
+    tokenizers before either loads (minutes for a large pair): the same tokenizer (else an error),
+    and a warning if the draft is not smaller than the target (it would cost more than it saves)."""
+    paths = (o.model, o.draft_model)
+    if not o.uses_model_drafter or not all(isinstance(p, (str, Path)) for p in paths) or is_eagle_checkpoint(o.draft_model):
+        return
+    (target_cfg, target_tok), (draft_cfg, draft_tok) = (peek_checkpoint(p) for p in paths)
+    try:
+        check_same_vocab(target_tok, draft_tok, target_cfg, draft_cfg)
+    except ValueError as e:
+        raise ValueError(f"draft_model {o.draft_model}: {e}") from None
+    if draft_cfg.num_parameters >= target_cfg.num_parameters:
+        warnings.warn(f"draft_model {o.draft_model} ({draft_cfg.num_parameters:,} parameters) is not smaller "
+                      f"than the target {o.model} ({target_cfg.num_parameters:,}): each drafted token costs "
+                      "about a target step, so speculation will be slower than plain decoding", stacklevel=3)
+
+
+def check_same_vocab(target_tok: Tokenizer, draft_tok: Tokenizer, target: ModelConfig, draft: ModelConfig) -> None:
     """Speculative sampling compares p and q token by token: both models must share one
     tokenizer. Their embeddings may be padded to different sizes (Qwen2.5-0.5B: 151936 rows,
     Qwen2.5-7B: 152064) as long as both cover the tokenizer's whole vocabulary."""
@@ -173,8 +196,8 @@ def check_same_vocab(target_tok: Tokenizer, draft_tok: Tokenizer, target: Transf
         diff = sorted(set(tv.items()) ^ set(dv.items()))[:3]
         raise ValueError(f"draft tokenizer differs from the target's (e.g. {diff}); they must be identical")
     needed = max(tv.values(), default=-1) + 1  # ids the tokenizer can produce
-    if min(target.cfg.vocab_size, draft.cfg.vocab_size) < needed:
+    if min(target.vocab_size, draft.vocab_size) < needed:
         raise ValueError(
-            f"draft model vocab_size {draft.cfg.vocab_size} and target vocab_size {target.cfg.vocab_size}: both must "
+            f"draft model vocab_size {draft.vocab_size} and target vocab_size {target.vocab_size}: both must "
             f"cover the tokenizer's {needed} ids (the draft must use the target's tokenizer)"
         )

@@ -2,9 +2,9 @@
 
 vLLM's spellings are accepted and translated here, so the rest of minispec sees one of each:
 `speculative_model=` (older vLLM) and `speculative_config={"method", "model",
-"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "tree_budget", "tree_top_k"}`
-(current vLLM, plus our tree keys) become `draft_model`, `num_speculative_tokens` (k), the lookup
-window and the draft tree. Every bad value is a
+"num_speculative_tokens", "quantization", "prompt_lookup_min", "prompt_lookup_max", "tree_budget",
+"tree_top_k"}` (current vLLM, plus our tree keys) become `draft_model`, `num_speculative_tokens`
+(k), `draft_quantization`, the lookup window and the draft tree. Every bad value is a
 ValueError naming the option before anything is loaded.
 """
 
@@ -16,12 +16,14 @@ from pathlib import Path
 
 import torch
 
+from .fast.int4 import check_draft_quantization
 from .fast.int8 import check_quantization
 from .io.eagle_checkpoint import is_eagle_checkpoint
 from .io.tokenizer import Tokenizer
 from .model.eagle import EagleModel
 from .model.llama import Transformer
 
+DRAFT_ONLY = ("int4",)  # quantizations that only a draft model takes (fast/int4.py)
 Model = str | Path | tuple[Transformer, Tokenizer]
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -46,6 +48,9 @@ class EngineOptions:
     quantization="int8": target and drafter with int8 weights and dynamic per-row activation
     scales (fast/int8.py); speculative output is exact for that int8 target. Models passed
     already built must have been loaded with it: they are never quantized in place.
+    draft_quantization="int4" (a draft model on CPU): the draft's linear layers and LM head as int4
+    weight-only matmuls (fast/int4.py), the target as loaded; exact, as any draft is. It takes
+    precedence over `quantization` for the draft.
     ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or the longest lookup match in
     front of a model (ngram_max); refused where neither drafts.
     seed: requests without their own seed draw one from a generator seeded with it, in the order
@@ -65,6 +70,7 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype | None = "auto"
     quantization: str | None = None
+    draft_quantization: str | None = None
     device: str | None = None
     backend: str | None = None
     page_size: int = 16
@@ -87,6 +93,9 @@ class EngineOptions:
     verbose: bool = False
 
     def __post_init__(self) -> None:
+        if self.quantization in DRAFT_ONLY:
+            raise ValueError(f"quantization={self.quantization!r} is for a draft model only (draft_quantization="
+                             f"{self.quantization!r}): its matmul is fast at one row and loses to bf16 at a verification's k+1")
         check_quantization(self.quantization)
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
         self.check_device()
@@ -176,10 +185,11 @@ class EngineOptions:
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
         window = ("prompt_lookup_min", "prompt_lookup_max")
         tree = {"tree_budget": "draft_tree_budget", "tree_top_k": "draft_tree_top_k"}
+        tree = {**tree, "quantization": "draft_quantization"}
         unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", *window, *tree})
         if unknown:
             raise ValueError(f"speculative_config keys not supported: {unknown} (use method, model, num_speculative_tokens, "
-                             "prompt_lookup_min, prompt_lookup_max, tree_budget, tree_top_k, draft_tensor_parallel_size)")
+                             "quantization, prompt_lookup_min, prompt_lookup_max, tree_budget, tree_top_k, draft_tensor_parallel_size)")
         for key, name in tree.items():
             if config.get(key) is not None:
                 if getattr(self, name) is not None and getattr(self, name) != config[key]:
@@ -240,6 +250,24 @@ class EngineOptions:
             raise ValueError("prompt_lookup_min puts prompt lookup in front of a draft model or EAGLE head; "
                              "give one as draft_model (the n-gram drafter alone takes ngram_min / ngram_max)")
         self.check_tree()
+        self.check_draft_quantization()
+
+    def check_draft_quantization(self) -> None:
+        """draft_quantization needs a draft model (not an EAGLE head, n-gram or plain decoding) and a
+        kernel this torch and device can run."""
+        if self.draft_quantization is None:
+            return
+        check_draft_quantization(self.draft_quantization, torch.device(self.device) if self.device else None)
+        model = self.draft_model
+        if not self.uses_model_drafter:
+            raise ValueError(f"draft_quantization={self.draft_quantization!r} quantizes a draft model; give one as draft_model")
+        if isinstance(model, EagleModel) or (isinstance(model, (str, Path)) and is_eagle_checkpoint(model)):
+            raise ValueError(f"draft_quantization={self.draft_quantization!r} is for a draft model, not an EAGLE head "
+                             "(one layer fed by the target: its cost is not its weights)")
+        if isinstance(model, tuple) and model[0].quantization != self.draft_quantization:
+            raise ValueError(f"draft_quantization={self.draft_quantization!r} but draft_model was passed already built with "
+                             f"{model[0].quantization or 'full-precision'} weights: load it with "
+                             f"load_checkpoint(..., quantization={self.draft_quantization!r}) or pass its path")
 
     def check_tree(self) -> None:
         """The draft tree's options: a budget of 1..63 nodes, top_k >= 1, and the head's scratch

@@ -130,6 +130,25 @@ def test_missing_tensor_is_named(tmp_path, tokenizer):
         read_gguf(path)
 
 
+def test_a_tensor_type_the_reader_cannot_dequantize_is_named_before_any_is(tmp_path, tokenizer, monkeypatch):
+    """An I8 tensor (no dequantizer here): one line naming the type and a tensor, from the header
+    check a draft pair runs before loading (peek_checkpoint) and from a load, before any tensor is
+    dequantized."""
+    import minispec.io.gguf
+    from minispec.io.checkpoint import peek_checkpoint
+
+    state = random_hf_state("llama", tokenizer.get_vocab_size(), tied=True)
+    state["model.layers.0.mlp.up_proj.weight"] = torch.randint(-8, 8, state["model.layers.0.mlp.up_proj.weight"].shape,
+                                                               dtype=torch.int8)
+    path = write_gguf(tmp_path / "int8-tensor.gguf", "llama", state, tokenizer)
+    monkeypatch.setattr(minispec.io.gguf, "dequantize", lambda *a: pytest.fail("a tensor was dequantized first"))
+    message = r"int8-tensor.gguf: GGUF tensor type I8 \(e.g. 'blk.0.ffn_up.weight'\) cannot be read here"
+    with pytest.raises(ValueError, match=message):
+        peek_checkpoint(path)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(path)
+
+
 def test_tokenizer_json_beside_the_gguf_wins(tmp_path, tokenizer):
     state = random_hf_state("llama", tokenizer.get_vocab_size(), tied=True)
     path = write_gguf(tmp_path / "tiny.gguf", "llama", state, tokenizer)

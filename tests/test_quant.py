@@ -207,8 +207,8 @@ def test_built_models_are_never_quantized_in_place(tiny_llama, int8_target):
     with pytest.raises(ValueError, match="already built with full-precision weights"):
         LLM(fp32, quantization="int8", kv_cache_gib=0.01)
     assert isinstance(fp32[0].lm_head, Linear)
-    with pytest.raises(ValueError, match="quantization must be None or one of 'int8', got 'int4'"):
-        LLM(str(tiny_llama), quantization="int4", kv_cache_gib=0.01)
+    with pytest.raises(ValueError, match="quantization must be None or one of 'int8', got 'int2'"):
+        LLM(str(tiny_llama), quantization="int2", kv_cache_gib=0.01)
     LLM(int8_target, quantization="int8", kv_cache_gib=0.01)  # already int8: fine
 
 

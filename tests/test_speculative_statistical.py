@@ -6,7 +6,8 @@ far from uniform and depend on the context) and two drafts: a perturbed copy of 
 (acceptance ~0.6-0.8) and an independent random model (low acceptance), plus the n-gram drafter,
 an EAGLE-3 head (random, reading the target's hidden states) whose draft vocabulary holds 4 of
 the 6 tokens, so the target puts mass where q is 0, and prompt lookup in front of a draft model
-or of the head ("+lookup", hybrid.py: one-hot q on some steps, the model's on others).
+or of the head ("+lookup", hybrid.py: one-hot q on some steps, the model's on others), and int4
+drafts (fast/int4.py) in front of the full-precision target.
 For each configuration we sample N = 2000 requests of m tokens in one batch, each with its own
 seed, and compare the empirical distribution of the m-token continuations with the exact one,
 P(y_1..y_m) = prod_j warp(target logits | prompt, y_<j)(y_j), computed by enumerating all V^m
@@ -23,7 +24,8 @@ Power. The same statistic at the same ALPHA must REJECT each planted bug (mutant
 minispec.speculative / minispec.drafters, monkeypatched): no residual, always accept, bonus from
 the wrong position, temperature missing from the target's p, a draft that samples from one q
 but reports another, a hybrid that reports no q (zeros) for its looked-up tokens, and penalties
-applied by the verifier with a stale history (without the drafts before each position). A control shows what is NOT a bug: a draft that consistently ignores the
+applied by the verifier with a stale history (without the drafts before each position), and an
+int4 draft that samples from its unquantized weights' law but reports its int4 q. A control shows what is NOT a bug: a draft that consistently ignores the
 temperature is still exact (speculative sampling is exact for any q it is told truthfully).
 """
 
@@ -41,6 +43,8 @@ import minispec.drafters.base
 import minispec.drafters.lookup
 import minispec.speculative
 from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
+from minispec.drafters.draft_model import ModelDrafter
+from minispec.fast.int4 import cpu_int4_available, quantize_int4_model
 from minispec.fast.int8 import quantize_model
 from minispec.model.eagle import init_eagle
 from minispec.sampling import penalize, sample, warp_probs
@@ -326,6 +330,80 @@ def test_with_int8_weights_the_law_is_the_int8_targets(int8_models, drafter, k, 
     pval, llm = p_value(int8_models, drafter, k, params, m)
     assert pval > ALPHA
     assert 0 < llm.last_metrics.acceptance_rate < 1
+
+
+def with_outliers(model: Transformer, scale: float) -> Transformer:
+    """A copy whose every 32nd input column of each linear layer is `scale` x larger: the outliers
+    LLM weights have, which stretch an int4 group's range so its other weights lose precision.
+    Its int4 law is then far from its own (TV ~0.14 at scale 8), what a planted bug must show."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight[:, ::32] *= scale
+    return model
+
+
+@pytest.fixture(scope="module")
+def int4_models(models):
+    """The full-precision target with int4 drafts (fast/int4.py): the near draft, and a draft with
+    weight outliers (the unquantized one kept as "outlier_fp", for the mutant below)."""
+    if not cpu_int4_available():
+        pytest.skip("this torch build has no CPU int4 kernel")
+    outlier = with_outliers(models["near"], 8.0)
+    return {"target": models["target"], "near": quantize_int4_model(copy.deepcopy(models["near"])),
+            "outlier": quantize_int4_model(copy.deepcopy(outlier)), "outlier_fp": outlier, "tok": models["tok"]}
+
+
+INT4_CASES = [("near", 2, SP(temperature=0.6), 3), ("outlier", 2, SP(temperature=0.6), 3),  # the mutant below runs here
+              ("near", 3, SP(temperature=1.0, top_k=5, top_p=0.95), 4), ("outlier", 4, SP(temperature=1.2), 5)]
+
+
+@pytest.mark.parametrize("drafter,k,params,m", INT4_CASES, ids=[f"{d}-k{k}-m{m}" for d, k, _, m in INT4_CASES])
+def test_an_int4_draft_keeps_the_full_precision_targets_law(int4_models, drafter, k, params, m):
+    """A quantized DRAFT is just another q: the m tokens follow the (unquantized) target's law
+    (chi-square p > ALPHA), whatever the quantization did to the draft."""
+    pval, llm = p_value(int4_models, drafter, k, params, m)
+    assert pval > ALPHA
+    assert 0 < llm.last_metrics.acceptance_rate < 1
+    assert any(type(x).__name__ == "Int4Linear" for x in int4_models[drafter].modules())
+
+
+def samples_unquantized_reports_int4(monkeypatch, unquantized: Transformer):
+    """(h) the int4 draft runs (its KV cache, its logits, the q it reports), but each token is drawn
+    from the UNquantized draft's law at the same context (a cache-free forward): a drafter that
+    samples with one copy of its weights and reports another's q."""
+    stash = {}
+    first, following = ModelDrafter.first_forward, ModelDrafter.next_forward
+
+    def full_precision(contexts: list[list[int]]) -> torch.Tensor:
+        return torch.stack([dense_logits(unquantized, torch.tensor([c]))[0, -1] for c in contexts])  # [n, V]
+
+    def first_forward(self, seqs, active):
+        stash["logits"] = full_precision([seqs[b].tokens for b in active])
+        return first(self, seqs, active)
+
+    def next_forward(self, seqs, active, tokens, carry):
+        stash["logits"] = full_precision([seqs[b].tokens + tokens[b] for b in active])
+        return following(self, seqs, active, tokens, carry)
+
+    def warp(logits, params):
+        stash["params"] = params
+        return warp_probs(logits, params)  # the int4 q, reported
+
+    monkeypatch.setattr(ModelDrafter, "first_forward", first_forward)
+    monkeypatch.setattr(ModelDrafter, "next_forward", next_forward)
+    monkeypatch.setattr(minispec.drafters.base, "warp_probs", warp)
+    monkeypatch.setattr(minispec.drafters.base, "sample",
+                        lambda probs, generators: sample(warp_probs(stash["logits"], stash["params"]), generators))
+
+
+def test_statistic_rejects_a_draft_that_samples_unquantized_and_reports_int4_q(int4_models, monkeypatch):
+    """Power for the quantized draft: (h) is REJECTED (p < ALPHA) where the real code passes."""
+    assert ("outlier", 2, SP(temperature=0.6), 3) in INT4_CASES
+    samples_unquantized_reports_int4(monkeypatch, int4_models["outlier_fp"])
+    pval, _ = p_value(int4_models, "outlier", 2, SP(temperature=0.6), 3)
+    assert pval < ALPHA
 
 
 ADAPTIVE = [  # (drafter, k, params, m, confidence threshold): draft lengths vary step by step

@@ -13,12 +13,13 @@ import torch
 from safetensors import safe_open
 
 from ..fast.cpu_linear import use_cpu_fast_paths
+from ..fast.int4 import check_draft_quantization, quantize_int4_model
 from ..fast.int8 import check_quantization, quantize_model
 from ..fast.smoothquant import CALIBRATION_TEXT
 from ..model.attention import AttentionBackend
 from ..model.config import DTYPES, ModelConfig, rope_inv_freq
 from ..model.llama import Transformer, fuse_projections, fused_state
-from .gguf import read_gguf
+from .gguf import read_gguf, read_gguf_header
 from .tokenizer import Tokenizer, read_json_object
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -124,6 +125,20 @@ def build_model(
     return model.eval()
 
 
+def peek_checkpoint(path: str | Path) -> tuple[ModelConfig, Tokenizer]:
+    """(config, tokenizer) of an HF directory or a .gguf file, no weights read (a GGUF's tensor
+    types are checked): what a pair of checkpoints is checked by before either loads."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        hf_config, tokenizer = read_gguf_header(path)
+    else:
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"checkpoint {path} is neither a directory with config.json nor a .gguf file")
+        hf_config = read_json_object(path / "config.json")
+        tokenizer = Tokenizer.from_dir(path, hf_config)
+    return ModelConfig.from_hf(hf_config), tokenizer
+
+
 def load_checkpoint(
     path: str | Path,
     dtype: str | torch.dtype | None = None,
@@ -132,10 +147,14 @@ def load_checkpoint(
     quantization: str | None = None,
 ) -> tuple[Transformer, Tokenizer]:
     """Load (model, tokenizer) from an HF directory or a .gguf file. quantization="int8": every
-    linear layer's weight in int8 with dynamic per-row activation scales (fast/int8.py); a GGUF's
-    tensors (Q8_0, Q4_1, ...) go from the file to int8 in memory, nothing is written to disk.
+    linear layer's weight in int8 with dynamic per-row activation scales (fast/int8.py); "int4":
+    int4 weight-only layers, for a draft model (fast/int4.py); a GGUF's tensors (Q8_0, Q4_1, ...)
+    go from the file to int8 or int4 in memory, nothing is written to disk.
     A load holds one copy of the weights (build_model), plus one tensor being read."""
-    check_quantization(quantization)
+    if quantization == "int4":
+        check_draft_quantization(quantization, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    else:
+        check_quantization(quantization)
     path = Path(path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not isinstance(backend, AttentionBackend):
@@ -156,5 +175,7 @@ def load_checkpoint(
     # An int8 model's Linears are replaced (quant.Int8Linear): no CPU matmul is worth timing for it.
     model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, "linear" if quantization else None,
                         f"checkpoint {path}")
+    if quantization == "int4":
+        return quantize_int4_model(model), tokenizer
     calibration = [tokenizer.encode(CALIBRATION_TEXT)] if quantization else None
     return quantize_model(model, quantization, calibration), tokenizer

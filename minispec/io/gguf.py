@@ -171,12 +171,7 @@ def gguf_state_dict(reader: GGUFReader, arch: str, hf_config: dict, dtype: torch
     if missing:
         raise ValueError(f"GGUF file is missing tensors: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
 
-    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *QUANT_TYPES}
-    unknown = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in readable})
-    if unknown:  # said before any tensor is dequantized
-        example = next(t.name for t in reader.tensors if t.tensor_type.name == unknown[0])
-        raise ValueError(f"GGUF tensor type {', '.join(unknown)} (e.g. {example!r}) cannot be read here "
-                         f"(readable: F32, F16, {', '.join(sorted(q.name for q in QUANT_TYPES))})")
+    check_tensor_types(reader)  # before any tensor is dequantized
     num_heads, num_kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     state = {}
     for tensor in reader.tensors:
@@ -193,6 +188,27 @@ def gguf_state_dict(reader: GGUFReader, arch: str, hf_config: dict, dtype: torch
             weight = unpermute_rows(weight, num_kv_heads)
         state[name] = weight
     return state
+
+
+def check_tensor_types(reader: GGUFReader) -> None:
+    """A ValueError naming every tensor type in the file this reader cannot dequantize."""
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *QUANT_TYPES}
+    unknown = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in readable})
+    if unknown:
+        example = next(t.name for t in reader.tensors if t.tensor_type.name == unknown[0])
+        raise ValueError(f"{Path(getattr(reader.data, 'filename', 'GGUF file')).name}: GGUF tensor type {', '.join(unknown)} (e.g. {example!r}) "
+                         f"cannot be read here (readable: F32, F16, {', '.join(sorted(q.name for q in QUANT_TYPES))})")
+
+
+def read_gguf_header(path: str | Path) -> tuple[dict, Tokenizer]:
+    """(HF config dict, Tokenizer) of a .gguf file, its tensor types checked, no weights read."""
+    path = Path(path)
+    reader = open_gguf(path)
+    arch = _require(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} in {path.name} is not supported (supported: {sorted(GGUF_ARCHITECTURES)})")
+    check_tensor_types(reader)
+    return gguf_config(reader, arch), gguf_tokenizer(reader, path)
 
 
 def hf_tensor_name(name: str) -> str:

@@ -78,6 +78,15 @@ class ModelConfig:
                 raise ValueError(f"rope scaling 'llama3' needs high_freq_factor > low_freq_factor, got {self.rope_scaling}")
 
     @property
+    def num_parameters(self) -> int:
+        """Weights the config implies (biases left out): embedding, an untied LM head, and per
+        layer q/k/v/o ((Hq + 2 Hkv) D H + Hq D H), gate/up/down (3 H I) and two norms."""
+        h, d = self.hidden_size, self.head_dim
+        layer = (2 * self.num_heads + 2 * self.num_kv_heads) * d * h + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + head + self.num_layers * layer + h
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads

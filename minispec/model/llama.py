@@ -220,7 +220,7 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """The decoder. `forward(input_ids [T], meta, kv_caches) -> logits [N, vocab]`."""
 
-    quantization: str | None = None  # "int8" once fast/int8.py swapped its layers in
+    quantization: str | None = None  # "int8" (fast/int8.py) or "int4" (a draft, fast/int4.py) once its layers are swapped
     cpu_matmul: str | None = None  # the CPU variant of nn.Linear in use (fast/cpu_linear.py)
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
