@@ -19,6 +19,7 @@ from .drafters.ngram import NgramDrafter
 from .drafters.tree import TreeDrafter, tree_slots
 from .engine import LLMEngine
 from .fast.int8 import quantize_model
+from .fast.row_invariant import make_row_invariant
 from .io.checkpoint import load_checkpoint, peek_checkpoint
 from .io.eagle_checkpoint import check_head_fits, is_eagle_checkpoint, load_eagle
 from .io.tokenizer import Tokenizer
@@ -36,6 +37,8 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     backend = AttentionBackend(o.backend)
     check_pair(o)  # before either model's weights are read
     target, tokenizer = load_model(o.model, o.quantization, o, o.device, backend)
+    if o.row_invariant:
+        make_row_invariant(target)  # the target only: any draft is exact
     if o.tokenizer is not None:
         tokenizer = Tokenizer.from_dir(Path(o.tokenizer))
         needed = max(tokenizer.get_vocab().values(), default=-1) + 1

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--quantization", choices=["int8"], help="int8 weights for target and drafter (exact for the int8 target)")
     m.add_argument("--draft-quantization", choices=["int4"], help="a draft model's weights in int4 (CPU; the target as "
                                                                 "loaded; exact, as any draft is)")
+    m.add_argument("--row-invariant", action="store_true", help="CPU: the target computes each row alike whatever "
+                                                               "the batch (greedy speculative == plain, bit for bit; slower)")
     m.add_argument("-c", "--ctx-size", "--max-model-len", type=int, dest="ctx_size", help="context length (prompt + answer)")
     m.add_argument("-t", "--threads", type=int, help="CPU threads (torch's default otherwise)")
     talk = argparse.ArgumentParser(add_help=False)  # generate and chat (a server's requests carry their own)
@@ -153,7 +155,7 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
         options = dict(draft_model=None if draft == "none" else draft, num_speculative_tokens=None if draft == "none" else args.k,
                        dtype=args.dtype, quantization=args.quantization,
-                       draft_quantization=args.draft_quantization, prompt_lookup_min=args.lookup_min,
+                       draft_quantization=args.draft_quantization, row_invariant=args.row_invariant, prompt_lookup_min=args.lookup_min,
                        draft_confidence_threshold=args.draft_confidence, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                        max_model_len=args.ctx_size, draft_tree_budget=args.tree_budget, draft_tree_top_k=args.tree_top_k)
         EngineOptions(model=str(target), **options)  # validates every option without loading anything

@@ -51,6 +51,9 @@ class EngineOptions:
     draft_quantization="int4" (a draft model on CPU): the draft's linear layers and LM head as int4
     weight-only matmuls (fast/int4.py), the target as loaded; exact, as any draft is. It takes
     precedence over `quantization` for the draft.
+    row_invariant=True (CPU, fp32 / bf16): the target computes every row the same way whatever the
+    batch, so greedy speculative output is plain greedy output bit for bit (fast/row_invariant.py;
+    it costs some speed, hence an option). Models passed built are made so in place.
     ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or the longest lookup match in
     front of a model (ngram_max); refused where neither drafts.
     seed: requests without their own seed draw one from a generator seeded with it, in the order
@@ -71,6 +74,7 @@ class EngineOptions:
     dtype: str | torch.dtype | None = "auto"
     quantization: str | None = None
     draft_quantization: str | None = None
+    row_invariant: bool = False
     device: str | None = None
     backend: str | None = None
     page_size: int = 16
@@ -97,6 +101,8 @@ class EngineOptions:
             raise ValueError(f"quantization={self.quantization!r} is for a draft model only (draft_quantization="
                              f"{self.quantization!r}): its matmul is fast at one row and loses to bf16 at a verification's k+1")
         check_quantization(self.quantization)
+        if not isinstance(self.row_invariant, bool):
+            raise ValueError(f"row_invariant must be True or False, got {self.row_invariant!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
         self.check_device()
         self.translate_vllm()

@@ -162,10 +162,10 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return (y if bias is None else y + bias).contiguous()
 
 
-def as_variant(linear: nn.Linear, name: str) -> nn.Linear:
-    """A module of the named variant sharing `linear`'s weight and bias Parameters (so tied
-    weights stay tied); `linear` itself when it already is one."""
-    cls = VARIANTS[name]
+def as_variant(linear: nn.Linear, name: str | type) -> nn.Linear:
+    """A module of the named variant (or of this nn.Linear subclass) sharing `linear`'s weight and
+    bias Parameters (so tied weights stay tied); `linear` itself when it already is one."""
+    cls = VARIANTS[name] if isinstance(name, str) else name
     if type(linear) is cls:
         return linear
     module = cls.__new__(cls)
