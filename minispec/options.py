@@ -51,6 +51,8 @@ class EngineOptions:
     draft_quantization="int4" (a draft model on CPU): the draft's linear layers and LM head as int4
     weight-only matmuls (fast/int4.py), the target as loaded; exact, as any draft is. It takes
     precedence over `quantization` for the draft.
+    draft_vocab_size=N (a draft model given as a path): its LM head over the N most frequent
+    tokens only, q = 0 elsewhere (FR-Spec; drafters/reduced_vocab.py); exact, as any q is.
     row_invariant=True (CPU, fp32 / bf16): the target computes every row the same way whatever the
     batch, so greedy speculative output is plain greedy output bit for bit (fast/row_invariant.py;
     it costs some speed, hence an option). Models passed built are made so in place.
@@ -75,6 +77,7 @@ class EngineOptions:
     quantization: str | None = None
     draft_quantization: str | None = None
     row_invariant: bool = False
+    draft_vocab_size: int | None = None
     device: str | None = None
     backend: str | None = None
     page_size: int = 16
@@ -257,6 +260,19 @@ class EngineOptions:
                              "give one as draft_model (the n-gram drafter alone takes ngram_min / ngram_max)")
         self.check_tree()
         self.check_draft_quantization()
+        self.check_draft_vocab()
+
+    def check_draft_vocab(self) -> None:
+        """draft_vocab_size: an int >= 1 for a draft model given as a path, quantized with int4 or not at all."""
+        if self.draft_vocab_size is None:
+            return
+        check_int("draft_vocab_size", self.draft_vocab_size, 1)
+        model = self.draft_model
+        if not (self.uses_model_drafter and isinstance(model, (str, Path)) and not is_eagle_checkpoint(model)):
+            raise ValueError("draft_vocab_size reduces a draft model's LM head: give the draft model's path as draft_model "
+                             "(an EAGLE-3 head has its own draft vocabulary; a built model: drafters.reduced_vocab.reduce_vocab)")
+        if (self.draft_quantization or self.quantization) == "int8":
+            raise ValueError("draft_vocab_size with an int8 draft is not supported (use draft_quantization='int4' or none)")
 
     def check_draft_quantization(self) -> None:
         """draft_quantization needs a draft model (not an EAGLE head, n-gram or plain decoding) and a

@@ -87,6 +87,23 @@ def test_without_it_the_reference_backend_and_f_linear_are_not_invariant(checkpo
         pytest.skip("this CPU's default bf16 path happened to round these 30 cases alike (nothing shown either way)")
 
 
+def test_it_switches_off_and_on_again_without_reloading(checkpoint_factory):
+    """make_row_invariant(model, False) gives back the prepacked layers and the former backend (the
+    bench times both on one model); on again, the same invariant logits."""
+    path = checkpoint_factory("llama", seed=0, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    model, _ = load_checkpoint(path, dtype="bfloat16")
+    from minispec import BatchMetadata
+
+    ids = torch.arange(3, 30)
+    make_row_invariant(model)
+    on = model(ids, BatchMetadata.for_prompts([len(ids)]))
+    make_row_invariant(model, False)
+    assert model.backend.name == "torch" and not model.row_invariant
+    assert not any(isinstance(m, RowInvariantLinear) for m in model.modules())
+    make_row_invariant(model)
+    assert torch.equal(model(ids, BatchMetadata.for_prompts([len(ids)])), on) and model.backend.name == "invariant"
+
+
 DRAFTERS = {
     "chain": dict(num_speculative_tokens=4),
     "adaptive": dict(num_speculative_tokens=5, draft_confidence_threshold=0.3),

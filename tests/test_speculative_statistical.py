@@ -7,7 +7,7 @@ far from uniform and depend on the context) and two drafts: a perturbed copy of 
 an EAGLE-3 head (random, reading the target's hidden states) whose draft vocabulary holds 4 of
 the 6 tokens, so the target puts mass where q is 0, and prompt lookup in front of a draft model
 or of the head ("+lookup", hybrid.py: one-hot q on some steps, the model's on others), and int4
-drafts (fast/int4.py) in front of the full-precision target.
+drafts (fast/int4.py) in front of the full-precision target, one with a reduced vocabulary (FR-Spec).
 For each configuration we sample N = 2000 requests of m tokens in one batch, each with its own
 seed, and compare the empirical distribution of the m-token continuations with the exact one,
 P(y_1..y_m) = prod_j warp(target logits | prompt, y_<j)(y_j), computed by enumerating all V^m
@@ -44,6 +44,7 @@ import minispec.drafters.lookup
 import minispec.speculative
 from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
 from minispec.drafters.draft_model import ModelDrafter
+from minispec.drafters.reduced_vocab import reduce_vocab
 from minispec.fast.int4 import cpu_int4_available, quantize_int4_model
 from minispec.fast.int8 import quantize_model
 from minispec.model.eagle import init_eagle
@@ -351,12 +352,15 @@ def int4_models(models):
     if not cpu_int4_available():
         pytest.skip("this torch build has no CPU int4 kernel")
     outlier = with_outliers(models["near"], 8.0)
+    reduced = quantize_int4_model(reduce_vocab(copy.deepcopy(models["near"]), EAGLE_VOCAB))  # FR-Spec: q = 0 on 1 and 4
     return {"target": models["target"], "near": quantize_int4_model(copy.deepcopy(models["near"])),
-            "outlier": quantize_int4_model(copy.deepcopy(outlier)), "outlier_fp": outlier, "tok": models["tok"]}
+            "outlier": quantize_int4_model(copy.deepcopy(outlier)), "outlier_fp": outlier, "tok": models["tok"],
+            "reduced": reduced}
 
 
 INT4_CASES = [("near", 2, SP(temperature=0.6), 3), ("outlier", 2, SP(temperature=0.6), 3),  # the mutant below runs here
-              ("near", 3, SP(temperature=1.0, top_k=5, top_p=0.95), 4), ("outlier", 4, SP(temperature=1.2), 5)]
+              ("near", 3, SP(temperature=1.0, top_k=5, top_p=0.95), 4), ("outlier", 4, SP(temperature=1.2), 5),
+              ("reduced", 2, SP(temperature=1.0), 3), ("reduced", 3, SP(temperature=0.8, top_p=0.9), 4)]
 
 
 @pytest.mark.parametrize("drafter,k,params,m", INT4_CASES, ids=[f"{d}-k{k}-m{m}" for d, k, _, m in INT4_CASES])
@@ -367,6 +371,8 @@ def test_an_int4_draft_keeps_the_full_precision_targets_law(int4_models, drafter
     assert pval > ALPHA
     assert 0 < llm.last_metrics.acceptance_rate < 1
     assert any(type(x).__name__ == "Int4Linear" for x in int4_models[drafter].modules())
+    if drafter == "reduced":  # a reduced vocabulary (drafters/reduced_vocab.py): q = 0 off EAGLE_VOCAB
+        assert torch.equal(llm.engine.drafter.draft_ids, EAGLE_VOCAB)
 
 
 def samples_unquantized_reports_int4(monkeypatch, unquantized: Transformer):

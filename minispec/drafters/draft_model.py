@@ -5,7 +5,7 @@ The draft's first forward of a step catches up on the tokens it has not cached (
 at first, then the 1 or 2 tokens the last step accepted past its drafts); each later forward feeds
 the token it just drafted. Its q lives on the target's vocabulary: a draft whose embedding is
 padded to another size (the same tokenizer) has its extra columns dropped and missing ones get
-q = 0.
+q = 0, and a draft with a reduced vocabulary (reduced_vocab.py) scores its N tokens only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class ModelDrafter(AutoregressiveDrafter):
         super().__init__(confidence_threshold)
         self.runner = runner
         self.vocab_size = vocab_size or runner.model.cfg.vocab_size
+        self.draft_ids = runner.model.vocab_ids  # a reduced vocabulary (reduced_vocab.py), else None
 
     def draftable(self, seq: Sequence, n: int) -> int:
         """The i-th draft token is sampled after feeding position len(seq) - 2 + i: the draft's context bounds n."""
@@ -40,8 +41,10 @@ class ModelDrafter(AutoregressiveDrafter):
         return self.logits(feeds), None
 
     def logits(self, feeds: list[Feed]) -> torch.Tensor:
-        """Draft logits on the target's vocabulary [n, V]."""
+        """Draft logits on the target's vocabulary [n, V] (a reduced vocabulary's: [n, N])."""
         logits = self.runner.forward(feeds)  # [n, V_draft]
+        if self.draft_ids is not None:  # [n, N]: column j is target id draft_ids[j]
+            return logits
         V, Vd = self.vocab_size, logits.shape[-1]
         if Vd > V:
             return logits[:, :V]

@@ -58,19 +58,23 @@ def check_draft_quantization(quantization: str | None, device: torch.device | No
 
 
 def quantize_int4(weight: torch.Tensor, rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (q int32 [out, in] in 0..15, scales_and_zeros fp32 [in / GROUP, out, 2]),
-    `rows` output rows at a time (a fp32 copy of one block, not of the whole weight)."""
+    """weight [out, in] -> (q int32 [out, in] in 0..15, scales_and_zeros fp32 [in / GROUP, out, 2])."""
+    qs, pairs = zip(*quantized_blocks(weight, rows))
+    return torch.cat(qs), torch.cat(pairs, dim=1).contiguous()
+
+
+def quantized_blocks(weight: torch.Tensor, rows: int = 2048):
+    """(q int32 [r, in], scales_and_zeros fp32 [in / GROUP, r, 2]) for each block of `rows` output
+    rows in turn: a block's fp32 and int32 copies, never the whole weight's (the LM head's int32 q
+    alone would be 4 bytes a weight)."""
     out_features, in_features = weight.shape
-    qs, pairs = [], []
     for start in range(0, out_features, rows):
         block = weight[start : start + rows].detach().to(torch.float32, copy=True)  # (a copy: worked on in place)
         groups = block.view(-1, in_features // GROUP, GROUP)  # [r, G, GROUP]
         lo, hi = torch.aminmax(groups, dim=-1)  # [r, G]
         scale = ((hi - lo) / 15).clamp_min_(1e-12)  # a constant group: any scale, q = 0
         q = groups.sub_(lo[..., None]).mul_((1 / scale)[..., None]).round_().clamp_(0, 15)  # (W - lo) / s, rounded
-        qs.append(q.to(torch.int32).view(-1, in_features))
-        pairs.append(torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1))  # [G, r, 2]
-    return torch.cat(qs), torch.cat(pairs, dim=1).contiguous()
+        yield q.to(torch.int32).view(-1, in_features), torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1)  # [G, r, 2]
 
 
 def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -107,8 +111,11 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int4Linear":
-        q, scales_and_zeros = quantize_int4(dense(linear))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
+        packed, pairs = [], []
+        for q, block_pairs in quantized_blocks(dense(linear)):  # the kernel's layout is row-separable: packed by block
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
+            pairs.append(block_pairs)
+        packed, scales_and_zeros = torch.cat(packed), torch.cat(pairs, dim=1)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
         return cls(linear.in_features, linear.out_features, packed, scales_and_zeros.to(dtype), bias)
 

@@ -54,13 +54,19 @@ def check_row_invariant(device: torch.device, dtype: torch.dtype) -> None:
         raise ValueError(f"row_invariant=True covers float32 and bfloat16 (oneDNN's linear), not {dtype}")
 
 
-def make_row_invariant(model: nn.Module) -> nn.Module:
-    """Make a (target) Transformer row-invariant in place (idempotent) and return it: every
-    nn.Linear becomes a RowInvariantLinear (keeping only oneDNN's copy of a weight nobody else
-    holds), attention runs the invariant backend. An int8 model is left as it is: its layers and
-    attention already are (fast/int8.py)."""
-    if getattr(model, "row_invariant", False) or model.quantization == "int8":
-        model.row_invariant = True
+def make_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
+    """Make a (target) Transformer row-invariant in place and return it: every nn.Linear becomes a
+    RowInvariantLinear (keeping only oneDNN's copy of a weight nobody else holds), attention runs
+    the invariant backend. on=False switches a model made so back to the prepacked layers and its
+    former backend (nothing is reloaded: the bench times both on one model). An int8 model is
+    left as it is: its layers and attention already are invariant (fast/int8.py)."""
+    if model.quantization == "int8" or getattr(model, "row_invariant", False) == on:
+        return model
+    if not on:
+        for _, _, child in linear_slots(model):
+            child.__class__ = PrepackedLinear
+        model.backend, model.row_invariant = model._backend_before, False
+        model.cpu_matmul = "prepacked"
         return model
     check_row_invariant(model.device, model.dtype)
     shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
@@ -72,6 +78,6 @@ def make_row_invariant(model: nn.Module) -> nn.Module:
         if id(module.weight) not in shared:
             module.keep_packed_only()
         setattr(parent, attr, module)
-    model.backend = AttentionBackend("invariant")
+    model._backend_before, model.backend = model.backend, AttentionBackend("invariant")
     model.cpu_matmul, model.row_invariant = "row_invariant", True
     return model

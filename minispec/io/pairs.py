@@ -104,6 +104,21 @@ def pair_paths(name: str) -> tuple[Path, Path]:
     return joined(pair.target, folder, name), joined(pair.draft, folder, name)
 
 
+def converted_pair(name: str) -> tuple[Path, Path]:
+    """(target dir, draft dir): the pair's GGUFs converted once into bf16 HF checkpoint
+    directories beside them (io/convert.py), which load in seconds where a GGUF takes ~30 s."""
+    from .convert import convert_gguf
+
+    dirs = []
+    for gguf in pair_paths(name):
+        out = gguf.with_name(gguf.stem + "-bf16")
+        if not (out / "config.json").exists():  # config.json is written last: its presence means complete
+            print(f"[minispec] converting {gguf.name} once into {out}", file=sys.stderr)
+            convert_gguf(gguf, out)
+        dirs.append(out)
+    return dirs[0], dirs[1]
+
+
 def joined(spec: ChunkedFile, folder: Path, pair: str) -> Path:
     """spec's file in `folder`: checked against its stamp if joined before, else joined now from
     the installed chunk packages (each chunk's size and sha256 checked, then the whole file's)."""

@@ -223,6 +223,7 @@ class Transformer(nn.Module):
     quantization: str | None = None  # "int8" (fast/int8.py) or "int4" (a draft, fast/int4.py) once its layers are swapped
     cpu_matmul: str | None = None  # the CPU variant of nn.Linear in use (fast/cpu_linear.py)
     row_invariant: bool = False  # every row computed alike, whatever the batch (fast/row_invariant.py)
+    vocab_ids: torch.Tensor | None = None  # a draft's reduced vocabulary: the target id of each logit column
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
         super().__init__()

