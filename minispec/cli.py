@@ -39,9 +39,8 @@ FLAGS = {"num_speculative_tokens": "-k", "prompt_lookup_min": "--lookup-min", "d
          "draft_tree_budget": "--tree-budget", "draft_tree_top_k": "--tree-top-k"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    m = common.add_argument_group("model and drafter")
+def add_model_arguments(m) -> None:
+    """The flags every command shares: the target, the drafter and how they are loaded."""
     m.add_argument("--target", help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct, shipped)")
     m.add_argument("--draft", help="a draft HF directory or .gguf, an EAGLE-3 directory, 'ngram', or 'none' "
                                    "(default: the shipped EAGLE-3 head with the default target, else ngram)")
@@ -66,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "the batch (greedy speculative == plain, bit for bit; slower)")
     m.add_argument("-c", "--ctx-size", "--max-model-len", type=int, dest="ctx_size", help="context length (prompt + answer)")
     m.add_argument("-t", "--threads", type=int, help="CPU threads (torch's default otherwise)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    add_model_arguments(common.add_argument_group("model and drafter"))
     talk = argparse.ArgumentParser(add_help=False)  # generate and chat (a server's requests carry their own)
     s = talk.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")

@@ -42,26 +42,19 @@ class EngineOptions:
     prompt_lookup_min (with a draft model or EAGLE head): a sequence whose last n >= this many
     tokens occurred earlier in it drafts what followed that occurrence (no forward; n up to
     max(ngram_max, this)); the model drafts for the others (drafters/lookup.py).
-    cuda_graphs (default: on CUDA): decode, verification and draft steps run with static shapes,
-    captured as CUDA graphs at start-up (a failed capture warns once and runs them eagerly).
-    static_shapes (default: cuda_graphs) runs that static layout without graphs, e.g. on CPU.
+    cuda_graphs (default: on CUDA): steps run with static shapes, captured as CUDA graphs at start-up
+    (a failed capture warns once); static_shapes (default: cuda_graphs): that layout without graphs.
     quantization="int8": target and drafter with int8 weights and dynamic per-row activation
     scales (fast/int8.py); speculative output is exact for that int8 target. Models passed
     already built must have been loaded with it: they are never quantized in place.
-    draft_quantization="int4" (a draft model on CPU): the draft's linear layers and LM head as int4
-    weight-only matmuls (fast/int4.py), the target as loaded; exact, as any draft is. It takes
-    precedence over `quantization` for the draft.
-    draft_vocab_size=N (a draft model given as a path): its LM head over the N most frequent
-    tokens only, q = 0 elsewhere (FR-Spec; drafters/reduced_vocab.py); exact, as any q is.
-    row_invariant=True (CPU, fp32 / bf16): the target computes every row the same way whatever the
-    batch, so greedy speculative output is plain greedy output bit for bit (fast/row_invariant.py;
-    it costs some speed, hence an option). Models passed built are made so in place.
+    draft_quantization="int4" (CPU): a draft model in int4 (fast/int4.py; it overrides `quantization`
+    for the draft); draft_vocab_size=N: its LM head over N frequent tokens (drafters/reduced_vocab.py).
+    Both exact, as any draft is. row_invariant=True (CPU): each row of the target computed alike in
+    any batch, greedy speculative == plain bit for bit (fast/row_invariant.py; built models in place).
     ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or the longest lookup match in
     front of a model (ngram_max); refused where neither drafts.
-    seed: requests without their own seed draw one from a generator seeded with it, in the order
-    they are submitted (vLLM's `seed`), so a script's outputs repeat run after run.
-    tokenizer: a directory with tokenizer.json (and tokenizer_config.json) to use instead of the
-    target checkpoint's. enforce_eager=True: no CUDA graphs (vLLM's spelling of cuda_graphs=False).
+    seed: requests without their own seed draw one from a generator seeded with it (vLLM's `seed`).
+    tokenizer: a directory with tokenizer.json to use instead of the target's. enforce_eager=True: no CUDA graphs.
     tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half" and "float".
     draft_tree_budget (with a draft model or EAGLE-3 head): draft a tree of this many nodes (1..63) per step
     instead of a chain, k levels deep at most, each expanded node getting its draft_tree_top_k
@@ -100,9 +93,8 @@ class EngineOptions:
     verbose: bool = False
 
     def __post_init__(self) -> None:
-        if self.quantization in DRAFT_ONLY:
-            raise ValueError(f"quantization={self.quantization!r} is for a draft model only (draft_quantization="
-                             f"{self.quantization!r}): its matmul is fast at one row and loses to bf16 at a verification's k+1")
+        if self.quantization in DRAFT_ONLY:  # (its matmul is fast at one row, slower than bf16 at a verification's k+1)
+            raise ValueError(f"quantization={self.quantization!r} is for a draft model only: draft_quantization={self.quantization!r}")
         check_quantization(self.quantization)
         if not isinstance(self.row_invariant, bool):
             raise ValueError(f"row_invariant must be True or False, got {self.row_invariant!r}")
@@ -259,37 +251,29 @@ class EngineOptions:
             raise ValueError("prompt_lookup_min puts prompt lookup in front of a draft model or EAGLE head; "
                              "give one as draft_model (the n-gram drafter alone takes ngram_min / ngram_max)")
         self.check_tree()
-        self.check_draft_quantization()
-        self.check_draft_vocab()
+        self.check_draft_model_options()
 
-    def check_draft_vocab(self) -> None:
-        """draft_vocab_size: an int >= 1 for a draft model given as a path, quantized with int4 or not at all."""
-        if self.draft_vocab_size is None:
-            return
-        check_int("draft_vocab_size", self.draft_vocab_size, 1)
-        model = self.draft_model
-        if not (self.uses_model_drafter and isinstance(model, (str, Path)) and not is_eagle_checkpoint(model)):
-            raise ValueError("draft_vocab_size reduces a draft model's LM head: give the draft model's path as draft_model "
-                             "(an EAGLE-3 head has its own draft vocabulary; a built model: drafters.reduced_vocab.reduce_vocab)")
-        if (self.draft_quantization or self.quantization) == "int8":
-            raise ValueError("draft_vocab_size with an int8 draft is not supported (use draft_quantization='int4' or none)")
-
-    def check_draft_quantization(self) -> None:
-        """draft_quantization needs a draft model (not an EAGLE head, n-gram or plain decoding) and a
-        kernel this torch and device can run."""
-        if self.draft_quantization is None:
-            return
-        check_draft_quantization(self.draft_quantization, torch.device(self.device) if self.device else None)
-        model = self.draft_model
-        if not self.uses_model_drafter:
-            raise ValueError(f"draft_quantization={self.draft_quantization!r} quantizes a draft model; give one as draft_model")
-        if isinstance(model, EagleModel) or (isinstance(model, (str, Path)) and is_eagle_checkpoint(model)):
-            raise ValueError(f"draft_quantization={self.draft_quantization!r} is for a draft model, not an EAGLE head "
-                             "(one layer fed by the target: its cost is not its weights)")
-        if isinstance(model, tuple) and model[0].quantization != self.draft_quantization:
-            raise ValueError(f"draft_quantization={self.draft_quantization!r} but draft_model was passed already built with "
-                             f"{model[0].quantization or 'full-precision'} weights: load it with "
-                             f"load_checkpoint(..., quantization={self.draft_quantization!r}) or pass its path")
+    def check_draft_model_options(self) -> None:
+        """draft_quantization and draft_vocab_size: for a draft model (not an EAGLE head, n-gram or
+        plain decoding), on a device and torch with the kernel; a reduced vocabulary from a path."""
+        model, quantization, size = self.draft_model, self.draft_quantization, self.draft_vocab_size
+        eagle = isinstance(model, EagleModel) or (isinstance(model, (str, Path)) and is_eagle_checkpoint(model))
+        for name, value in (("draft_quantization", quantization), ("draft_vocab_size", size)):
+            if value is not None and (not self.uses_model_drafter or eagle):
+                raise ValueError(f"{name}={value!r} is for a draft model (draft_model: its path; an EAGLE head has "
+                                 "neither: one layer fed by the target, with its own draft vocabulary)")
+        if quantization is not None:
+            check_draft_quantization(quantization, torch.device(self.device) if self.device else None)
+            if isinstance(model, tuple) and model[0].quantization != quantization:
+                raise ValueError(f"draft_quantization={quantization!r} but draft_model was passed already built with "
+                                 f"{model[0].quantization or 'full-precision'} weights: load it with "
+                                 f"load_checkpoint(..., quantization={quantization!r}) or pass its path")
+        if size is not None:
+            check_int("draft_vocab_size", size, 1)
+            if isinstance(model, tuple):
+                raise ValueError("draft_vocab_size needs the draft model's path (a built one: drafters.reduced_vocab.reduce_vocab)")
+            if (quantization or self.quantization) == "int8":
+                raise ValueError("draft_vocab_size with an int8 draft is not supported (use draft_quantization='int4' or none)")
 
     def check_tree(self) -> None:
         """The draft tree's options: a budget of 1..63 nodes, top_k >= 1, and the head's scratch

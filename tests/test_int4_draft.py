@@ -144,10 +144,10 @@ def test_vllms_speculative_config_spelling(tiny_llama, tiny_llama_draft):
 
 @pytest.mark.parametrize("options,message", [
     (dict(quantization="int4"), "is for a draft model only"),
-    (dict(draft_quantization="int4"), "quantizes a draft model; give one"),
-    (dict(draft_model="ngram", draft_quantization="int4"), "quantizes a draft model; give one"),
+    (dict(draft_quantization="int4"), "draft_quantization='int4' is for a draft model"),
+    (dict(draft_model="ngram", draft_quantization="int4"), "draft_quantization='int4' is for a draft model"),
     (dict(draft_quantization="int3", draft_model="DRAFT"), "draft quantization must be None or one of 'int4'"),
-    (dict(draft_quantization="int4", draft_model="EAGLE"), "not an EAGLE head"),
+    (dict(draft_quantization="int4", draft_model="EAGLE"), "an EAGLE head has neither"),
 ])
 def test_bad_draft_quantization_is_refused_by_name(tiny_llama, tiny_llama_draft, tiny_llama_eagle, options, message):
     paths = {"DRAFT": str(tiny_llama_draft), "EAGLE": str(tiny_llama_eagle)}

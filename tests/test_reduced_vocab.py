@@ -66,9 +66,9 @@ def test_greedy_output_is_plain_greedy_output_with_an_int4_reduced_draft(tiny_ll
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(draft_vocab_size=64), "give the draft model's path"),
-    (dict(draft_model="ngram", draft_vocab_size=64), "give the draft model's path"),
-    (dict(draft_model="EAGLE", draft_vocab_size=64), "an EAGLE-3 head has its own"),
+    (dict(draft_vocab_size=64), "draft_vocab_size=64 is for a draft model"),
+    (dict(draft_model="ngram", draft_vocab_size=64), "draft_vocab_size=64 is for a draft model"),
+    (dict(draft_model="EAGLE", draft_vocab_size=64), "with its own draft vocabulary"),
     (dict(draft_model="DRAFT", draft_vocab_size=0), r"draft_vocab_size must be an int in \[1"),
     (dict(draft_model="DRAFT", draft_vocab_size=64, quantization="int8"), "int8 draft is not supported"),
 ])

@@ -23,17 +23,17 @@ Measured figures are in docs/cpu-performance.md.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .matmul_choice import read_cached_choice, write_cached_choice
 
 WEIGHT_MAJOR_ROWS = 16  # fp32 on CPU: linear layers fed 1..16 rows compute W-major
 UPCAST_ROWS = 4  # bf16 / fp16 on a CPU without native bf16: linear layers fed more rows compute in fp32
@@ -78,9 +78,7 @@ class PrepackedLinear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
         return F.linear(x, self.dense_weight(), self.bias)
 
-    @property
-    def packed_only(self) -> bool:
-        return self.weight.is_meta and self._packed is not None
+    packed_only = property(lambda self: self.weight.is_meta and self._packed is not None)  # W kept by oneDNN only
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in]: the parameter, or unpacked from oneDNN's copy once only that is kept."""
@@ -178,8 +176,7 @@ def as_variant(linear: nn.Linear, name: str | type) -> nn.Linear:
 
 def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, module) for every nn.Linear (any variant) in model."""
-    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if isinstance(child, nn.Linear)]
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if isinstance(child, nn.Linear)]
 
 
 def set_cpu_matmul(model: nn.Module, name: str) -> None:
@@ -251,35 +248,6 @@ def machine_key(model: nn.Module, dtype: torch.dtype) -> str:
     shapes = sorted({tuple(m.weight.shape) for _, _, m in linear_slots(model)})
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
     return f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}|{digest}"
-
-
-def cache_file() -> Path:
-    from ..io.paths import cache_dir
-
-    return cache_dir() / "cpu_matmul.json"
-
-
-def read_cached_choice(key: str) -> str | None:
-    """The variant timed fastest for this key on an earlier run (None: not timed here yet)."""
-    try:
-        return json.loads(cache_file().read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def write_cached_choice(key: str, choice: str) -> None:
-    """Remember the choice for later runs (best effort: an unwritable cache only costs the timing)."""
-    path = cache_file()
-    try:
-        known = json.loads(path.read_text()) if path.exists() else {}
-        known = known if isinstance(known, dict) else {}
-        known[key] = choice
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1) + "\n")
-        tmp.replace(path)
-    except (OSError, ValueError):
-        pass
 
 
 def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.device, prefer: str | None = None,

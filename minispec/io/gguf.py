@@ -40,15 +40,9 @@ GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2Fo
 # GGUF tensor names (without .weight/.bias) -> HF module names
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {  # inside blk.N / model.layers.N
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
 QUANT_TYPES = frozenset(GGUF_QUANTS)
@@ -64,25 +58,38 @@ PRE_TOKENIZERS = {
     "smollm": lambda: pre_tokenizers.Sequence(  # GPT-2 regex, every digit on its own
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     ),
-    "qwen2": lambda: pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    ),
+    "qwen2": lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
 }
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
     """(HF config.json dict, state dict with HF names in `dtype`, Tokenizer) from a .gguf file."""
-    path = Path(path)
+    reader, arch = open_checked(Path(path))
+    hf_config = gguf_config(reader, arch)
+    return hf_config, gguf_state_dict(reader, arch, hf_config, dtype), gguf_tokenizer(reader, Path(path))
+
+
+def read_gguf_header(path: str | Path) -> tuple[dict, Tokenizer]:
+    """(HF config dict, Tokenizer) of a .gguf file, no weights read (its tensor types checked)."""
+    reader, arch = open_checked(Path(path))
+    return gguf_config(reader, arch), gguf_tokenizer(reader, Path(path))
+
+
+def open_checked(path: Path) -> tuple[GGUFReader, str]:
+    """(reader, arch) of a GGUF file whose architecture and every tensor type can be read here (a
+    ValueError naming what cannot: before any tensor is dequantized)."""
     reader = open_gguf(path)
     arch = _require(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} in {path.name} is not supported (supported: {sorted(GGUF_ARCHITECTURES)})")
-    hf_config = gguf_config(reader, arch)
-    state = gguf_state_dict(reader, arch, hf_config, dtype)
-    return hf_config, state, gguf_tokenizer(reader, path)
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *QUANT_TYPES}
+    unknown = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in readable})
+    if unknown:
+        example = next(t.name for t in reader.tensors if t.tensor_type.name == unknown[0])
+        raise ValueError(f"{path.name}: GGUF tensor type {', '.join(unknown)} (e.g. {example!r}) cannot be read here "
+                         f"(readable: F32, F16, {', '.join(sorted(q.name for q in QUANT_TYPES))})")
+    return reader, arch
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -171,7 +178,6 @@ def gguf_state_dict(reader: GGUFReader, arch: str, hf_config: dict, dtype: torch
     if missing:
         raise ValueError(f"GGUF file is missing tensors: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
 
-    check_tensor_types(reader)  # before any tensor is dequantized
     num_heads, num_kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     state = {}
     for tensor in reader.tensors:
@@ -188,27 +194,6 @@ def gguf_state_dict(reader: GGUFReader, arch: str, hf_config: dict, dtype: torch
             weight = unpermute_rows(weight, num_kv_heads)
         state[name] = weight
     return state
-
-
-def check_tensor_types(reader: GGUFReader) -> None:
-    """A ValueError naming every tensor type in the file this reader cannot dequantize."""
-    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *QUANT_TYPES}
-    unknown = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in readable})
-    if unknown:
-        example = next(t.name for t in reader.tensors if t.tensor_type.name == unknown[0])
-        raise ValueError(f"{Path(getattr(reader.data, 'filename', 'GGUF file')).name}: GGUF tensor type {', '.join(unknown)} (e.g. {example!r}) "
-                         f"cannot be read here (readable: F32, F16, {', '.join(sorted(q.name for q in QUANT_TYPES))})")
-
-
-def read_gguf_header(path: str | Path) -> tuple[dict, Tokenizer]:
-    """(HF config dict, Tokenizer) of a .gguf file, its tensor types checked, no weights read."""
-    path = Path(path)
-    reader = open_gguf(path)
-    arch = _require(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} in {path.name} is not supported (supported: {sorted(GGUF_ARCHITECTURES)})")
-    check_tensor_types(reader)
-    return gguf_config(reader, arch), gguf_tokenizer(reader, path)
 
 
 def hf_tensor_name(name: str) -> str:
