@@ -5,6 +5,8 @@ speculative decoding in bf16 is plain greedy decoding bit for bit, for every dra
 Invariants taught here:
 * a property: for random row counts 1..16, prefix lengths and a second sequence in the same
   forward, each row's logits equal that row fed alone (a decode step), bitwise, in bf16;
+* the same for the nodes of a random draft tree verified in one forward: each node's logits equal
+  the decode row at the end of its path (its keys are read in path order, not block order);
 * power: the same check catches a planted linear whose reduction order depends on the row count;
 * greedy speculative output (and each emitted token's logprob) equals plain greedy output for the
   chain, adaptive, tree, lookup and n-gram drafters, with batches and with preemption.
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 from minispec import LLM, SamplingParams, load_checkpoint
 from minispec.fast.row_invariant import RowInvariantLinear, make_row_invariant
 from minispec.runtime.kv_cache import BlockTable, KVCache
-from minispec.runtime.runner import Feed, ModelRunner
+from minispec.runtime.runner import Feed, ModelRunner, TreeFeed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIXED = settings(derandomize=True, deadline=None, max_examples=25, suppress_health_check=list(HealthCheck))
@@ -32,6 +34,14 @@ def bf16_target(checkpoint_factory):
     path = checkpoint_factory("llama", seed=0, hidden_size=256, intermediate_size=512, num_attention_heads=4)
     model, tok = load_checkpoint(path, dtype="bfloat16")
     return make_row_invariant(model), tok, path
+
+
+@pytest.fixture(scope="module")
+def fp32_target(checkpoint_factory):
+    """The same Llama in fp32, row-invariant: a last-bit difference inside attention reaches the
+    logits (in bf16 most are rounded away, so a bf16 check has less power)."""
+    path = checkpoint_factory("llama", seed=0, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    return make_row_invariant(load_checkpoint(path, dtype="float32")[0])
 
 
 def rows_match_alone(model, prefix: int, n: int, other: int, seed: int) -> bool:
@@ -59,6 +69,45 @@ def rows_match_alone(model, prefix: int, n: int, other: int, seed: int) -> bool:
 @given(prefix=st.integers(1, 40), n=st.integers(1, 16), other=st.integers(0, 5), seed=st.integers(0, 10**6))
 def test_each_row_is_computed_as_if_alone(bf16_target, prefix, n, other, seed):
     assert rows_match_alone(bf16_target[0], prefix, n, other, seed)
+
+
+def tree_rows_match_paths(model, prefix: int, nodes: int, seed: int) -> bool:
+    """Feed `prefix` tokens but the last; then the last (the root) and a random tree of `nodes`
+    nodes (node i's parent drawn from the root and nodes 0..i-1) in ONE forward, as a tree
+    verification does; and, on fresh tables, each node's path root to node one decode step each.
+    Whether every node's row (and the root's) is bitwise the last row of its path."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.cfg.vocab_size
+    ids = torch.randint(2, vocab, (prefix,), generator=g).tolist()
+    tokens = torch.randint(2, vocab, (nodes,), generator=g).tolist()
+    parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(nodes)]  # -1: the root
+    bits, paths = [], []  # per node: its ancestor bits (itself included), its tokens root excluded
+    for i, parent in enumerate(parents):
+        bits.append((1 << i) | (bits[parent] if parent >= 0 else 0))
+        paths.append((paths[parent] if parent >= 0 else []) + [tokens[i]])
+    cache = KVCache(model.cfg, num_pages=64, page_size=8, dtype=model.dtype, device=torch.device("cpu"))
+    runner = ModelRunner(model, cache)
+    tree_table = BlockTable(8)
+    runner.reserve(tree_table, 64)
+    runner.forward([Feed(tree_table, ids[:-1])])
+    feed = TreeFeed(prefix, [prefix - 1] + [prefix - 1 + len(p) for p in paths], [0] + bits)
+    rows = runner.forward([Feed(tree_table, ids[-1:] + tokens, nodes + 1, feed)])  # [1 + nodes, V]
+    for node, path in [(-1, [])] + list(enumerate(paths)):
+        alone = BlockTable(8)
+        runner.reserve(alone, 64)
+        runner.forward([Feed(alone, ids[:-1])])
+        last = [runner.forward([Feed(alone, [t])]) for t in ids[-1:] + path][-1]  # [1, V]
+        if not torch.equal(rows[node + 1 : node + 2], last):
+            return False
+        alone.free(cache.allocator)
+    return True
+
+
+@FIXED
+@given(prefix=st.integers(2, 45), nodes=st.integers(1, 12), seed=st.integers(0, 10**6))
+def test_each_tree_node_is_computed_as_the_end_of_its_path(bf16_target, fp32_target, prefix, nodes, seed):
+    assert tree_rows_match_paths(bf16_target[0], prefix, nodes, seed)
+    assert tree_rows_match_paths(fp32_target, prefix, nodes, seed)
 
 
 def test_a_planted_row_count_dependent_reduction_is_caught(bf16_target, monkeypatch):
@@ -138,3 +187,20 @@ def test_greedy_speculative_is_plain_greedy_bit_for_bit_in_bf16(bf16_target, che
     assert spec_llm.last_metrics.num_accepted > 0
     if batching == "preemption":
         assert spec_llm.last_metrics.num_preemptions > 0 and plain_llm.last_metrics.num_preemptions > 0
+
+
+@pytest.mark.parametrize("options", [dict(num_speculative_tokens=3), dict(num_speculative_tokens=3, draft_tree_budget=5,
+                                                                          draft_tree_top_k=2)], ids=["eagle", "eagle-tree"])
+def test_greedy_with_an_eagle_head_is_plain_greedy_bit_for_bit_in_bf16(tiny_llama, tiny_llama_eagle, options):
+    """The EAGLE-3 head reads the row-invariant target's features; it keeps its own fastest path."""
+    target = load_checkpoint(tiny_llama, dtype="bfloat16")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, target[0].cfg.vocab_size, (n,), generator=g).tolist() for n in (6, 21, 13)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    plain = LLM(target, row_invariant=True, kv_cache_gib=0.01).generate(prompts, params)
+    llm = LLM(target, draft_model=str(tiny_llama_eagle), row_invariant=True, kv_cache_gib=0.01, **options)
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for a, b in zip(plain, spec):
+        assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
+    assert llm.last_metrics.num_drafted > 0

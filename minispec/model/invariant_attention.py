@@ -20,7 +20,9 @@ each an elementwise product and a sum over the last, contiguous axis, which torc
 fixed order per output element (and splits over threads by output, never inside one). Not
 matmuls: CPU GEMMs round a row differently depending on the other rows, on the matrix sizes and
 even on the operands' memory alignment (the same [3, 64] x [64, 32] product differs between
-batch 1 and 2). Rows with the same L are computed together, grouped by sequence: a group's
+batch 1 and 2). A tree node's keys are gathered along its own path (its context, then its ancestors root to
+itself), so that its j-th key is the one a decode row at its position reads as its j-th: the
+same sum over L in the same order. Rows with the same L are computed together, grouped by sequence: a group's
 keys and values are gathered once and broadcast over its rows (a verification's k+1 rows, or up
 to BUCKET rows of a prompt, share them), which changes no product or sum of a row: a key hidden
 from it adds a zero term (probability 0 times a finite value; a NaN or inf value of a LATER row's
@@ -64,43 +66,53 @@ class InvariantPlan:
 
 def invariant_plan(meta: BatchMetadata, page_size: int | None, sliding_window: int | None) -> InvariantPlan:
     """Group the forward's rows by padded key count L = ceil((position + 1) / BUCKET) * BUCKET and
-    by sequence, and the groups by (L, rows in the group), so that no group is padded; find each
-    group's keys: page_size None (a prefill over the forward's own K/V): slot = the sequence's
-    first new row + j; else the page pool's slot through the block table."""
+    by the keys they read, and the groups by (L, rows in the group), so that no group is padded.
+
+    A row's keys are laid out by position, j = 0..position, whatever forward it is in: the rows of
+    one sequence share its keys (slot of key j: page_size None, a prefill over the forward's own
+    K/V: the sequence's first new row + j; else the page pool's slot through the block table). A
+    tree node (tree_bits != 0) reads the context before its tree block and then its own ancestors,
+    root to itself (the set bits in order: a parent precedes its children), so its j-th key is the
+    one a decode row at its position reads as its j-th: each tree node is a group of its own."""
     dev = meta.positions.device
     starts = meta.query_start_loc.tolist()  # [B+1]
     lens = meta.seq_lens.tolist()  # [B]
-    # Each row's key index (its RoPE position, except for tree nodes: see metadata.py)
-    positions = [lens[b] - starts[b + 1] + t for b in range(len(lens)) for t in range(starts[b], starts[b + 1])]  # [T]
-    key_index = torch.tensor(positions, device=dev)  # [T]
-    groups: dict[tuple[int, int], list[int]] = {}  # (sequence, L) -> its rows with that L, in order
-    for b in range(len(starts) - 1):
+    bits = [0] * starts[-1] if meta.tree_bits is None else meta.tree_bits.tolist()  # [T]
+    tree_start = lens if meta.tree_start is None else meta.tree_start.tolist()  # [B]
+    positions, key_maps, groups = [], {}, {}  # [T]; group -> key index of each j; (group, L) -> rows
+    for b in range(len(lens)):
         for t in range(starts[b], starts[b + 1]):
-            groups.setdefault((b, -(-(positions[t] + 1) // BUCKET) * BUCKET), []).append(t)
-    shapes: dict[tuple[int, int], list[int]] = {}  # (L, Q) -> sequences
-    for (b, L), rows in groups.items():
-        shapes.setdefault((L, len(rows)), []).append(b)
+            if bits[t]:  # a tree node: its context, then its path through the block
+                path = [tree_start[b] + i for i in range(63) if bits[t] >> i & 1]
+                position, group = tree_start[b] - 1 + len(path), (b, t)
+                key_maps[group] = list(range(tree_start[b])) + path
+            else:  # a token of a sequence (before its tree block, if any): key index = position
+                position, group = lens[b] - starts[b + 1] + t, (b, -1)
+            positions.append(position)
+            groups.setdefault((group, -(-(position + 1) // BUCKET) * BUCKET), []).append(t)
+    shapes: dict[tuple[int, int], list[tuple]] = {}  # (L, Q) -> groups
+    for (group, L), rows in groups.items():
+        shapes.setdefault((L, len(rows)), []).append(group)
+    row_position = torch.tensor(positions, device=dev)  # [T]
     buckets = []
     for L, Q in sorted(shapes):
-        seqs = shapes[L, Q]  # [U]
-        flat = [t for b in seqs for t in groups[b, L]]  # [U*Q]
+        members = shapes[L, Q]  # [U] (sequence, tree row or -1)
+        flat = [t for g in members for t in groups[g, L]]  # [U*Q]
         rows = torch.tensor(flat, device=dev)  # [U*Q]
-        row_pos = key_index[rows].view(len(seqs), Q, 1)  # [U, Q, 1]
         j = torch.arange(L, device=dev)  # [L]
-        seq_ids = torch.tensor(seqs, device=dev)  # [U]
-        bits = block = None
-        if meta.tree_start is not None:  # tree keys: only those whose bit the row has
-            bits = meta.tree_bits[rows].view(len(seqs), Q, 1)  # [U, Q, 1]
-            block = meta.tree_start.long()[seq_ids].view(-1, 1, 1)  # [U, 1, 1]
-        visible = visible_keys(row_pos, j, sliding_window, bits, block)  # [U, Q, L]
+        visible = visible_keys(row_position[rows].view(len(members), Q, 1), j, sliding_window)  # [U, Q, L]
+        keys = torch.stack([j if g not in key_maps else  # [U, L] key index of each j (past the path: any)
+                            torch.tensor(key_maps[g] + [0] * (L - len(key_maps[g])), device=dev) for g in members])
+        seq_ids = torch.tensor([b for b, _ in members], device=dev)  # [U]
         if page_size is None:
-            slots = meta.query_start_loc.long()[seq_ids][:, None] + j  # [U, L]
+            slots = meta.query_start_loc.long()[seq_ids][:, None] + keys  # [U, L]
         else:
             pages = meta.block_tables.long()[seq_ids]  # [U, max_pages]
-            slots = pages[:, (j // page_size).clamp(max=pages.shape[1] - 1)] * page_size + j % page_size  # [U, L]
+            page = pages.gather(1, (keys // page_size).clamp(max=pages.shape[1] - 1))  # [U, L]
+            slots = page * page_size + keys % page_size  # [U, L]
         needed = visible.any(dim=1)  # [U, L]: keys some row of the group sees (the others may lie past the pool)
         everything = flat == list(range(len(positions)))
-        buckets.append(Bucket(None if everything else torch.tensor(flat, device=dev), torch.where(needed, slots, slots[:, :1]), visible))
+        buckets.append(Bucket(None if everything else rows, torch.where(needed, slots, slots[:, :1]), visible))
     return InvariantPlan(buckets, sliding_window)
 
 
