@@ -71,6 +71,7 @@ COLORS = {"draft": "tab:blue", "adaptive": "tab:purple", "eagle": "tab:red", "ea
           "ngram": "tab:green", "draft+lookup": "tab:cyan", "adaptive+lookup": "tab:pink", "eagle+lookup": "tab:orange",
           "eagle-adaptive+lookup": "tab:olive", "eagle-tree": "tab:purple", "eagle-tree+lookup": "tab:gray",
           "draft-tree": "tab:blue", "draft-tree+lookup": "tab:cyan"}
+FAST_PATH = "autoregressive, not row-invariant"  # the row timing plain decoding without row invariance
 START = time.perf_counter()
 
 
@@ -271,6 +272,21 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
         def note() -> str:
             return f"lookup drafted {hybrid.lookup_drafts / max(hybrid.lookup_drafts + hybrid.model_drafts, 1):.0%}"
     return Arm(name, drafter, k, run, budget=budget, weights=quantization, note=note)
+
+
+def invariant_arm(arm: Arm, model, on: bool) -> Arm:
+    """The arm with the target switched to row invariance (on) or to its fast path before each of
+    its runs (minispec/fast/row_invariant.py: a switch, nothing reloaded)."""
+    from minispec.fast.row_invariant import make_row_invariant
+
+    inner = arm.run
+
+    def run(prompts):
+        make_row_invariant(model, on)
+        return inner(prompts)
+
+    arm.run = run
+    return arm
 
 
 def sync(device: torch.device) -> None:
@@ -741,6 +757,9 @@ def parse_args(argv=None):
     ap.add_argument("--quantization", choices=["int8"],
                     help="also run every row with int8 weights (target and draft; quant.py) in the same paired rounds, "
                          "against the same baseline")
+    ap.add_argument("--row-invariant", choices=["on", "off"], default="on",
+                    help="CPU, fp32 / bf16: the target computes every row alike in any batch, so the greedy check is bit "
+                         "for bit (on, the default; a 'not row-invariant' row times the fast path in the same rounds)")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV budget of each LLM built (target and draft together)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
     ap.add_argument("--no-plots", action="store_true")
@@ -864,6 +883,11 @@ def main(argv=None) -> dict:
     matmul = getattr(target[0], "cpu_matmul", None)  # the CPU Linear entry point the loader timed fastest
     log(f"device={device} dtype={dtype_name(dtype)}{f' matmul={matmul}' if matmul else ''} target={target_path} draft={draft_path}")
     draft = load_checkpoint(draft_path, dtype=dtype) if draft_path else None
+    invariant = args.row_invariant == "on" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if invariant:  # every row alike in any batch: the greedy check below is bit for bit (minispec/fast/row_invariant.py)
+        from minispec.fast.row_invariant import make_row_invariant
+
+        make_row_invariant(target[0])
     quantized = None  # (target, draft) with quantized weights, fp32 everywhere else
     if args.quantization:
         quantized = (load_checkpoint(target_path, dtype=torch.float32, quantization=args.quantization),
@@ -897,6 +921,12 @@ def main(argv=None) -> dict:
         q_arms = [minispec_arm(*quantized, d, k, params, bs, args, device, prompts[0], args.quantization, budget=n)
                   for d, k, n in [("none", 0, None)] + specs] if quantized else []
         arms += q_arms
+        if invariant:  # what row invariance costs, in the same rounds: plain decoding on the fast path
+            for arm in [baseline] + arms:
+                invariant_arm(arm, target[0], True)
+            fast = invariant_arm(minispec_arm(target, draft, "none", 0, params, bs, args, device, prompts[0]), target[0], False)
+            fast.name = FAST_PATH
+            arms.append(fast)
         if mode == "greedy" and bs == 1 and not args.no_peers:
             hf, peer_rows = hf_arms(target_path, draft_path if draft is not None else None, params, dtype, device,
                                     prompts[0], p["all_peers"])
@@ -911,7 +941,7 @@ def main(argv=None) -> dict:
         rows.append(summarize(baseline, mode, bs, base_step_s, device, dtype))
         rows += [summarize(arm, mode, bs, q_step_s if arm.weights else base_step_s, device, dtype) for arm in arms]
         if mode == "greedy":  # each speculative arm against plain decoding with the same weights
-            divergences |= greedy_divergences(baseline, [a for a in arms if not a.weights], slices)
+            divergences |= greedy_divergences(baseline, [a for a in arms if not a.weights and a.drafter != "none"], slices)
             if q_arms:
                 quantized_divergences |= greedy_divergences(q_arms[0], q_arms[1:], slices)
     if not args.no_peers:  # (says "skipped" on CPU)
@@ -920,13 +950,16 @@ def main(argv=None) -> dict:
 
     index = {tuple(x): i for i, x in enumerate(prompts)}
     indexed = {(index[pr], j, a, b, prefix) for pr, j, a, b, prefix in divergences}
-    ties, mismatches = check_divergences(target[0], prompts, indexed, TIE_TOLERANCE[dtype])
+    # Row-invariant: every divergence is a bug (the two runs computed each row alike), whatever its gap.
+    ties, mismatches = check_divergences(target[0], prompts, indexed, -1.0 if invariant else TIE_TOLERANCE[dtype])
+    failed = bool(mismatches) and invariant
     correctness = correctness_line(ties, mismatches, dtype) if "greedy" in p["modes"] else "correctness: (greedy mode not run)"
     if quantized and "greedy" in p["modes"]:
         # A quantized model is batch-invariant bit for bit (quant.py, invariant_attention.py): no ties allowed.
         indexed = {(index[pr], j, a, b, prefix) for pr, j, a, b, prefix in quantized_divergences}
         q_ties, q_mismatches = check_divergences(quantized[0][0], prompts, indexed, 0.0)
         mismatches += q_mismatches + q_ties
+        failed |= bool(indexed)
         correctness += f"; with {args.quantization} weights: " + (
             "identical" if not indexed else "DIFFERED for prompts " + ", ".join(
                 f"{i} (token {j}, logit gap {g:.3g})" for i, j, g in q_mismatches + q_ties))
@@ -938,6 +971,9 @@ def main(argv=None) -> dict:
           f"{bench_time}")
     if dtype_note:
         print(dtype_note)
+    if invariant:
+        print(f"row-invariant target (--row-invariant on): greedy outputs are compared bit for bit; '{FAST_PATH}' "
+              "times plain decoding without it, in the same rounds")
     print("speedup: median over rounds of (row tok/s / the round's baseline tok/s), exact 95% interval for the "
           "median; ~1: the interval contains 1 (not distinguishable from plain decoding)")
     print("decode: the same median for the decode phase alone (the round's baseline TPOT / the row's; prefill left "
@@ -954,8 +990,10 @@ def main(argv=None) -> dict:
         "plan": p,
         "rows": [{**asdict(r), "distinguishable": r.distinguishable} for r in rows],
         "correctness": correctness,
+        "row_invariant": invariant,  # the target computed every row alike: the check above is bit for bit
         "greedy_mismatches": mismatches,  # (prompt, position, logit gap) beyond the rounding tolerance
         "greedy_rounding_ties": ties,
+        "failed": failed,  # a divergence where outputs must be bit for bit (row-invariant or int8): exit status 1
         "plots": [],
     }
     if not args.no_plots:
@@ -969,4 +1007,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main().get("failed") else 0)

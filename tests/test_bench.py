@@ -36,7 +36,9 @@ def check_result(result: dict, modes: set[str], batches: set[int], drafters: set
     row carries its paired-rounds speedup and interval; exact: greedy outputs identical token for
     token (fp32), else identical up to rounding ties."""
     rows = result["rows"]
-    ours = [r for r in rows if r["drafter"] != "peer"]
+    fast = [r for r in rows if r["name"] == bench.FAST_PATH]  # plain decoding without row invariance (on CPU)
+    assert result["failed"] is False and result["row_invariant"] == bool(fast) and all(r["drafter"] == "none" and r["verify_cost"] > 0 for r in fast)
+    ours = [r for r in rows if r["drafter"] != "peer" and r["name"] != bench.FAST_PATH]
     for mode in modes:
         for bs in batches:
             group = [r for r in ours if r["mode"] == mode and r["batch"] == bs]
@@ -266,6 +268,40 @@ def test_a_cut_short_request_is_no_result(tiny_llama, monkeypatch):
     monkeypatch.setattr(LLM, "generate", lambda self, prompts, p: generate(self, prompts, dataclasses.replace(p, max_tokens=3)))
     with pytest.raises(RuntimeError, match="ended after 3 of 6 tokens .length.; a failed run is no result"):
         arm.run([[1, 2, 3]])
+
+
+def test_with_row_invariance_any_divergence_fails_the_bench(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
+    """Power of the bit-for-bit check: the n-gram arm's outputs get their 4th token changed to the
+    target's runner-up there (a divergence a tolerance would excuse as a near-tie); with the target
+    row-invariant the bench reports DIFFERED and fails (bench.py exits with status 1 on it)."""
+    from minispec import BatchMetadata, load_checkpoint
+
+    model, _ = load_checkpoint(tiny_llama, dtype=torch.float32)
+    make_arm = bench.minispec_arm
+
+    def planted(*args, **kwargs):
+        arm = make_arm(*args, **kwargs)
+        if arm.drafter == "ngram":
+            inner = arm.run
+
+            def run(prompts):
+                out = inner(prompts)
+                for prompt, tokens in zip(prompts, out.outputs):
+                    ids = torch.tensor(prompt + tokens[:3])
+                    tokens[3] = model(ids, BatchMetadata.for_prompts([len(ids)]))[-1].argsort(descending=True)[1].item()
+                return out
+
+            arm.run = run
+        return arm
+
+    monkeypatch.setattr(bench, "minispec_arm", planted)
+    argv = ["--quick", "--no-progress", "--no-peers", "--no-plots", "--target", str(tiny_llama), "--prompts",
+            str(write_prompts(tmp_path / "p.jsonl")), "--dtype", "float32", "--drafters", "ngram", "--modes", "greedy",
+            "--batch-sizes", "1"]
+    result = bench.main(argv)
+    assert result["row_invariant"] and result["failed"] and "DIFFERED for prompts" in result["correctness"]
+    result = bench.main(argv + ["--row-invariant", "off"])  # judged by its gap: flagged, not a failure
+    assert not result["row_invariant"] and result["failed"] is False
 
 
 def test_divergence_check_tells_rounding_ties_from_mismatches(tiny_llama):

