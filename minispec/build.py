@@ -30,7 +30,8 @@ from .model.eagle import EagleModel
 from .model.config import ModelConfig
 from .model.llama import Transformer
 from .options import EngineOptions
-from .runtime.kv_cache import KVCache
+from .runtime.kv_cache import KVCache, PageAllocator
+from .runtime.prefix_cache import CachingAllocator
 from .runtime.runner import ModelRunner
 
 
@@ -60,7 +61,7 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     drafter = make_drafter(o, target, runners[1] if draft is not None else None)
     graphs = use_cuda_graphs(o, models)
     engine = LLMEngine(runners[0], tokenizer, drafter, runners[1] if draft is not None else None,
-                       o.num_speculative_tokens, o.max_num_seqs, o.max_num_batched_tokens, o.seed)
+                       o.num_speculative_tokens, o.max_num_seqs, o.max_num_batched_tokens, o.seed, o.enable_prefix_caching)
     if o.static_shapes if o.static_shapes is not None else graphs:
         layers = engine.drafter.target_layers
         trees = engine.drafter.drafts_trees  # then a verification feeds the root and the tree's nodes
@@ -147,7 +148,8 @@ def kv_caches(o: EngineOptions, models: list) -> list[KVCache]:
     per_token = [KVCache.bytes_per_page(m.cfg, 1, m.dtype) for m in models]
     slack = tree_slots(o.draft_tree_budget, o.draft_tree_top_k, o.num_speculative_tokens) if o.draft_tree_budget else 0
     max_pages = o.max_num_seqs * -(-(context_length(o, models[0]) + slack) // o.page_size)
-    return [KVCache.from_budget(m.cfg, int(budget * b / sum(per_token)), o.page_size, m.dtype, device, max_pages)
+    allocator = CachingAllocator if o.enable_prefix_caching else PageAllocator  # (the first shares pages)
+    return [KVCache.from_budget(m.cfg, int(budget * b / sum(per_token)), o.page_size, m.dtype, device, max_pages, allocator)
             for m, b in zip(models, per_token)]
 
 

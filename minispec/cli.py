@@ -57,12 +57,12 @@ def add_model_arguments(m) -> None:
     m.add_argument("--ngram-max", type=int, help="the n-gram drafter's (or the lookup's) longest match (3)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--quantization", choices=["int8"], help="int8 weights for target and drafter (exact for the int8 target)")
-    m.add_argument("--draft-quantization", choices=["int4"], help="a draft model's weights in int4 (CPU; the target as "
-                                                                "loaded; exact, as any draft is)")
-    m.add_argument("--draft-vocab-size", type=int, help="a draft model's LM head over this many most frequent tokens "
-                                                       "(FR-Spec; q = 0 elsewhere, exact)")
+    m.add_argument("--draft-quantization", choices=["int4"], help="a draft model in int4 (CPU; exact, as any draft is)")
+    m.add_argument("--draft-vocab-size", type=int, help="a draft model's LM head over its N most frequent tokens (exact)")
     m.add_argument("--row-invariant", action="store_true", help="CPU: the target computes each row alike whatever "
                                                                "the batch (greedy speculative == plain, bit for bit; slower)")
+    m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="share the K/V of a prompt's "
+                   "prefix between requests and chat turns (default: on for serve and chat, off for generate)")
     m.add_argument("-c", "--ctx-size", "--max-model-len", type=int, dest="ctx_size", help="context length (prompt + answer)")
     m.add_argument("-t", "--threads", type=int, help="CPU threads (torch's default otherwise)")
 
@@ -164,7 +164,9 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
                        draft_quantization=args.draft_quantization, row_invariant=args.row_invariant,
                        draft_vocab_size=args.draft_vocab_size, prompt_lookup_min=args.lookup_min,
                        draft_confidence_threshold=args.draft_confidence, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                       max_model_len=args.ctx_size, draft_tree_budget=args.tree_budget, draft_tree_top_k=args.tree_top_k)
+                       max_model_len=args.ctx_size, draft_tree_budget=args.tree_budget, draft_tree_top_k=args.tree_top_k,
+                       enable_prefix_caching=args.command in ("serve", "chat") if args.enable_prefix_caching is None
+                       else args.enable_prefix_caching)
         EngineOptions(model=str(target), **options)  # validates every option without loading anything
     except ValueError as e:
         raise flagged(e) from None

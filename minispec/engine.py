@@ -22,6 +22,7 @@ from .drafters.base import Drafter, NoDrafter
 from .io.tokenizer import Tokenizer
 from .runtime.kv_cache import KVPoolExhausted
 from .runtime.metrics import RunMetrics, StepTimes
+from .runtime.prefix_cache import CachingAllocator, PrefixCache
 from .runtime.runner import Feed, ModelRunner
 from .runtime.scheduler import Scheduler
 from .runtime.sequence import Sequence
@@ -51,10 +52,13 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
         seed: int | None = None,
+        prefix_caching: bool = False,
     ):
         """k = num_speculative_tokens (0 without a drafter); draft_runner: the draft model's or
         EAGLE head's runner, whose pool every sequence also needs pages in; seed: requests without
-        their own seed draw one from a generator seeded with it (else from torch's global one)."""
+        their own seed draw one from a generator seeded with it (else from torch's global one);
+        prefix_caching: share full pages of committed K/V (runtime/prefix_cache.py; the pools'
+        allocators must be CachingAllocators)."""
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDrafter()
@@ -63,7 +67,8 @@ class LLMEngine:
         self.runners = runners
         # A tree step writes its whole tree (and the head its fed frontiers) past the sequence.
         tree_slots = self.drafter.tree_slots(self.k) if self.drafter.drafts_trees else 0
-        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, tree_slots)
+        self.prefix_cache = prefix_cache(runners, self.drafter) if prefix_caching else None
+        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, tree_slots, self.prefix_cache)
         self.eos_ids = target.model.cfg.eos_token_ids
         self.max_model_len = target.max_positions
         self.times = StepTimes()
@@ -147,6 +152,8 @@ class LLMEngine:
         outputs = []
         for s, n, (drafted, num_accepted, num_drafted) in zip(seqs, before, verdicts):
             done = s.finish_reason is not None
+            if self.prefix_cache is not None and s.finish_reason != "error":
+                self.prefix_cache.commit(s)  # after the step's rollback: what is cached is committed
             if n == 0 and s.output_ids:
                 s.metrics.first_token_s, s.metrics.first_step_tokens = now, len(s.output_ids)
             if done:
@@ -184,3 +191,17 @@ class LLMEngine:
             m.add(s.metrics, len(s.output_ids))
         m.num_preemptions = sum(s.num_preemptions for s in seqs)
         return m
+
+
+def prefix_cache(runners: list[tuple[ModelRunner, str]], drafter: Drafter) -> PrefixCache:
+    """The prefix cache over the engine's pools: an EAGLE head's K/V at a position also depend on
+    the next token (lookahead 1), the target's and a draft model's on the tokens up to it."""
+    pools = []
+    for runner, which in runners:
+        if not isinstance(runner.cache.allocator, CachingAllocator):
+            raise ValueError("prefix caching needs KV pools built with prefix_caching=True")
+        pools.append((which, runner.cache.allocator, 1 if which == "draft" and drafter.target_layers else 0))
+    sizes = {runner.cache.page_size for runner, _ in runners}
+    if len(sizes) != 1:
+        raise ValueError(f"prefix caching needs one page size in every pool, got {sorted(sizes)}")
+    return PrefixCache(pools, sizes.pop())

@@ -39,23 +39,21 @@ class EngineOptions:
     draft_confidence_threshold: adaptive draft length for a draft model or head; each step drafts
     up to k, stopping after a token the drafter gave probability < threshold (a draft tree: it
     stops growing at a level whose likeliest node has path probability < threshold).
-    prompt_lookup_min (with a draft model or EAGLE head): a sequence whose last n >= this many
-    tokens occurred earlier in it drafts what followed that occurrence (no forward; n up to
-    max(ngram_max, this)); the model drafts for the others (drafters/lookup.py).
+    prompt_lookup_min (with a draft model or EAGLE head): a sequence whose last n >= this many tokens
+    occurred earlier drafts what followed them (no forward; drafters/lookup.py), the model elsewhere.
     cuda_graphs (default: on CUDA): steps run with static shapes, captured as CUDA graphs at start-up
     (a failed capture warns once); static_shapes (default: cuda_graphs): that layout without graphs.
-    quantization="int8": target and drafter with int8 weights and dynamic per-row activation
-    scales (fast/int8.py); speculative output is exact for that int8 target. Models passed
-    already built must have been loaded with it: they are never quantized in place.
+    quantization="int8": target and drafter with int8 weights (fast/int8.py; exact for that int8
+    target); models passed built must have been loaded so (never quantized in place).
     draft_quantization="int4" (CPU): a draft model in int4 (fast/int4.py; it overrides `quantization`
     for the draft); draft_vocab_size=N: its LM head over N frequent tokens (drafters/reduced_vocab.py).
     Both exact, as any draft is. row_invariant=True (CPU): each row of the target computed alike in
     any batch, greedy speculative == plain bit for bit (fast/row_invariant.py; built models in place).
-    ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or the longest lookup match in
-    front of a model (ngram_max); refused where neither drafts.
+    ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or a lookup's longest match (ngram_max).
     seed: requests without their own seed draw one from a generator seeded with it (vLLM's `seed`).
-    tokenizer: a directory with tokenizer.json to use instead of the target's. enforce_eager=True: no CUDA graphs.
-    tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half" and "float".
+    enable_prefix_caching: full pages of committed K/V shared between requests (runtime/prefix_cache.py).
+    tokenizer: a directory with tokenizer.json to use instead of the target's. enforce_eager=True: no
+    CUDA graphs. tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half", "float".
     draft_tree_budget (with a draft model or EAGLE-3 head): draft a tree of this many nodes (1..63) per step
     instead of a chain, k levels deep at most, each expanded node getting its draft_tree_top_k
     (default 4) likeliest children (drafters/tree.py; verified by speculative_tree.py)."""
@@ -78,6 +76,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = False
     max_model_len: int | None = None
     ngram_max: int | None = None
     ngram_min: int | None = None
@@ -96,8 +95,9 @@ class EngineOptions:
         if self.quantization in DRAFT_ONLY:  # (its matmul is fast at one row, slower than bf16 at a verification's k+1)
             raise ValueError(f"quantization={self.quantization!r} is for a draft model only: draft_quantization={self.quantization!r}")
         check_quantization(self.quantization)
-        if not isinstance(self.row_invariant, bool):
-            raise ValueError(f"row_invariant must be True or False, got {self.row_invariant!r}")
+        for name in ("row_invariant", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
         self.check_device()
         self.translate_vllm()

@@ -55,6 +55,11 @@ class RequestOutput:
     # Shortcuts to the first completion, which minispec's own code used before `outputs` held
     # CompletionOutputs; kept for one release.
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
+        return self.metrics.num_cached_tokens
+
+    @property
     def text(self) -> str:
         return self.outputs[0].text
 

@@ -6,8 +6,8 @@ A sequence's token at position t lives in page `block_table[t // page_size]`, ro
 draft tokens is `truncate(n)`: positions >= n are forgotten and pages no longer needed go back to
 the free list. Nothing is copied: stale K/V rows in a kept page are simply overwritten later.
 
-Every page has one owner at a time. Caveat: there is no prefix cache (no sharing of identical
-prompt pages between sequences, which would need reference counts and copy-on-write).
+Every page has one owner at a time, except with prefix caching (prefix_cache.py): there a full
+page of committed K/V may be held by several tables, is never written, and is never truncated.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class BlockTable:
     page_size: int
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions 0..num_cached-1 hold valid K/V
+    keys: list[bytes] = field(default_factory=list)  # prefix caching: keys of the leading full pages registered
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -88,6 +89,9 @@ class BlockTable:
         """Roll back to the first `num_tokens` positions and free the pages past them (no copy)."""
         if num_tokens < 0:
             raise ValueError(f"cannot truncate to {num_tokens} tokens")
+        if num_tokens < len(self.keys) * self.page_size:  # (a rollback never goes below committed tokens)
+            raise ValueError(f"truncating to {num_tokens} tokens would cut into a registered page of committed K/V "
+                             f"({len(self.keys)} pages of {self.page_size}), which other sequences may share")
         self.num_cached = min(self.num_cached, num_tokens)
         keep = self.pages_for(num_tokens)
         while len(self.pages) > keep:
@@ -96,7 +100,7 @@ class BlockTable:
     def free(self, allocator: PageAllocator) -> None:
         for page in self.pages:
             allocator.release(page)
-        self.pages, self.num_cached = [], 0
+        self.pages, self.num_cached, self.keys = [], 0, []
 
     def slots(self, start: int, end: int) -> list[int]:
         """Pool slots (page * page_size + offset) of positions start..end-1 (they must be reserved)."""
@@ -119,7 +123,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 class KVCache:
     """One model's page pool: per layer K and V, each [num_pages, page_size, kv_heads, head_dim]."""
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                 allocator: type[PageAllocator] = PageAllocator):
+        """allocator: the page allocator's class (prefix_cache.CachingAllocator shares pages)."""
         if num_pages < 1:
             raise ValueError(f"KV cache needs at least one page, got {num_pages}")
         if page_size < 1:
@@ -130,7 +136,7 @@ class KVCache:
         # Zeros, not empty: attention multiplies masked-out rows by 0, and 0 * NaN garbage is NaN.
         self.pool = zeros(shape, dtype, device)  # [L, 2, pages + 1, page_size, Hkv, D]
         self.page_size = page_size
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = allocator(num_pages)
         self.scratch_page = num_pages
         # Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]; built once.
         self._layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(cfg.num_layers)]
@@ -148,6 +154,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         max_pages: int | None = None,
+        allocator: type[PageAllocator] = PageAllocator,
     ) -> "KVCache":
         """As many pages as fit in budget_bytes beside the scratch page (at most max_pages: more
         could never be used)."""
@@ -161,7 +168,7 @@ class KVCache:
             )
         if max_pages is not None:
             num_pages = min(num_pages, max_pages)
-        return cls(cfg, num_pages, page_size, dtype, device)
+        return cls(cfg, num_pages, page_size, dtype, device, allocator)
 
     @property
     def num_pages(self) -> int:

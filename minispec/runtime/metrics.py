@@ -45,6 +45,7 @@ class RequestMetrics:
     first_token_s: float | None = None  # ... when the step emitting its first token ended
     first_step_tokens: int = 1  # tokens that step emitted (more than 1 where it was speculative)
     finish_s: float | None = None  # ... when the step finishing it ended
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (vLLM's)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.num_steps += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 
 from .kv_cache import KVPoolExhausted
+from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .sequence import Sequence, Status
 
@@ -27,7 +28,7 @@ from .sequence import Sequence, Status
 class Scheduler:
     def __init__(
         self, runners: list[tuple[ModelRunner, str]], k: int, max_num_seqs: int, max_num_batched_tokens: int,
-        tree_slots: int = 0,
+        tree_slots: int = 0, prefix_cache: PrefixCache | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1, "
@@ -40,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0  # over the engine's life (each sequence counts its own)
+        self.prefix_cache = prefix_cache  # a sequence being admitted first shares the cached pages of its prefix
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,6 +61,9 @@ class Scheduler:
     def _reserve(self, seq: Sequence) -> bool:
         """Reserve pages for one step of seq in every pool. On failure, pages already reserved
         stay with a running seq (they are used or truncated later); a waiting seq gives them back."""
+        hit = 0
+        if seq.status is Status.WAITING and self.prefix_cache is not None:
+            hit = self.prefix_cache.attach(seq)
         try:
             for runner, which in self.runners:
                 runner.reserve(seq.table(which), self.step_tokens(seq))
@@ -66,6 +71,11 @@ class Scheduler:
             if seq.status is Status.WAITING:
                 self._free(seq)
             return False
+        if seq.status is Status.WAITING and self.prefix_cache is not None:  # (vLLM counts tokens)
+            self.prefix_cache.queries += len(seq)
+            self.prefix_cache.hits += hit
+            if not seq.num_preemptions:
+                seq.metrics.num_cached_tokens = hit
         return True
 
     def _free(self, seq: Sequence) -> None:
@@ -107,7 +117,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
-            budget -= len(seq)
+            budget -= len(seq) - seq.target_table.num_cached  # (a prefix cache hit is not fed)
         return scheduled
 
     def finish(self, seq: Sequence) -> None:

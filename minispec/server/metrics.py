@@ -7,7 +7,7 @@ Speculative decoding, counted as vLLM counts it (labels model_name, engine="0"):
     vllm:spec_decode_num_accepted_tokens_total  accepted drafted tokens (the target's own token excluded)
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position=i}  +1 when drafts 0..i were all accepted
 so acceptance rate = accepted / draft_tokens and mean accepted length = 1 + accepted / drafts.
-Also vLLM's prompt / generation token and request counters, running / waiting / KV-usage gauges,
+Also vLLM's prompt / generation token, prefix cache (tokens looked up / found) and request counters, running / waiting / KV-usage gauges,
 and TTFT, inter-token latency (one observation per step that gave a request tokens: with
 speculation, step latency) and end-to-end latency histograms; plus minispec's own, where vLLM has
 none: step, draft and verification time, tokens per step and batch size.
@@ -50,6 +50,8 @@ class ServerMetrics:
         self.generation = counter("vllm:generation_tokens", "Generated tokens")
         self.success = counter("vllm:request_success", "Finished requests", ["finished_reason"])
         self.preemptions = counter("vllm:num_preemptions", "Preemptions")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", names, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the target's KV pages in use", names, registry=r)
@@ -70,6 +72,7 @@ class ServerMetrics:
         self.last_error: str | None = None
         self._times = (0.0, 0.0)
         self._preempted = 0
+        self._prefix = (0, 0)  # the engine's prefix cache totals at the last step
 
     def prompt_tokens(self, n: int) -> None:
         self.prompt.labels(**self.labels).inc(n)
@@ -113,6 +116,11 @@ class ServerMetrics:
         preempted = engine.scheduler.num_preemptions
         self.preemptions.labels(**L).inc(preempted - self._preempted)
         self._preempted = preempted
+        cache = engine.prefix_cache
+        if cache is not None:
+            self.prefix_queries.labels(**L).inc(cache.queries - self._prefix[0])
+            self.prefix_hits.labels(**L).inc(cache.hits - self._prefix[1])
+            self._prefix = (cache.queries, cache.hits)
         if batch:
             self.batch.labels(**L).observe(batch)
         self.gauges(llm)
@@ -166,6 +174,7 @@ class ServerMetrics:
             "kv_cache_usage": self.kv_usage.labels(**self.labels)._value.get(),
             "running": self.running.labels(**self.labels)._value.get(),
             "waiting": self.waiting.labels(**self.labels)._value.get(),
+            "prefix_cache_hit_rate": self._prefix[1] / self._prefix[0] if self._prefix[0] else None,  # since start
             "last_error": self.last_error,
         }
 

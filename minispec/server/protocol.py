@@ -133,8 +133,9 @@ def include_usage(body: dict) -> bool:
 def usage(call, n: int, completion_tokens: int) -> dict:
     """OpenAI's usage object: the call's prompts counted once each (not once per completion)."""
     prompt_tokens = sum(len(s.prompt_ids) for s in call.seqs[::n])
+    cached = sum(s.metrics.num_cached_tokens for s in call.seqs[::n])  # (found in the prefix cache)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def response_id(chat: bool) -> tuple[str, int]:

@@ -1,0 +1,154 @@
+"""Prefix caching: full pages of K/V shared between sequences whose tokens agree up to them (vLLM
+v1's automatic prefix caching; SGLang's RadixAttention shares the same way, a token at a time).
+
+Keys. Page i of a sequence (positions i*P .. i*P + P - 1) is keyed by a hash of its whole token
+chain: key_i = H(key_{i-1}, tokens of page i [, the token after it]). In the target's and a draft
+model's pools the K/V at position t depend on tokens 0..t only; in an EAGLE head's pool they also
+depend on token t+1 (a position reads its feature and the NEXT token), hence `lookahead` = 1 there.
+H is BLAKE2b (128 bits), not Python's hash: a collision would hand a sequence another's K/V.
+
+Why the output stays exact. A page is registered under its key only once all its positions hold
+the K/V of committed tokens (after the step's rollback: never a draft the target may still
+reject); a sequence that finds the key therefore finds what it would have computed itself for the
+same positions (bit for bit with row_invariant=True; otherwise the same numbers computed in
+another batch shape, as a verification row already is). A shared page is never written: a hit
+covers whole pages below the sequence's first uncached position (at least its newest token is fed,
+so it gets its logits), writes go past that position, and a rollback truncates to the sequence's
+committed length, which is past every page it shares.
+
+Pages. `CachingAllocator` counts the block tables holding each page. At 0 a registered page is
+kept, evictable, least recently used first; allocation takes a free page first and evicts only
+when none is left, so the cache holds what the running sequences leave free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from .kv_cache import BlockTable, KVPoolExhausted, PageAllocator
+
+
+def page_keys(tokens: list[int], page_size: int, num_pages: int, lookahead: int = 0, parent: bytes = b"",
+              first: int = 0) -> list[bytes]:
+    """The keys of pages first .. num_pages-1 (parent: the key of page first-1). Page i needs
+    tokens[: (i+1)*page_size + lookahead]; the caller passes only pages that have them."""
+    keys = []
+    ids = np.asarray(tokens, dtype=np.int64)
+    for i in range(first, num_pages):
+        chunk = ids[i * page_size : (i + 1) * page_size + lookahead]
+        parent = hashlib.blake2b(parent + chunk.tobytes(), digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+class CachingAllocator(PageAllocator):
+    """A page allocator with reference counts and an index of full pages by key (module docstring).
+
+    Every page is in exactly one state: free (on the free list), held (refs >= 1), or evictable
+    (registered, refs 0, in `evictable` in LRU order). A held page may be registered too."""
+
+    def __init__(self, num_pages: int):
+        super().__init__(num_pages)
+        self.refs = [0] * num_pages
+        self.page_of: dict[bytes, int] = {}  # key -> registered page
+        self.key_of: dict[int, bytes] = {}  # registered page -> key
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    def allocate(self) -> int:
+        if self.free:
+            page = self.free.pop()
+        elif self.evictable:
+            page, _ = self.evictable.popitem(last=False)  # the least recently used cached page
+            del self.page_of[self.key_of.pop(page)]
+        else:
+            raise KVPoolExhausted(f"KV pool exhausted: all {self.num_pages} pages are in use")
+        self.refs[page], self.in_use[page] = 1, True
+        return page
+
+    def release(self, page: int) -> None:
+        """One table lets the page go; the last one frees it, or keeps it evictable if registered."""
+        if self.refs[page] == 0:
+            raise ValueError(f"page {page} released but it is not allocated")
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.in_use[page] = False
+            if page in self.key_of:
+                self.evictable[page] = None  # the most recently used end
+            else:
+                self.free.append(page)
+
+    def share(self, page: int) -> None:
+        """One more table holds the registered page (taking it out of the evictable set)."""
+        if self.refs[page] == 0:
+            del self.evictable[page]
+            self.in_use[page] = True
+        self.refs[page] += 1
+
+    def register(self, page: int, key: bytes) -> None:
+        """Index a held page, all of whose positions hold committed K/V, under its key (a key or a
+        page already indexed stays as it is: the first page with those contents serves them)."""
+        if key not in self.page_of and page not in self.key_of:
+            self.page_of[key], self.key_of[page] = page, key
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The registered pages of the leading keys found, up to the first miss."""
+        pages = []
+        for key in keys:
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+
+class PrefixCache:
+    """Prefix caching over a sequence's pools: one `CachingAllocator` each, and the lookahead of
+    each pool's keys. `attach` gives a sequence being admitted the pages it can share; `commit`
+    registers the pages a step filled with committed K/V. Counts tokens looked up and found
+    (vLLM's `prefix_cache_queries` / `prefix_cache_hits`)."""
+
+    def __init__(self, pools: list[tuple[str, CachingAllocator, int]], page_size: int):
+        """pools: ("target" | "draft", its allocator, its lookahead)."""
+        self.pools = pools
+        self.page_size = page_size
+        self.queries = 0
+        self.hits = 0
+
+    def attach(self, seq) -> int:
+        """Share the longest run of cached pages that every pool has for seq's tokens, leaving at
+        least the newest token to feed; seq's tables must be empty. Returns the tokens found (the
+        caller counts them, and len(seq) queried, once the sequence is admitted)."""
+        tokens, P = seq.tokens, self.page_size
+        usable = (len(tokens) - 1) // P
+        found = []
+        for which, allocator, lookahead in self.pools:
+            n = min(usable, (len(tokens) - lookahead) // P)
+            found.append(allocator.lookup(page_keys(tokens, P, n, lookahead)))
+        hit = min(len(pages) for pages in found)
+        for (which, allocator, lookahead), pages in zip(self.pools, found):
+            table: BlockTable = seq.table(which)
+            assert not table.pages, "attach needs a sequence with empty block tables"
+            for page in pages[:hit]:
+                allocator.share(page)
+            table.pages, table.num_cached = list(pages[:hit]), hit * P
+            table.keys = page_keys(tokens, P, hit, lookahead)
+        return hit * P
+
+    def commit(self, seq) -> None:
+        """Register every full page of seq's tables below its cached positions not registered yet
+        (called after a step's rollback: what is cached then is committed)."""
+        tokens, P = seq.tokens, self.page_size
+        for which, allocator, lookahead in self.pools:
+            table: BlockTable = seq.table(which)
+            full, done = min(table.num_cached, len(tokens) - lookahead) // P, len(table.keys)
+            if full > done:
+                table.keys += page_keys(tokens, P, full, lookahead, table.keys[-1] if done else b"", first=done)
+                for page, key in zip(table.pages[done:full], table.keys[done:full]):
+                    allocator.register(page, key)
