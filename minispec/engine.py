@@ -20,11 +20,13 @@ import torch
 
 from .drafters.base import Drafter, NoDrafter
 from .io.tokenizer import Tokenizer
+from .runtime.chunked_prefill import feed_chunks, plan_chunks
 from .runtime.kv_cache import KVPoolExhausted
 from .runtime.metrics import RunMetrics, StepTimes
 from .runtime.prefix_cache import CachingAllocator, PrefixCache
 from .runtime.runner import Feed, ModelRunner
 from .runtime.scheduler import Scheduler
+from .runtime.speculation_by_load import SpeculationByLoad
 from .runtime.sequence import Sequence
 from .sampling import SamplingParams
 from .speculative import speculative_step
@@ -53,12 +55,17 @@ class LLMEngine:
         max_num_batched_tokens: int = 8192,
         seed: int | None = None,
         prefix_caching: bool = False,
+        speculation_by_load: bool = False,
+        chunked_prefill: bool = False,
     ):
         """k = num_speculative_tokens (0 without a drafter); draft_runner: the draft model's or
         EAGLE head's runner, whose pool every sequence also needs pages in; seed: requests without
         their own seed draw one from a generator seeded with it (else from torch's global one);
         prefix_caching: share full pages of committed K/V (runtime/prefix_cache.py; the pools'
-        allocators must be CachingAllocators)."""
+        allocators must be CachingAllocators); speculation_by_load: each step drafts the k that its
+        batch size makes pay best, from measured step costs (runtime/speculation_by_load.py; chains);
+        chunked_prefill: a prompt that does not fit a step's max_num_batched_tokens is fed in chunks
+        over several steps while the others decode (runtime/chunked_prefill.py)."""
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDrafter()
@@ -68,8 +75,11 @@ class LLMEngine:
         # A tree step writes its whole tree (and the head its fed frontiers) past the sequence.
         tree_slots = self.drafter.tree_slots(self.k) if self.drafter.drafts_trees else 0
         self.prefix_cache = prefix_cache(runners, self.drafter) if prefix_caching else None
-        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, tree_slots, self.prefix_cache)
+        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, tree_slots, self.prefix_cache,
+                                   chunked_prefill)
+        self.chunk_budget = max_num_batched_tokens if chunked_prefill else None
         self.eos_ids = target.model.cfg.eos_token_ids
+        self.load = SpeculationByLoad(self.k) if speculation_by_load and self.k and not self.drafter.drafts_trees else None
         self.max_model_len = target.max_positions
         self.times = StepTimes()
         self.seeds = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -144,10 +154,24 @@ class LLMEngine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        k = self.load.choose(len(seqs)) if self.load is not None else self.k
+        if self.chunk_budget is not None:  # prompts that do not fit this step's budget: a chunk each, then sit it out
+            chunks = plan_chunks(seqs, self.chunk_budget, self.drafter.tree_slots(k) if self.drafter.drafts_trees else k,
+                                 self.target.cache.page_size)
+            if chunks:
+                feed_chunks(seqs, chunks, self.target, self.drafter, self.times)
+                seqs = [s for i, s in enumerate(seqs) if i not in chunks]
+                if not seqs:
+                    return []
         before = [len(s.output_ids) for s in seqs]
         self.catch_up(seqs)
         step = tree_step if self.drafter.drafts_trees else speculative_step
-        verdicts = step(seqs, self.target, self.drafter, self.k, self._emit, self.times)
+        fed, spent = sum(len(s) - s.target_table.num_cached for s in seqs), (self.times.target_s, self.times.draft_s)
+        verdicts = step(seqs, self.target, self.drafter, k, self._emit, self.times)
+        if self.load is not None:  # what this step cost, for the next one's choice
+            self.load.observe(fed + sum(len(d) for d, _, _ in verdicts), self.times.target_s - spent[0], len(seqs),
+                              max(n for _, _, n in verdicts), self.times.draft_s - spent[1],
+                              sum(a for _, a, _ in verdicts), sum(a < len(d) for d, a, _ in verdicts))
         now = time.perf_counter()  # the step's tokens are on the host: TTFT / TPOT stamps
         outputs = []
         for s, n, (drafted, num_accepted, num_drafted) in zip(seqs, before, verdicts):

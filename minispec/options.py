@@ -33,16 +33,15 @@ class EngineOptions:
     """model / draft_model: an HF checkpoint dir, a .gguf file, or an already built (Transformer,
     Tokenizer) pair; draft_model="ngram" selects prompt-lookup drafting; an EAGLE-3 checkpoint dir
     (config.json with draft_vocab_size) or a built EagleModel selects the feature drafter.
-    num_speculative_tokens (k, 4 by default): tokens drafted per step, at most.
-    kv_cache_gib: KV budget for both pools together (default: gpu_memory_utilization of the free
-    GPU memory on CUDA, 1 GiB on CPU), split in proportion to per-token KV size.
+    num_speculative_tokens (k, 4 by default): tokens drafted per step, at most. kv_cache_gib: KV budget
+    of all pools (default: gpu_memory_utilization of free GPU memory, 1 GiB on CPU), split by KV size.
     draft_confidence_threshold: adaptive draft length for a draft model or head; each step drafts
     up to k, stopping after a token the drafter gave probability < threshold (a draft tree: it
     stops growing at a level whose likeliest node has path probability < threshold).
     prompt_lookup_min (with a draft model or EAGLE head): a sequence whose last n >= this many tokens
     occurred earlier drafts what followed them (no forward; drafters/lookup.py), the model elsewhere.
-    cuda_graphs (default: on CUDA): steps run with static shapes, captured as CUDA graphs at start-up
-    (a failed capture warns once); static_shapes (default: cuda_graphs): that layout without graphs.
+    cuda_graphs (default: on CUDA): static-shape steps captured as CUDA graphs (a failed capture warns
+    once); static_shapes (default: cuda_graphs): that layout without graphs.
     quantization="int8": target and drafter with int8 weights (fast/int8.py; exact for that int8
     target); models passed built must have been loaded so (never quantized in place).
     draft_quantization="int4" (CPU): a draft model in int4 (fast/int4.py; it overrides `quantization`
@@ -51,12 +50,12 @@ class EngineOptions:
     any batch, greedy speculative == plain bit for bit (fast/row_invariant.py; built models in place).
     ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or a lookup's longest match (ngram_max).
     seed: requests without their own seed draw one from a generator seeded with it (vLLM's `seed`).
-    enable_prefix_caching: full pages of committed K/V shared between requests (runtime/prefix_cache.py).
+    Serving (runtime/): enable_prefix_caching (prefix_cache.py), speculation_by_load (a chain's k per
+    step from measured costs), enable_chunked_prefill (prompts past max_num_batched_tokens in chunks).
     tokenizer: a directory with tokenizer.json to use instead of the target's. enforce_eager=True: no
     CUDA graphs. tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half", "float".
-    draft_tree_budget (with a draft model or EAGLE-3 head): draft a tree of this many nodes (1..63) per step
-    instead of a chain, k levels deep at most, each expanded node getting its draft_tree_top_k
-    (default 4) likeliest children (drafters/tree.py; verified by speculative_tree.py)."""
+    draft_tree_budget (a draft model or EAGLE-3 head): a tree of this many nodes (1..63) per step, k deep
+    at most, each expanded node getting its draft_tree_top_k (4) likeliest children (drafters/tree.py)."""
 
     model: Model
     draft_model: Model | EagleModel | None = None
@@ -77,6 +76,8 @@ class EngineOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = False
+    speculation_by_load: bool = False
+    enable_chunked_prefill: bool = False
     max_model_len: int | None = None
     ngram_max: int | None = None
     ngram_min: int | None = None
@@ -95,7 +96,7 @@ class EngineOptions:
         if self.quantization in DRAFT_ONLY:  # (its matmul is fast at one row, slower than bf16 at a verification's k+1)
             raise ValueError(f"quantization={self.quantization!r} is for a draft model only: draft_quantization={self.quantization!r}")
         check_quantization(self.quantization)
-        for name in ("row_invariant", "enable_prefix_caching"):
+        for name in ("row_invariant", "enable_prefix_caching", "speculation_by_load", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype

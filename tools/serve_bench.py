@@ -3,10 +3,11 @@ against offline `LLM.generate` of the same requests.
 
     python tools/serve_bench.py [--requests 16] [--max-tokens 48] [--concurrency 1,4,16] [--dtype bfloat16]
 
-For each drafter (the default target's EAGLE-3 head, and none): `minispec serve` in its own
-process on a free loopback port; for each concurrency c, the same seeded requests sent by c client
-threads (streaming, so the first token's arrival is seen); total tokens/s, p50 / p99 TTFT; then
-the same requests through `LLM.generate` in one call, for comparison.
+For each arm (the default target's EAGLE-3 head with speculation by load, its default in serve;
+the head at a fixed k = 4; no drafter): `minispec serve` in its own process on a free loopback
+port; for each concurrency c, the same seeded requests sent by c client threads (streaming, so the
+first token's arrival is seen); total tokens/s, p50 / p99 TTFT and inter-token latency; then the
+same requests through `LLM.generate` in one call, for comparison.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_request(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float, int]:
-    """(seconds to the first token, tokens) of one streamed chat request."""
+def one_request(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float, int, list[float]]:
+    """(seconds to the first token, tokens, seconds between its content chunks) of one streamed chat request."""
     import httpx
 
-    start, first, tokens = time.perf_counter(), None, 0
+    start, first, tokens, arrivals = time.perf_counter(), None, 0, []
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.7, "seed": seed,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
@@ -42,14 +43,20 @@ def one_request(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[floa
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if first is None and any(c.get("delta", {}).get("content") for c in chunk["choices"]):
-                first = time.perf_counter() - start
+            if any(c.get("delta", {}).get("content") for c in chunk["choices"]):
+                arrivals.append(time.perf_counter())
+                first = first if first is not None else arrivals[0] - start
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return first or 0.0, tokens
+    return first or 0.0, tokens, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
-def start_server(draft: str, dtype: str):
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of sorted xs (the nearest rank below)."""
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def start_server(draft: str, dtype: str, flags: list[str]):
     """`minispec serve` in its own process (the clients here do not share its interpreter)."""
     import subprocess
 
@@ -57,7 +64,7 @@ def start_server(draft: str, dtype: str):
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "minispec", "serve", "--draft", draft, "-k", "4", "--dtype", dtype,
-                             "--port", str(port)], stderr=subprocess.DEVNULL)
+                             "--port", str(port), *flags], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -82,8 +89,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "weights" / "prompts" / "bench.jsonl").read_text().splitlines()]
     prompts = prompts[: args.requests]
-    for name, draft in (("eagle k=4", str(default_eagle_head())), ("plain", "none")):
-        proc, url = start_server(draft, args.dtype)
+    eagle = str(default_eagle_head())
+    arms = [("eagle k<=4 by load", eagle, []), ("eagle k=4", eagle, ["--no-speculation-by-load"]), ("plain", "none", [])]
+    for name, draft, flags in arms:
+        proc, url = start_server(draft, args.dtype, flags)
         try:
             one_request(url, prompts[0], 0, 4)  # warm-up
             for c in (int(x) for x in args.concurrency.split(",")):
@@ -91,22 +100,23 @@ def main(argv=None) -> int:
                 with ThreadPoolExecutor(c) as pool:
                     results = list(pool.map(lambda i: one_request(url, prompts[i], i, args.max_tokens), range(len(prompts))))
                 wall = time.perf_counter() - start
-                ttft = sorted(r[0] for r in results)
-                print(f"{name:10} concurrency {c:3}: {sum(r[1] for r in results) / wall:7.1f} tok/s, TTFT p50 "
-                      f"{statistics.median(ttft) * 1e3:7.0f} ms, p99 {ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3:7.0f} ms",
-                      flush=True)
+                ttft, itl = sorted(r[0] for r in results), sorted(g for r in results for g in r[2])
+                print(f"{name:18} concurrency {c:3}: {sum(r[1] for r in results) / wall:7.1f} tok/s, TTFT p50 "
+                      f"{statistics.median(ttft) * 1e3:5.0f} ms, p99 {pct(ttft, 0.99) * 1e3:5.0f} ms; inter-token p50 "
+                      f"{statistics.median(itl) * 1e3:5.0f} ms, p99 {pct(itl, 0.99) * 1e3:5.0f} ms", flush=True)
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=60)
         llm = LLM(str(default_target()), draft_model=None if draft == "none" else draft,
-                  num_speculative_tokens=None if draft == "none" else 4, dtype=args.dtype)
+                  num_speculative_tokens=None if draft == "none" else 4, dtype=args.dtype, speculation_by_load=not flags
+                  and draft != "none")
         chats = [llm.tokenizer.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         params = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(prompts))]
         llm.generate(chats[:1], params[:1], use_tqdm=False)  # warm-up
         start = time.perf_counter()
         outs = llm.generate(chats, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        print(f"{name:10} offline LLM.generate, one call: {sum(len(o.token_ids) for o in outs) / wall:7.1f} tok/s", flush=True)
+        print(f"{name:18} offline LLM.generate, one call: {sum(len(o.token_ids) for o in outs) / wall:7.1f} tok/s", flush=True)
     return 0
 
 

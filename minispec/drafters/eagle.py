@@ -69,11 +69,14 @@ class EagleDrafter(AutoregressiveDrafter):
 
     def draftable(self, s: Sequence, n: int) -> int:
         """n if s can draft now: the features for every position the draft has not cached are
-        there (not in a new sequence's first step: its prefill brings them), and the draft's
-        context allows n tokens; else 0."""
+        there, and the draft's context allows n tokens; else 0. Never in a new sequence's first
+        step (the one that emits its first token): its prefill brings the features, and where a
+        prompt came in chunks (runtime/chunked_prefill.py) and they are there already, drafting
+        anyway would draw other random numbers than the same request fed whole (seeded outputs
+        would depend on the server's token budget)."""
         pending = s.draft_state
-        ready = (pending is not None and pending.start == s.draft_table.num_cached and pending.end == len(s) - 1
-                 and pending.end > pending.start and len(s) - 2 + n <= self.runner.max_positions)
+        ready = (bool(s.output_ids) and pending is not None and pending.start == s.draft_table.num_cached
+                 and pending.end == len(s) - 1 and pending.end > pending.start and len(s) - 2 + n <= self.runner.max_positions)
         return n if ready else 0
 
     def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

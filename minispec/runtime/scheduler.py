@@ -28,7 +28,7 @@ from .sequence import Sequence, Status
 class Scheduler:
     def __init__(
         self, runners: list[tuple[ModelRunner, str]], k: int, max_num_seqs: int, max_num_batched_tokens: int,
-        tree_slots: int = 0, prefix_cache: PrefixCache | None = None,
+        tree_slots: int = 0, prefix_cache: PrefixCache | None = None, chunked_prefill: bool = False,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1, "
@@ -42,6 +42,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0  # over the engine's life (each sequence counts its own)
         self.prefix_cache = prefix_cache  # a sequence being admitted first shares the cached pages of its prefix
+        self.chunked_prefill = chunked_prefill  # a prompt past the budget is admitted while some is left: it is fed in chunks
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -107,8 +108,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if len(seq) > budget and scheduled:
-                break  # a prompt longer than the whole budget still runs, alone
+            if (budget <= 0 if self.chunked_prefill else len(seq) > budget) and scheduled:
+                break  # (without chunks, a prompt longer than the whole budget still runs, alone)
             if not self._reserve(seq):
                 if not self.running:  # the engine checks at add time that this cannot happen
                     raise KVPoolExhausted(f"request {seq.request_id} does not fit in an empty KV pool")

@@ -54,6 +54,8 @@ class ServerMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", names, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=r)
+        self.k_in_use = Gauge("minispec:num_speculative_tokens", "Tokens drafted per sequence in the last step (at most)",
+                              names, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the target's KV pages in use", names, registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "TTFT", names, buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between a request's steps", names,
@@ -123,6 +125,7 @@ class ServerMetrics:
             self._prefix = (cache.queries, cache.hits)
         if batch:
             self.batch.labels(**L).observe(batch)
+        self.k_in_use.labels(**L).set(engine.load.last_k if engine.load is not None else engine.k)
         self.gauges(llm)
         with self.lock:
             self.recent.append((time.time(), 0, 0, 0, 0, 0, batch))
@@ -174,6 +177,7 @@ class ServerMetrics:
             "kv_cache_usage": self.kv_usage.labels(**self.labels)._value.get(),
             "running": self.running.labels(**self.labels)._value.get(),
             "waiting": self.waiting.labels(**self.labels)._value.get(),
+            "k_in_use": self.k_in_use.labels(**self.labels)._value.get(),
             "prefix_cache_hit_rate": self._prefix[1] / self._prefix[0] if self._prefix[0] else None,  # since start
             "last_error": self.last_error,
         }
