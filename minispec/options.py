@@ -49,9 +49,8 @@ class EngineOptions:
     Both exact, as any draft is. row_invariant=True (CPU): each row of the target computed alike in
     any batch, greedy speculative == plain bit for bit (fast/row_invariant.py; built models in place).
     ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or a lookup's longest match (ngram_max).
-    seed: requests without their own seed draw one from a generator seeded with it (vLLM's `seed`).
-    Serving (runtime/): enable_prefix_caching (prefix_cache.py), speculation_by_load (a chain's k per
-    step from measured costs), enable_chunked_prefill (prompts past max_num_batched_tokens in chunks).
+    seed: requests without their own seed draw from a generator seeded with it. Serving (runtime/):
+    enable_prefix_caching, speculation_by_load (a chain's k from step costs), enable_chunked_prefill.
     tokenizer: a directory with tokenizer.json to use instead of the target's. enforce_eager=True: no
     CUDA graphs. tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half", "float".
     draft_tree_budget (a draft model or EAGLE-3 head): a tree of this many nodes (1..63) per step, k deep
