@@ -127,12 +127,11 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
                        draft_quantization=args.draft_quantization, row_invariant=args.row_invariant,
                        draft_vocab_size=args.draft_vocab_size, prompt_lookup_min=args.lookup_min,
                        draft_confidence_threshold=args.draft_confidence, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                       max_model_len=args.ctx_size, draft_tree_budget=args.tree_budget, draft_tree_top_k=args.tree_top_k,
-                       enable_prefix_caching=args.command in ("serve", "chat") if args.enable_prefix_caching is None
-                       else args.enable_prefix_caching, speculation_by_load=args.command == "serve"
-                       if args.speculation_by_load is None else args.speculation_by_load)
-        chunked = args.command == "serve" if args.enable_chunked_prefill is None else args.enable_chunked_prefill
-        options.update(enable_chunked_prefill=chunked, max_num_batched_tokens=args.max_num_batched_tokens or (512 if chunked else 8192))
+                       max_model_len=args.ctx_size, draft_tree_budget=args.tree_budget, draft_tree_top_k=args.tree_top_k)
+        on = {name: args.command in commands if getattr(args, name) is None else getattr(args, name)  # (unset: on for these)
+              for name, commands in (("enable_prefix_caching", ("serve", "chat")), ("speculation_by_load", ("serve",)),
+                                     ("enable_chunked_prefill", ("serve",)))}
+        options.update(on, max_num_batched_tokens=args.max_num_batched_tokens or (512 if on["enable_chunked_prefill"] else 8192))
         EngineOptions(model=str(target), **options)  # validates every option without loading anything
     except ValueError as e:
         raise flagged(e) from None

@@ -24,7 +24,7 @@ from .runtime.chunked_prefill import feed_chunks, plan_chunks
 from .runtime.kv_cache import KVPoolExhausted
 from .runtime.metrics import RunMetrics, StepTimes
 from .runtime.prefix_cache import CachingAllocator, PrefixCache
-from .runtime.runner import Feed, ModelRunner
+from .runtime.runner import ModelRunner
 from .runtime.scheduler import Scheduler
 from .runtime.speculation_by_load import SpeculationByLoad
 from .runtime.sequence import Sequence
@@ -156,8 +156,7 @@ class LLMEngine:
             return []
         k = self.load.choose(len(seqs)) if self.load is not None else self.k
         if self.chunk_budget is not None:  # prompts that do not fit this step's budget: a chunk each, then sit it out
-            chunks = plan_chunks(seqs, self.chunk_budget, self.drafter.tree_slots(k) if self.drafter.drafts_trees else k,
-                                 self.target.cache.page_size)
+            chunks = plan_chunks(seqs, self.chunk_budget, self.scheduler.tree_slots or k, self.target.cache.page_size)
             if chunks:
                 feed_chunks(seqs, chunks, self.target, self.drafter, self.times)
                 seqs = [s for i, s in enumerate(seqs) if i not in chunks]
@@ -196,13 +195,9 @@ class LLMEngine:
         request then draws the same random numbers)."""
         layers = self.drafter.target_layers
         lagging = [s for s in seqs if s.output_ids and s.target_table.num_cached < len(s) - 1] if layers else []
-        if not lagging:
-            return
-        with self.times.timing("target_s", self.target.device, also="prefill_s"):  # (recomputing: prefill work)
-            feeds = [Feed(s.target_table, s.tokens[s.target_table.num_cached : len(s) - 1]) for s in lagging]
-            starts = [s.target_table.num_cached for s in lagging]
-            _, hidden = self.target.forward(feeds, hidden_layers=layers)  # [sum(fed), len(layers) * H]
-            self.drafter.observe(lagging, starts, [len(f.tokens) for f in feeds], hidden)
+        if lagging:  # (recomputing: prefill work, fed as one chunk each)
+            chunks = {i: len(s) - 1 - s.target_table.num_cached for i, s in enumerate(lagging)}
+            feed_chunks(lagging, chunks, self.target, self.drafter, self.times)
 
     def run_metrics(self, seqs: list[Sequence], wall_s: float, since: StepTimes | None = None) -> RunMetrics:
         """Totals over seqs; draft / target times are the engine's since `since` (a copy of
@@ -223,7 +218,7 @@ def prefix_cache(runners: list[tuple[ModelRunner, str]], drafter: Drafter) -> Pr
     pools = []
     for runner, which in runners:
         if not isinstance(runner.cache.allocator, CachingAllocator):
-            raise ValueError("prefix caching needs KV pools built with prefix_caching=True")
+            raise ValueError("prefix caching needs KV pools whose allocator is a CachingAllocator (KVCache(..., allocator=...))")
         pools.append((which, runner.cache.allocator, 1 if which == "draft" and drafter.target_layers else 0))
     sizes = {runner.cache.page_size for runner, _ in runners}
     if len(sizes) != 1:

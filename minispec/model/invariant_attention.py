@@ -20,11 +20,11 @@ each an elementwise product and a sum over the last, contiguous axis, which torc
 fixed order per output element (and splits over threads by output, never inside one). Not
 matmuls: CPU GEMMs round a row differently depending on the other rows, on the matrix sizes and
 even on the operands' memory alignment (the same [3, 64] x [64, 32] product differs between
-batch 1 and 2). A tree node's keys are gathered along its own path (its context, then its ancestors root to
-itself), so that its j-th key is the one a decode row at its position reads as its j-th: the
-same sum over L in the same order. Rows with the same L are computed together, grouped by sequence: a group's
-keys and values are gathered once and broadcast over its rows (a verification's k+1 rows, or up
-to BUCKET rows of a prompt, share them), which changes no product or sum of a row: a key hidden
+batch 1 and 2). A tree node's keys are gathered along its own path (its context, then its
+ancestors root to itself), so that its j-th key is the one a decode row at its position reads as
+its j-th: the same sum over L in the same order. Rows with the same L are computed together,
+grouped by sequence: a group's keys and values are gathered once and broadcast over its rows
+(a verification's k+1 rows, or up to BUCKET rows of a prompt, share them), which changes no product or sum of a row: a key hidden
 from it adds a zero term (probability 0 times a finite value; a NaN or inf value of a LATER row's
 key would make this row NaN too, as in the torch reference backend: zeroing those terms would
 cost a large share of the attention). Cost: a gather and a few ops per

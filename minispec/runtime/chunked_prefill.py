@@ -41,7 +41,8 @@ def plan_chunks(seqs: list[Sequence], budget: int, k: int, min_chunk: int) -> di
 def feed_chunks(seqs: list[Sequence], chunks: dict[int, int], target: ModelRunner, drafter: Drafter,
                 times: StepTimes) -> None:
     """One target forward over the planned chunks (their logits unused), and their features to a
-    drafter that reads them."""
+    drafter that reads them. The engine's catch-up of a recomputed sequence (engine.py) is such a
+    chunk too: all but its newest token."""
     chunked = [seqs[i] for i in chunks]
     starts = [s.target_table.num_cached for s in chunked]
     feeds = [Feed(s.target_table, s.tokens[start : start + chunks[i]]) for s, start, i in zip(chunked, starts, chunks)]

@@ -127,18 +127,15 @@ class PrefixCache:
         caller counts them, and len(seq) queried, once the sequence is admitted)."""
         tokens, P = seq.tokens, self.page_size
         usable = (len(tokens) - 1) // P
-        found = []
-        for which, allocator, lookahead in self.pools:
-            n = min(usable, (len(tokens) - lookahead) // P)
-            found.append(allocator.lookup(page_keys(tokens, P, n, lookahead)))
+        keys = [page_keys(tokens, P, min(usable, (len(tokens) - lookahead) // P), lookahead) for _, _, lookahead in self.pools]
+        found = [allocator.lookup(k) for (_, allocator, _), k in zip(self.pools, keys)]
         hit = min(len(pages) for pages in found)
-        for (which, allocator, lookahead), pages in zip(self.pools, found):
+        for (which, allocator, _), pool_keys, pages in zip(self.pools, keys, found):
             table: BlockTable = seq.table(which)
             assert not table.pages, "attach needs a sequence with empty block tables"
             for page in pages[:hit]:
                 allocator.share(page)
-            table.pages, table.num_cached = list(pages[:hit]), hit * P
-            table.keys = page_keys(tokens, P, hit, lookahead)
+            table.pages, table.num_cached, table.keys = pages[:hit], hit * P, pool_keys[:hit]
         return hit * P
 
     def commit(self, seq) -> None:

@@ -62,9 +62,6 @@ class Scheduler:
     def _reserve(self, seq: Sequence) -> bool:
         """Reserve pages for one step of seq in every pool. On failure, pages already reserved
         stay with a running seq (they are used or truncated later); a waiting seq gives them back."""
-        hit = 0
-        if seq.status is Status.WAITING and self.prefix_cache is not None:
-            hit = self.prefix_cache.attach(seq)
         try:
             for runner, which in self.runners:
                 runner.reserve(seq.table(which), self.step_tokens(seq))
@@ -72,11 +69,6 @@ class Scheduler:
             if seq.status is Status.WAITING:
                 self._free(seq)
             return False
-        if seq.status is Status.WAITING and self.prefix_cache is not None:  # (vLLM counts tokens)
-            self.prefix_cache.queries += len(seq)
-            self.prefix_cache.hits += hit
-            if not seq.num_preemptions:
-                seq.metrics.num_cached_tokens = hit
         return True
 
     def _free(self, seq: Sequence) -> None:
@@ -110,15 +102,21 @@ class Scheduler:
             seq = self.waiting[0]
             if (budget <= 0 if self.chunked_prefill else len(seq) > budget) and scheduled:
                 break  # (without chunks, a prompt longer than the whole budget still runs, alone)
+            hit = self.prefix_cache.attach(seq) if self.prefix_cache is not None else 0  # (freed again if it does not fit)
             if not self._reserve(seq):
                 if not self.running:  # the engine checks at add time that this cannot happen
                     raise KVPoolExhausted(f"request {seq.request_id} does not fit in an empty KV pool")
                 break
+            if self.prefix_cache is not None:  # (vLLM counts tokens)
+                self.prefix_cache.queries += len(seq)
+                self.prefix_cache.hits += hit
+                if not seq.num_preemptions:
+                    seq.metrics.num_cached_tokens = hit
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
-            budget -= len(seq) - seq.target_table.num_cached  # (a prefix cache hit is not fed)
+            budget -= len(seq) - hit  # (a prefix cache hit is not fed)
         return scheduled
 
     def finish(self, seq: Sequence) -> None:

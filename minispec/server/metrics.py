@@ -7,8 +7,8 @@ Speculative decoding, counted as vLLM counts it (labels model_name, engine="0"):
     vllm:spec_decode_num_accepted_tokens_total  accepted drafted tokens (the target's own token excluded)
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position=i}  +1 when drafts 0..i were all accepted
 so acceptance rate = accepted / draft_tokens and mean accepted length = 1 + accepted / drafts.
-Also vLLM's prompt / generation token, prefix cache (tokens looked up / found) and request counters, running / waiting / KV-usage gauges,
-and TTFT, inter-token latency (one observation per step that gave a request tokens: with
+Also vLLM's prompt / generation token, prefix cache (tokens looked up / found) and request
+counters, running / waiting / KV-usage gauges, and TTFT, inter-token latency (one observation per step that gave a request tokens: with
 speculation, step latency) and end-to-end latency histograms; plus minispec's own, where vLLM has
 none: step, draft and verification time, tokens per step and batch size.
 """
