@@ -44,6 +44,13 @@ def fp32_target(checkpoint_factory):
     return make_row_invariant(load_checkpoint(path, dtype="float32")[0])
 
 
+def assert_same_outputs(expected: list, got: list) -> None:
+    """The same tokens, and each emitted token with the same logprob, bit for bit, request by request."""
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for a, b in zip(expected, got):
+        assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
+
+
 def rows_match_alone(model, prefix: int, n: int, other: int, seed: int) -> bool:
     """Feed `prefix` tokens, then n tokens in ONE forward (beside `other` new tokens of a second
     sequence); and, on fresh tables, the same prefix and then the n tokens one forward each.
@@ -181,9 +188,7 @@ def test_greedy_speculative_is_plain_greedy_bit_for_bit_in_bf16(bf16_target, che
     plain_llm = LLM((model, tok), row_invariant=True, kv_cache_gib=budget(False))
     spec_llm = LLM((model, tok), draft_model=draft, row_invariant=True, kv_cache_gib=budget(True), **options)
     plain, spec = plain_llm.generate(prompts, params), spec_llm.generate(prompts, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    for a, b in zip(plain, spec):
-        assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
+    assert_same_outputs(plain, spec)
     assert spec_llm.last_metrics.num_accepted > 0
     if batching == "preemption":
         assert spec_llm.last_metrics.num_preemptions > 0 and plain_llm.last_metrics.num_preemptions > 0
@@ -200,7 +205,5 @@ def test_greedy_with_an_eagle_head_is_plain_greedy_bit_for_bit_in_bf16(tiny_llam
     plain = LLM(target, row_invariant=True, kv_cache_gib=0.01).generate(prompts, params)
     llm = LLM(target, draft_model=str(tiny_llama_eagle), row_invariant=True, kv_cache_gib=0.01, **options)
     spec = llm.generate(prompts, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    for a, b in zip(plain, spec):
-        assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
+    assert_same_outputs(plain, spec)
     assert llm.last_metrics.num_drafted > 0

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 
 import pytest
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from minispec import LLM  # noqa: E402
-from minispec.server.app import Server, build_app  # noqa: E402
-from test_server import KEY, TEMPLATE, free_port, scrape  # noqa: E402
+from test_server import KEY, TEMPLATE, scrape, serving  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "chatty"
@@ -42,20 +39,6 @@ def chat_model(checkpoint_factory, tmp_path_factory):
     shutil.copytree(source, path)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     return path
-
-
-def serve(llm: LLM):
-    """A server for llm on a free loopback port, in a thread; yields (server, url)."""
-    server = Server(llm, NAME, KEY, max_body_bytes=1 << 20, max_concurrency=16)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert uv.started
-    return server, f"http://127.0.0.1:{port}", uv, thread
 
 
 def chat(url: str, turns: int = 5, system: str = SYSTEM) -> list[tuple[float, int, int, str]]:
@@ -80,8 +63,7 @@ def chat(url: str, turns: int = 5, system: str = SYSTEM) -> list[tuple[float, in
 def test_a_chat_prefills_only_what_each_turn_adds(chat_model):
     llm = LLM(model=str(chat_model), draft_model="ngram", num_speculative_tokens=3, kv_cache_gib=0.1,
               enable_prefix_caching=True)
-    server, url, uv, thread = serve(llm)
-    try:
+    with serving(llm, NAME, 16) as (server, url):
         chat(url, 2, system=SYSTEM.upper())  # warm-up (oneDNN's first calls), sharing nothing with the chat below
         before = scrape(url)
         turns = chat(url, 5)
@@ -97,9 +79,6 @@ def test_a_chat_prefills_only_what_each_turn_adds(chat_model):
             time.sleep(0.05)
         for runner, _ in llm.engine.runners:  # nothing held: every page free or kept for later hits
             assert sum(runner.cache.allocator.refs) == 0 and runner.cache.allocator.num_free == runner.cache.num_pages
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=15)
     assert turns[0][1] >= 1000 and turns[0][2] < 16, "turn 1: at most the template's first page is known"
     assert all(cached >= 1000 for _, _, cached, _ in turns[1:]), "the system prompt (and the earlier turns) are found"
     assert turns[4][2] > turns[1][2]  # each turn finds more: the earlier turns too
@@ -110,10 +89,6 @@ def test_a_chat_prefills_only_what_each_turn_adds(chat_model):
     assert 0 < stats["prefix_cache_hit_rate"] <= 1
 
     plain = LLM(model=str(chat_model), draft_model="ngram", num_speculative_tokens=3, kv_cache_gib=0.1)
-    server, url, uv, thread = serve(plain)
-    try:
+    with serving(plain, NAME, 16) as (_, url):
         uncached = chat(url, 5)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=15)
     assert [t[3] for t in uncached] == [t[3] for t in turns] and all(t[2] == 0 for t in uncached)

@@ -11,6 +11,7 @@ page renders in a headless browser, shows the acceptance rate, and loads nothing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -56,11 +57,11 @@ def make_llm(target, draft):
     return LLM(model=str(target), draft_model=str(draft), num_speculative_tokens=3, kv_cache_gib=0.02, max_num_seqs=64)
 
 
-@pytest.fixture(scope="module")
-def served(chat_target, tiny_llama_draft):
-    """A server on a free loopback port, in a thread of this process (so tests can look inside)."""
-    llm = make_llm(chat_target, tiny_llama_draft)
-    server = Server(llm, NAME, KEY, max_body_bytes=1 << 20, max_concurrency=200)
+@contextlib.contextmanager
+def serving(llm: LLM, name: str = NAME, max_concurrency: int = 200):
+    """(server, url): llm served on a free loopback port, in a thread of this process (so tests
+    can look inside), stopped on leaving."""
+    server = Server(llm, name, KEY, max_body_bytes=1 << 20, max_concurrency=max_concurrency)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -69,9 +70,17 @@ def served(chat_target, tiny_llama_draft):
     while not uv.started and time.monotonic() < deadline:
         time.sleep(0.05)
     assert uv.started
-    yield server, f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=15)
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def served(chat_target, tiny_llama_draft):
+    with serving(make_llm(chat_target, tiny_llama_draft)) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
