@@ -1007,4 +1007,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(1 if main().get("failed") else 0)
+    sys.exit(1 if main()["failed"] else 0)  # (the --pair half reports it too)
