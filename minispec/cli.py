@@ -13,6 +13,7 @@ instead. Every argument is checked before the model loads; an error is one line 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -241,7 +242,13 @@ def serve(args, target: Path, draft: str, options: dict) -> int:
                              ("--max-concurrency", args.max_concurrency, 1), ("--max-num-seqs", args.max_num_seqs, 1)):
         if value < low:
             raise CliError(f"{flag} must be >= {low}, got {value}")
-    llm = load_llm(args, target, draft, {**options, "max_num_seqs": args.max_num_seqs})
+    from .server.engine_loop import in_passing_thread
+
+    llm = in_passing_thread(lambda: load_llm(args, target, draft, {**options, "max_num_seqs": args.max_num_seqs}))
+    # What is alive now lives as long as the server: frozen out of the collector's sight, it is not
+    # walked by the full collections a burst of requests sets off (the GIL held, the engine waiting).
+    gc.collect()
+    gc.freeze()
     serve_http(llm, args.host, args.port, args.served_model_name or target.name, args.api_key, args.max_body_bytes,
                args.max_concurrency)
     return 0

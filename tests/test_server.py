@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -479,3 +480,41 @@ def test_the_first_tokens_wait_is_ttft_not_inter_token_latency(served):
     after = scrape(url)
     assert after["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"] + 1
     assert after["vllm:inter_token_latency_seconds_count"] == before["vllm:inter_token_latency_seconds_count"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the process's threads in /proc")
+def test_the_model_loads_in_a_passing_thread_that_leaves_no_openmp_pool_behind():
+    """`minispec serve` loads its model with `in_passing_thread` so that the engine thread's OpenMP
+    pool is the only one (two pools on few cores slow every parallel op: server/engine_loop.py).
+    The mechanism, in a fresh process: a thread that ran a parallel op keeps a pool of workers
+    while it lives; one that has ended keeps none. And the loader's result and exceptions reach
+    the caller."""
+    code = """if True:
+        import os, threading, time, torch
+        from minispec.server.engine_loop import in_passing_thread
+        big = torch.ones(1 << 22)
+        threads = lambda: len(os.listdir("/proc/self/task"))
+        before = threads()
+        assert in_passing_thread(lambda: (big * 2).sum().item()) == 2 * (1 << 22)
+        for _ in range(100):  # (its pool's worker leaves on its own, soon after)
+            if threads() == before:
+                break
+            time.sleep(0.02)
+        passing = threads()
+        ran, stop = threading.Event(), threading.Event()
+        alive = threading.Thread(target=lambda: ((big * 2).sum(), ran.set(), stop.wait()))
+        alive.start()
+        ran.wait()
+        living = threads()  # the thread itself, and its pool's worker
+        stop.set()
+        alive.join()
+        try:
+            in_passing_thread(lambda: 1 / 0)
+        except ZeroDivisionError:
+            print(before, passing, living)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    before, passing, living = map(int, out.stdout.split())
+    assert passing == before and living == before + 2

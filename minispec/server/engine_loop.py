@@ -15,9 +15,40 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..llm import LLM
 from .metrics import ServerMetrics
+
+T = TypeVar("T")
+
+
+def in_passing_thread(fn: Callable[[], T]) -> T:
+    """fn() run in a thread of its own that ends when fn returns; its result, or its exception.
+
+    For loading the model a server will step on its engine thread. torch's CPU ops run their
+    parallel regions on OpenMP (libgomp), which keeps a pool of worker threads for every thread
+    that ever ran one, as long as that thread lives. A model loaded on the main thread (conversion,
+    prepacking, matmul timing) and stepped on the engine thread leaves two pools: more OpenMP
+    threads than cores, where libgomp's workers spin only briefly before they sleep, so every
+    parallel op waits for its workers to be woken. A thread that ends frees its pool; the engine
+    thread's is then the only one.
+    """
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="minispec-load", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)  # (in slices: Ctrl-C still reaches the main thread)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 @dataclass
