@@ -170,7 +170,7 @@ class LLMEngine:
         if self.load is not None:  # what this step cost, for the next one's choice
             self.load.observe(fed + sum(len(d) for d, _, _ in verdicts), self.times.target_s - spent[0], len(seqs),
                               max(n for _, _, n in verdicts), self.times.draft_s - spent[1],
-                              sum(a for _, a, _ in verdicts), sum(a < len(d) for d, a, _ in verdicts))
+                              [(len(d), a) for d, a, _ in verdicts])
         now = time.perf_counter()  # the step's tokens are on the host: TTFT / TPOT stamps
         outputs = []
         for s, n, (drafted, num_accepted, num_drafted) in zip(seqs, before, verdicts):

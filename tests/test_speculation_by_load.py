@@ -26,10 +26,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def feed(load: SpeculationByLoad, cost, batch: int, k: int, accepted_per_draft: float, steps: int = 30) -> None:
     """Steps at this batch size with k drafts, the target taking cost(tokens fed) seconds, a draft
-    position 1 ms, and the given share of drafts accepted (a rejection in every step that loses one)."""
+    position 1 ms, and each draft accepted with this chance, independently of the ones before it."""
+    g = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        accepted = round(batch * k * accepted_per_draft)
-        load.observe(batch * (k + 1), cost(batch * (k + 1)), batch, k, 0.001 * k, accepted, batch if accepted < batch * k else 0)
+        runs = [int(torch.cat([torch.rand(k, generator=g) >= accepted_per_draft, torch.ones(1, dtype=torch.bool)]).int().argmax())
+                for _ in range(batch)]  # drafts accepted before the first rejection
+        load.observe(batch * (k + 1), cost(batch * (k + 1)), batch, k, 0.001 * k, [(k, a) for a in runs])
 
 
 def test_nothing_measured_drafts_the_full_k():
@@ -46,6 +48,25 @@ def test_a_memory_bound_step_drafts_the_full_k_and_a_compute_bound_batch_none():
         feed(compute_bound, lambda tokens: 0.001 * tokens, batch, k, 0.3)
     assert compute_bound.choose(16) == 0
     assert compute_bound.choose(1) > 0  # alone, the same costs still pay for drafting
+
+
+def test_acceptance_is_counted_depth_by_depth_and_times_are_medians():
+    """Drafts accepted in runs: one sequence in two accepts all 4, the other none. One rate for
+    every depth (4 of 8 drafts, a = 0.5) would predict 1.94 tokens a step; the rates counted
+    depth by depth (0.5, then 1, 1, 1) predict the 3 it gets, and the full k. And a step far off
+    (a cold first step at 50x the time) does not move the times the choice reads."""
+    load = SpeculationByLoad(4)
+    for _ in range(60):
+        load.observe(10, 0.020, 2, 4, 0.004 * 4, [(4, 4), (4, 0)])
+    assert load.expected_tokens(4) == pytest.approx(1 + 4 * 0.5, rel=0.01)
+    assert [round(load.acceptance(j), 2) for j in (1, 2, 3, 4)] == [0.5, 1.0, 1.0, 1.0]
+    assert load.choose(2) == 4
+    load.observe(10, 1.0, 2, 4, 0.004 * 4, [(4, 4), (4, 0)])
+    assert load.target.at(10) == pytest.approx(0.020) and load.choose(2) == 4
+    shorter = SpeculationByLoad(4)  # drafting 2: depths 3 and 4 keep their prior, 1 in 2
+    for _ in range(60):
+        shorter.observe(6, 0.020, 2, 2, 0.004 * 2, [(2, 2), (2, 1)])
+    assert [round(shorter.acceptance(j), 2) for j in (1, 2, 3, 4)] == [1.0, 0.5, 0.5, 0.5]
 
 
 def test_any_k_a_step_gets_keeps_the_targets_law(models, monkeypatch):

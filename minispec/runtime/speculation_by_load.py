@@ -6,14 +6,18 @@ verified costs nearly what a token decoded does, and drafts the target rejects a
 choice, for a batch of B sequences (Leviathan et al. 2023, eq. 1, with measured costs; cf. Liu et
 al. 2024, "Optimizing Speculative Decoding for Serving LLMs Using Goodput"):
 
-    k* = argmax_k  E(k) / (t(B (k+1)) + k d(B)),   E(k) = (1 - a^(k+1)) / (1 - a)
+    k* = argmax_k  E(k) / (t(B (k+1)) + k d(B)),   E(k) = 1 + sum_{j=1..k} a_1 a_2 ... a_j
 
-t(T): the target's forward time for T tokens fed, d(B): one draft position for B sequences, a:
-the chance a draft is accepted (accepted / (accepted + steps with a rejection), as bench.py
-estimates it). t and d are running means per power-of-two bucket of T and B, fed by every step the
-engine runs (prefill steps too: they measure t at large T); t between measured buckets is
-interpolated linearly, below the smallest taken as flat (overhead-bound), above the largest as
-proportional to T (compute-bound). With nothing measured yet the full k is drafted.
+t(T): the target's forward time for T tokens fed, d(B): one draft position for B sequences, a_j:
+the chance that draft j is accepted when drafts 1..j-1 were, counted depth by depth. One rate a
+for every depth (E = (1 - a^(k+1)) / (1 - a)) would assume that each draft is accepted as often
+as the first; it is not: a deeper draft is drawn from the draft's own guesses, and acceptance
+comes in runs (an easy stretch accepts all), so each depth has its own rate. t and d are medians
+of the last few steps per power-of-two bucket of T and B, fed by every step the engine runs
+(prefill steps too: they measure t at large T); t between measured buckets is interpolated
+linearly, below the smallest taken as flat (overhead-bound), above the largest as proportional
+to T (compute-bound). With nothing measured yet the full k is drafted; a depth not drafted
+lately keeps its last rate.
 
 Why the output stays exact: speculative sampling is exact for any k, and k is chosen before the
 step's drafts, from past timings and acceptance only (the step's own tokens do not enter it).
@@ -21,9 +25,12 @@ step's drafts, from past timings and acceptance only (the step's own tokens do n
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
-DECAY = 0.9  # weight of the past in each running mean
+DECAY = 0.9  # weight of the past in the acceptance counts
+WINDOW = 9  # steps per bucket whose median times are used
 
 
 def bucket(n: int) -> int:
@@ -31,21 +38,30 @@ def bucket(n: int) -> int:
 
 
 @dataclass
-class RunningMeans:
-    """Per bucket of x: running means of (x, y)."""
+class RecentMedians:
+    """Per bucket of x: the medians of x and of y over its last WINDOW points. A median, not a mean:
+    one step far off (the first of its shape, a preemption's recompute, a stall of the machine)
+    hardly moves it."""
 
-    points: dict[int, tuple[float, float]] = field(default_factory=dict)
+    points: dict[int, deque] = field(default_factory=dict)
+    _medians: list[tuple[float, float]] | None = None
 
     def add(self, x: float, y: float) -> None:
-        b = bucket(int(x))
-        old = self.points.get(b)
-        self.points[b] = (x, y) if old is None else (DECAY * old[0] + (1 - DECAY) * x, DECAY * old[1] + (1 - DECAY) * y)
+        self.points.setdefault(bucket(int(x)), deque(maxlen=WINDOW)).append((x, y))
+        self._medians = None
+
+    def medians(self) -> list[tuple[float, float]]:
+        """(median x, median y) of each bucket, in order of x."""
+        if self._medians is None:
+            self._medians = sorted((statistics.median(x for x, _ in d), statistics.median(y for _, y in d))
+                                   for d in self.points.values())
+        return self._medians
 
     def at(self, x: float) -> float | None:
         """y at x: interpolated between the measured buckets, flat below them, proportional above."""
-        if not self.points:
+        pts = self.medians()
+        if not pts:
             return None
-        pts = sorted(self.points.values())
         if x <= pts[0][0]:
             return pts[0][1]
         for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
@@ -59,15 +75,23 @@ class SpeculationByLoad:
 
     def __init__(self, k_max: int):
         self.k_max = k_max
-        self.target = RunningMeans()  # tokens fed -> target forward seconds
-        self.draft = RunningMeans()  # batch size -> seconds per draft position
-        self.accepted = 1.0  # running sums for a (a prior of one acceptance in two tries)
-        self.tries = 2.0
+        self.target = RecentMedians()  # tokens fed -> target forward seconds
+        self.draft = RecentMedians()  # batch size -> seconds per draft position
+        self.reached = [2.0] * k_max  # decayed counts per depth j: drafted with drafts 1..j-1 accepted,
+        self.passed = [1.0] * k_max  # ... and accepted too (a prior of one acceptance in two tries)
         self.last_k = k_max
 
-    @property
-    def acceptance(self) -> float:
-        return min(self.accepted / self.tries, 0.999)
+    def acceptance(self, j: int) -> float:
+        """a_j for depth j = 1..k_max."""
+        return min(self.passed[j - 1] / self.reached[j - 1], 0.999)
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a step emits per sequence with k drafts (the last one the target's own)."""
+        expected, run = 1.0, 1.0
+        for j in range(1, k + 1):
+            run *= self.acceptance(j)
+            expected += run
+        return expected
 
     def predicted_rate(self, k: int, batch: int) -> float | None:
         """Tokens per second per sequence with k drafts at this batch size (None: not measurable yet)."""
@@ -75,8 +99,7 @@ class SpeculationByLoad:
         d = self.draft.at(batch) if k else 0.0
         if t is None or d is None:
             return None
-        a = self.acceptance
-        return (1 - a ** (k + 1)) / (1 - a) / (t + k * d)
+        return self.expected_tokens(k) / (t + k * d)
 
     def choose(self, batch: int) -> int:
         rates = {k: self.predicted_rate(k, batch) for k in range(self.k_max + 1)}
@@ -85,12 +108,15 @@ class SpeculationByLoad:
         return self.last_k
 
     def observe(self, tokens_fed: int, target_s: float, batch: int, positions: int, draft_s: float,
-                accepted: int, rejections: int) -> None:
+                verdicts: list[tuple[int, int]]) -> None:
         """One step: tokens the target was fed and its time; draft positions run and their time;
-        drafts accepted and sequences that saw a rejection."""
+        per sequence, (drafts, of them accepted)."""
         if tokens_fed and target_s > 0:
             self.target.add(tokens_fed, target_s)
         if positions and draft_s > 0:
             self.draft.add(batch, draft_s / positions)
-        self.accepted = DECAY * self.accepted + accepted
-        self.tries = DECAY * self.tries + accepted + rejections
+        for j in range(self.k_max):  # depth j + 1: reached where more than j were drafted and j accepted
+            reached = sum(n > j and a >= j for n, a in verdicts)
+            if reached:
+                self.reached[j] = DECAY * self.reached[j] + reached
+                self.passed[j] = DECAY * self.passed[j] + sum(n > j and a > j for n, a in verdicts)
