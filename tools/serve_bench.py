@@ -1,13 +1,17 @@
-"""Served throughput and time to first token at a few concurrencies, with and without speculation,
-against offline `LLM.generate` of the same requests.
+"""Served throughput, time to first token and inter-token latency at a few concurrencies, with
+and without speculation, against offline `LLM.generate` of the same requests, in paired rounds.
 
-    python tools/serve_bench.py [--requests 16] [--max-tokens 48] [--concurrency 1,4,16] [--dtype bfloat16]
+    python tools/serve_bench.py [--requests 16] [--max-tokens 48] [--concurrency 1,4,16] [--rounds 3] [--dtype bfloat16]
 
-For each arm (the default target's EAGLE-3 head with speculation by load, its default in serve;
-the head at a fixed k = 4; no drafter): `minispec serve` in its own process on a free loopback
-port; for each concurrency c, the same seeded requests sent by c client threads (streaming, so the
-first token's arrival is seen); total tokens/s, p50 / p99 TTFT and inter-token latency; then the
-same requests through `LLM.generate` in one call, for comparison.
+The arms: the default target's EAGLE-3 head with speculation by load (serve's default), the head
+at a fixed k = 4, no drafter; each `minispec serve` in its own process on a free loopback port,
+all three started first. Each round runs, for every concurrency c, every arm in turn (the order
+rotated round by round, so a slow minute of the machine falls on every arm alike): the same
+seeded requests sent by c client threads (streaming, so the first token's arrival is seen); then
+the same requests through `LLM.generate` in one call, per arm. Printed: per arm and c the median
+tokens/s over the rounds, p50 / p99 TTFT and inter-token latency over all of them; then the ratios
+measured within each round (an arm against plain at the same c, served against offline), their
+median and [min, max].
 """
 
 from __future__ import annotations
@@ -75,6 +79,19 @@ def start_server(draft: str, dtype: str, flags: list[str]):
     raise SystemExit("the server did not start")
 
 
+def serve_round(url: str, prompts: list[str], c: int, max_tokens: int) -> tuple[float, list[float], list[float]]:
+    """(tokens/s, TTFTs, inter-token gaps) of the requests sent by c client threads."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        results = list(pool.map(lambda i: one_request(url, prompts[i], i, max_tokens), range(len(prompts))))
+    wall = time.perf_counter() - start
+    return sum(r[1] for r in results) / wall, [r[0] for r in results], [g for r in results for g in r[2]]
+
+
+def ratio_line(label: str, ratios: list[float]) -> str:
+    return f"  {label:44} {statistics.median(ratios):5.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+
+
 def main(argv=None) -> int:
     import signal
 
@@ -85,38 +102,61 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "weights" / "prompts" / "bench.jsonl").read_text().splitlines()]
     prompts = prompts[: args.requests]
+    levels = [int(x) for x in args.concurrency.split(",")]
     eagle = str(default_eagle_head())
     arms = [("eagle k<=4 by load", eagle, []), ("eagle k=4", eagle, ["--no-speculation-by-load"]), ("plain", "none", [])]
-    for name, draft, flags in arms:
-        proc, url = start_server(draft, args.dtype, flags)
-        try:
-            one_request(url, prompts[0], 0, 4)  # warm-up
-            for c in (int(x) for x in args.concurrency.split(",")):
+    servers, offline = {}, {}
+    try:
+        for name, draft, flags in arms:
+            servers[name] = start_server(draft, args.dtype, flags)
+            one_request(servers[name][1], prompts[0], 0, 4)  # warm-up
+            llm = LLM(str(default_target()), draft_model=None if draft == "none" else draft,
+                      num_speculative_tokens=None if draft == "none" else 4, dtype=args.dtype,
+                      speculation_by_load=not flags and draft != "none")
+            chats = [llm.tokenizer.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+            params = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
+                      for i in range(len(prompts))]
+            llm.generate(chats[:1], params[:1], use_tqdm=False)  # warm-up
+            offline[name] = (llm, chats, params)
+        rate = {(a, c): [] for a, _, _ in arms for c in levels + [0]}  # c = 0: offline
+        ttft, itl = {key: [] for key in rate}, {key: [] for key in rate}
+        for r in range(args.rounds):
+            order = arms[r % len(arms):] + arms[: r % len(arms)]
+            for c in levels:
+                for name, _, _ in order:
+                    tok_s, firsts, gaps = serve_round(servers[name][1], prompts, c, args.max_tokens)
+                    rate[name, c].append(tok_s)
+                    ttft[name, c] += firsts
+                    itl[name, c] += gaps
+            for name, _, _ in order:
+                llm, chats, params = offline[name]
                 start = time.perf_counter()
-                with ThreadPoolExecutor(c) as pool:
-                    results = list(pool.map(lambda i: one_request(url, prompts[i], i, args.max_tokens), range(len(prompts))))
-                wall = time.perf_counter() - start
-                ttft, itl = sorted(r[0] for r in results), sorted(g for r in results for g in r[2])
-                print(f"{name:18} concurrency {c:3}: {sum(r[1] for r in results) / wall:7.1f} tok/s, TTFT p50 "
-                      f"{statistics.median(ttft) * 1e3:5.0f} ms, p99 {pct(ttft, 0.99) * 1e3:5.0f} ms; inter-token p50 "
-                      f"{statistics.median(itl) * 1e3:5.0f} ms, p99 {pct(itl, 0.99) * 1e3:5.0f} ms", flush=True)
-        finally:
+                outs = llm.generate(chats, params, use_tqdm=False)
+                rate[name, 0].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+            print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+        for name, _, _ in arms:
+            for c in levels:
+                t, g = sorted(ttft[name, c]), sorted(itl[name, c])
+                print(f"{name:18} concurrency {c:3}: {statistics.median(rate[name, c]):7.1f} tok/s, TTFT p50 "
+                      f"{statistics.median(t) * 1e3:5.0f} ms, p99 {pct(t, 0.99) * 1e3:5.0f} ms; inter-token p50 "
+                      f"{statistics.median(g) * 1e3:5.0f} ms, p99 {pct(g, 0.99) * 1e3:5.0f} ms")
+            print(f"{name:18} offline LLM.generate, one call: {statistics.median(rate[name, 0]):7.1f} tok/s")
+        print(f"ratios within each round ({args.rounds} rounds): median [min, max]")
+        for name, _, _ in arms[:-1]:
+            for c in levels:
+                print(ratio_line(f"{name} / plain, concurrency {c}", [a / b for a, b in zip(rate[name, c], rate["plain", c])]))
+        for name, _, _ in arms:
+            top = max(levels)
+            print(ratio_line(f"{name}: served at {top} / offline", [a / b for a, b in zip(rate[name, top], rate[name, 0])]))
+    finally:
+        for proc, _ in servers.values():
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=60)
-        llm = LLM(str(default_target()), draft_model=None if draft == "none" else draft,
-                  num_speculative_tokens=None if draft == "none" else 4, dtype=args.dtype, speculation_by_load=not flags
-                  and draft != "none")
-        chats = [llm.tokenizer.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
-        params = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(prompts))]
-        llm.generate(chats[:1], params[:1], use_tqdm=False)  # warm-up
-        start = time.perf_counter()
-        outs = llm.generate(chats, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        print(f"{name:18} offline LLM.generate, one call: {sum(len(o.token_ids) for o in outs) / wall:7.1f} tok/s", flush=True)
     return 0
 
 
