@@ -51,22 +51,27 @@ def test_a_memory_bound_step_drafts_the_full_k_and_a_compute_bound_batch_none():
 
 
 def test_acceptance_is_counted_depth_by_depth_and_times_are_medians():
-    """Drafts accepted in runs: one sequence in two accepts all 4, the other none. One rate for
-    every depth (4 of 8 drafts, a = 0.5) would predict 1.94 tokens a step; the rates counted
-    depth by depth (0.5, then 1, 1, 1) predict the 3 it gets, and the full k. And a step far off
-    (a cold first step at 50x the time) does not move the times the choice reads."""
+    """Drafts accepted in runs: one sequence in two accepts all 4, the other none, so a step gives
+    3 tokens a sequence. The single rate this replaced, accepted / (accepted + rejections) = 4 / 5,
+    predicted 3.36; the share of drafts accepted, 0.5, would predict 1.94; the rates counted depth
+    by depth (0.5, then 1, 1, 1) predict the 3, and the full k. A step far off (a cold first step
+    at 50x the time, or a stall later on) does not move the times the choice reads."""
     load = SpeculationByLoad(4)
+    load.observe(10, 1.0, 2, 4, 0.004 * 4, [(4, 4), (4, 0)])  # cold
+    for _ in range(2):
+        load.observe(10, 0.020, 2, 4, 0.004 * 4, [(4, 4), (4, 0)])
+    assert load.target.at(10) == pytest.approx(0.020)
     for _ in range(60):
         load.observe(10, 0.020, 2, 4, 0.004 * 4, [(4, 4), (4, 0)])
     assert load.expected_tokens(4) == pytest.approx(1 + 4 * 0.5, rel=0.01)
     assert [round(load.acceptance(j), 2) for j in (1, 2, 3, 4)] == [0.5, 1.0, 1.0, 1.0]
     assert load.choose(2) == 4
-    load.observe(10, 1.0, 2, 4, 0.004 * 4, [(4, 4), (4, 0)])
+    load.observe(10, 1.0, 2, 4, 0.004 * 4, [(4, 4), (4, 0)])  # a stall
     assert load.target.at(10) == pytest.approx(0.020) and load.choose(2) == 4
     shorter = SpeculationByLoad(4)  # drafting 2: depths 3 and 4 keep their prior, 1 in 2
     for _ in range(60):
-        shorter.observe(6, 0.020, 2, 2, 0.004 * 2, [(2, 2), (2, 1)])
-    assert [round(shorter.acceptance(j), 2) for j in (1, 2, 3, 4)] == [1.0, 0.5, 0.5, 0.5]
+        shorter.observe(9, 0.020, 3, 2, 0.004 * 2, [(2, 2), (2, 2), (2, 1)])
+    assert [round(shorter.acceptance(j), 2) for j in (1, 2, 3, 4)] == [1.0, 0.67, 0.5, 0.5]
 
 
 def test_any_k_a_step_gets_keeps_the_targets_law(models, monkeypatch):

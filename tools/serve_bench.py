@@ -20,6 +20,7 @@ import argparse
 import json
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,8 +63,6 @@ def pct(xs: list[float], q: float) -> float:
 
 def start_server(draft: str, dtype: str, flags: list[str]):
     """`minispec serve` in its own process (the clients here do not share its interpreter)."""
-    import subprocess
-
     import httpx
 
     port = free_port()
@@ -105,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.requests < 1 or not args.concurrency.strip():
+        raise SystemExit("--rounds and --requests must be >= 1, --concurrency a list such as 1,4,16")
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "weights" / "prompts" / "bench.jsonl").read_text().splitlines()]
     prompts = prompts[: args.requests]
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -145,18 +146,22 @@ def main(argv=None) -> int:
                 print(f"{name:18} concurrency {c:3}: {statistics.median(rate[name, c]):7.1f} tok/s, TTFT p50 "
                       f"{statistics.median(t) * 1e3:5.0f} ms, p99 {pct(t, 0.99) * 1e3:5.0f} ms; inter-token p50 "
                       f"{statistics.median(g) * 1e3:5.0f} ms, p99 {pct(g, 0.99) * 1e3:5.0f} ms")
-            print(f"{name:18} offline LLM.generate, one call: {statistics.median(rate[name, 0]):7.1f} tok/s")
+            print(f"{name:18} offline LLM.generate, one call (median of rounds): {statistics.median(rate[name, 0]):7.1f} tok/s")
         print(f"ratios within each round ({args.rounds} rounds): median [min, max]")
         for name, _, _ in arms[:-1]:
             for c in levels:
                 print(ratio_line(f"{name} / plain, concurrency {c}", [a / b for a, b in zip(rate[name, c], rate["plain", c])]))
+        top = max(levels)
         for name, _, _ in arms:
-            top = max(levels)
             print(ratio_line(f"{name}: served at {top} / offline", [a / b for a, b in zip(rate[name, top], rate[name, 0])]))
     finally:
         for proc, _ in servers.values():
             proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
+        for proc, _ in servers.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     return 0
 
 

@@ -39,12 +39,12 @@ def bucket(n: int) -> int:
 
 @dataclass
 class RecentMedians:
-    """Per bucket of x: the medians of x and of y over its last WINDOW points. A median, not a mean:
-    one step far off (the first of its shape, a preemption's recompute, a stall of the machine)
-    hardly moves it."""
+    """Per bucket of x: the (low) medians of x and of y over its last WINDOW points. A median, not
+    a mean: a step far off (the first of its shape, a preemption's recompute, a stall of the
+    machine) hardly moves it; the low one, so that of two points a slow outlier is not taken."""
 
-    points: dict[int, deque] = field(default_factory=dict)
-    _medians: list[tuple[float, float]] | None = None
+    points: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
+    _medians: list[tuple[float, float]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def add(self, x: float, y: float) -> None:
         self.points.setdefault(bucket(int(x)), deque(maxlen=WINDOW)).append((x, y))
@@ -53,7 +53,7 @@ class RecentMedians:
     def medians(self) -> list[tuple[float, float]]:
         """(median x, median y) of each bucket, in order of x."""
         if self._medians is None:
-            self._medians = sorted((statistics.median(x for x, _ in d), statistics.median(y for _, y in d))
+            self._medians = sorted((statistics.median_low(x for x, _ in d), statistics.median_low(y for _, y in d))
                                    for d in self.points.values())
         return self._medians
 
@@ -77,8 +77,11 @@ class SpeculationByLoad:
         self.k_max = k_max
         self.target = RecentMedians()  # tokens fed -> target forward seconds
         self.draft = RecentMedians()  # batch size -> seconds per draft position
-        self.reached = [2.0] * k_max  # decayed counts per depth j: drafted with drafts 1..j-1 accepted,
-        self.passed = [1.0] * k_max  # ... and accepted too (a prior of one acceptance in two tries)
+        # Per depth j = 1..k_max, decayed counts (a prior of one acceptance in two tries):
+        # reached_j <- DECAY reached_j + #{n >= j, a >= j - 1},  passed_j <- DECAY passed_j + #{a >= j}
+        # over the step's sequences (n drafted, a accepted), and a_j = passed_j / reached_j.
+        self.reached = [2.0] * k_max
+        self.passed = [1.0] * k_max
         self.last_k = k_max
 
     def acceptance(self, j: int) -> float:
@@ -86,7 +89,8 @@ class SpeculationByLoad:
         return min(self.passed[j - 1] / self.reached[j - 1], 0.999)
 
     def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a step emits per sequence with k drafts (the last one the target's own)."""
+        """E(k) = 1 + sum_{j=1..k} a_1 ... a_j: the tokens a step emits per sequence with k drafts
+        (the drafts accepted, and the target's own token after them)."""
         expected, run = 1.0, 1.0
         for j in range(1, k + 1):
             run *= self.acceptance(j)
@@ -110,13 +114,14 @@ class SpeculationByLoad:
     def observe(self, tokens_fed: int, target_s: float, batch: int, positions: int, draft_s: float,
                 verdicts: list[tuple[int, int]]) -> None:
         """One step: tokens the target was fed and its time; draft positions run and their time;
-        per sequence, (drafts, of them accepted)."""
+        per sequence, (n drafted, a accepted; a <= n). For chains: a tree's accepted path is not a
+        prefix of what it drafted."""
         if tokens_fed and target_s > 0:
             self.target.add(tokens_fed, target_s)
         if positions and draft_s > 0:
             self.draft.add(batch, draft_s / positions)
-        for j in range(self.k_max):  # depth j + 1: reached where more than j were drafted and j accepted
+        for j in range(self.k_max):  # depth j + 1: drafted (n > j) after drafts 1..j were all accepted (a >= j)
             reached = sum(n > j and a >= j for n, a in verdicts)
             if reached:
                 self.reached[j] = DECAY * self.reached[j] + reached
-                self.passed[j] = DECAY * self.passed[j] + sum(n > j and a > j for n, a in verdicts)
+                self.passed[j] = DECAY * self.passed[j] + sum(a > j for _, a in verdicts)

@@ -45,7 +45,7 @@ def in_passing_thread(fn: Callable[[], T]) -> T:
     thread = threading.Thread(target=run, name="minispec-load", daemon=True)
     thread.start()
     while thread.is_alive():
-        thread.join(0.1)  # (in slices: Ctrl-C still reaches the main thread)
+        thread.join(0.1)  # (in slices, so that Ctrl-C reaches the main thread on every platform)
     if "error" in box:
         raise box["error"]
     return box["result"]
