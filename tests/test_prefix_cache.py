@@ -214,7 +214,12 @@ DRAFTERS = {
     "ngram": dict(num_speculative_tokens=3),
     "eagle": dict(num_speculative_tokens=3),
     "eagle-tree": dict(num_speculative_tokens=3, draft_tree_budget=5, draft_tree_top_k=2),
-}
+}  # every kind of drafter -> its LLM options (test_chunked_prefill.py runs them too)
+
+
+def draft_for(drafter: str, draft_path, eagle_path) -> str | None:
+    """LLM's draft_model for a DRAFTERS name: none, n-gram, the EAGLE head or the draft model."""
+    return {"plain": None, "ngram": "ngram", "eagle": str(eagle_path), "eagle-tree": str(eagle_path)}.get(drafter, str(draft_path))
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
@@ -224,8 +229,7 @@ def test_outputs_with_prefix_caching_equal_those_without(tiny_llama, tiny_llama_
     pages and its own): the same tokens and logprobs as without prefix caching, bit for bit (the
     target row-invariant), and the cache was hit."""
     target = load_checkpoint(tiny_llama, dtype="float32")
-    draft = {"plain": None, "ngram": "ngram", "eagle": str(tiny_llama_eagle), "eagle-tree": str(tiny_llama_eagle)}.get(
-        drafter, str(tiny_llama_draft))
+    draft = draft_for(drafter, tiny_llama_draft, tiny_llama_eagle)
     g = torch.Generator().manual_seed(3)
     system = torch.randint(2, target[0].cfg.vocab_size, (37,), generator=g).tolist()
     prompts = [system + torch.randint(2, target[0].cfg.vocab_size, (n,), generator=g).tolist() + [5, 6, 5, 6]
