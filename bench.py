@@ -537,10 +537,17 @@ def correctness_line(ties: list, mismatches: list, dtype: torch.dtype) -> str:
     return line + "identical"
 
 
-def load_prompts(path: Path, tokenizer, n: int) -> list[list[int]]:
+def load_prompts(path: Path, tokenizer, n: int, categories: str | None = None) -> list[list[int]]:
     """The first n prompts taken round-robin over categories (so a short run still mixes code,
-    explanation, rewriting, summarising and chat), rendered with the chat template if any."""
+    explanation, rewriting, summarising and chat), rendered with the chat template if any.
+    categories: a comma-separated subset of the file's `category` values (None: all)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if categories:
+        wanted, known = set(categories.split(",")), {r.get("category", "") for r in rows}
+        if not wanted <= known:
+            raise SystemExit(f"--categories {categories}: {path.name} has no prompts of category "
+                             f"{', '.join(sorted(wanted - known))} (it has: {', '.join(sorted(known))})")
+        rows = [r for r in rows if r.get("category", "") in wanted]
     by_category: dict[str, list[dict]] = {}
     for r in rows:
         by_category.setdefault(r.get("category", ""), []).append(r)
@@ -721,6 +728,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft", type=Path, help=f"draft HF directory or .gguf (default: {DEFAULT_DRAFT.relative_to(ROOT)} "
                                                "with the default target; with --target, none unless named)")
     ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field per line")
+    ap.add_argument("--categories", help="only the prompts of these categories, comma-separated (bench.jsonl: code, "
+                                         "explain, rewrite, summarise, chat; default: all, taken in turn)")
     ap.add_argument("--json", type=Path, help="also write all rows and the correctness line here (plots go beside it)")
     ap.add_argument("--out", type=Path, help="folder for the plots (default: beside --json, else bench-out/)")
     ap.add_argument("--quick", action="store_true", help="a small check, well under a minute on CPU")
@@ -895,7 +904,7 @@ def main(argv=None) -> dict:
     if any(d.startswith("eagle") for d in p["drafters"]):
         check_eagle_head(args.eagle, target[0])
     num_prompts = p["rounds"] * max(p["batches"])
-    prompts = load_prompts(args.prompts, target[1], num_prompts)
+    prompts = load_prompts(args.prompts, target[1], num_prompts, args.categories)
     log(f"{len(prompts)} prompts, {p['max_tokens']} new tokens each, {p['rounds']} paired rounds per group, "
         f"drafters={p['drafters']} ks={p['ks']} batch sizes={p['batches']}")
 

@@ -336,3 +336,17 @@ def test_dtype_auto_on_cpu_is_decided_by_timing(tiny_llama):
     assert dtype in (torch.float32, torch.bfloat16) and model.embed_tokens.weight.dtype == dtype
     assert report.startswith("dtype auto: float32 decode") and "bfloat16 decode" in report
     assert report.endswith(f"-> {bench.dtype_name(dtype)} (faster verification)")
+
+
+def test_categories_select_prompts_and_an_unknown_one_is_named(tiny_llama, tmp_path):
+    """--categories keeps only the prompts of the categories named (still in turn over them), and a
+    category the file lacks is one line naming it and the ones it has, before anything runs."""
+    from minispec import load_checkpoint
+
+    path = write_prompts(tmp_path / "p.jsonl")
+    _, tokenizer = load_checkpoint(tiny_llama, dtype=torch.float32)
+    everything = bench.load_prompts(path, tokenizer, 2)
+    assert bench.load_prompts(path, tokenizer, 2, "rewrite") == everything[1:]
+    assert bench.load_prompts(path, tokenizer, 2, "rewrite,chat") == everything
+    with pytest.raises(SystemExit, match=r"no prompts of category code \(it has: chat, rewrite\)"):
+        bench.load_prompts(path, tokenizer, 2, "code")

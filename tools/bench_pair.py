@@ -103,7 +103,7 @@ def main(args) -> dict:
               f"{rss / sum(held.values()):.2f}x; loaded in {load_s:.1f} s")
     log(memory)
     rounds, tokens, full = args.rounds or 6, args.max_tokens or 64, args.full
-    prompts = bench.load_prompts(args.prompts, target[1], rounds)
+    prompts = bench.load_prompts(args.prompts, target[1], rounds, args.categories)
     modes = {"greedy": SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, seed=0),
              "sampled": SamplingParams(temperature=0.7, top_p=0.95, max_tokens=tokens, ignore_eos=True, seed=0)}
     device = torch.device("cpu")
@@ -187,7 +187,8 @@ def report(args, rows, correctness, memory, target_dir, draft_dir, rounds, token
     cpu = cpu_name()
     print()
     print(f"minispec bench --pair {args.pair}: {cpu}, {torch.get_num_threads()} threads, target={target_dir.name}, "
-          f"draft={draft_dir.name}, {tokens} new tokens per prompt, {rounds} paired rounds per mode, "
+          f"draft={draft_dir.name}, prompts: {args.categories or 'all categories in turn'}, {tokens} new tokens per prompt, "
+          f"{rounds} paired rounds per mode, "
           f"{time.perf_counter() - bench.START:.0f} s in all")
     print(memory)
     print("speedup: median over rounds of (row tok/s / the round's plain bf16 tok/s), exact 95% interval; "
@@ -200,7 +201,7 @@ def report(args, rows, correctness, memory, target_dir, draft_dir, rounds, token
         best = max(speculative, key=lambda r: r.tok_s)
         print(f"best speculative row ({best.name}, {best.mode}) {best.tok_s:.1f} tok/s = {best.tok_s / llama.tok_s:.2f}x "
               f"llama.cpp's plain decoding of the same GGUF ({llama.tok_s:.1f} tok/s)")
-    result = {"pair": args.pair, "cpu": cpu, "rows": [dataclasses.asdict(r) for r in rows], "correctness": correctness,
+    result = {"pair": args.pair, "cpu": cpu, "categories": args.categories, "rows": [dataclasses.asdict(r) for r in rows], "correctness": correctness,
               **extra}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
