@@ -976,7 +976,8 @@ def main(argv=None) -> dict:
     bench_time = f"{time.perf_counter() - START:.0f} s in all"
     print()
     print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}{f', matmul={matmul}' if matmul else ''}, target={target_path.name}, "
-          + (f"draft={draft_path.name}, " if draft_path else "") + f"{p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
+          + (f"draft={draft_path.name}, " if draft_path else "") + (f"prompts: {args.categories}, " if args.categories else "")
+          + f"{p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
           f"{bench_time}")
     if dtype_note:
         print(dtype_note)
@@ -997,6 +998,7 @@ def main(argv=None) -> dict:
         "dtype_choice": dtype_note,
         "cpu_matmul": matmul,
         "plan": p,
+        "categories": args.categories,
         "rows": [{**asdict(r), "distinguishable": r.distinguishable} for r in rows],
         "correctness": correctness,
         "row_invariant": invariant,  # the target computed every row alike: the check above is bit for bit

@@ -350,3 +350,7 @@ def test_categories_select_prompts_and_an_unknown_one_is_named(tiny_llama, tmp_p
     assert bench.load_prompts(path, tokenizer, 2, "rewrite,chat") == everything
     with pytest.raises(SystemExit, match=r"no prompts of category code \(it has: chat, rewrite\)"):
         bench.load_prompts(path, tokenizer, 2, "code")
+    result = bench.main(["--quick", "--no-progress", "--no-peers", "--target", str(tiny_llama), "--prompts", str(path),
+                         "--dtype", "float32", "--drafters", "ngram", "--modes", "greedy", "--batch-sizes", "1",
+                         "--categories", "rewrite", "--out", str(tmp_path / "plots")])
+    assert result["categories"] == "rewrite"  # the report says which prompts it ran
