@@ -79,12 +79,21 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     return engine, tokenizer
 
 
-def load_model(model, quantization: str | None, o: EngineOptions, device, backend: AttentionBackend
-               ) -> tuple[Transformer, Tokenizer]:
-    """A checkpoint path loaded with `quantization`, or a built (model, tokenizer) pair checked."""
+def load_model(model, quantization: str | None, o: EngineOptions, device, backend: AttentionBackend,
+               dtype=None) -> tuple[Transformer, Tokenizer]:
+    """A checkpoint path loaded with `quantization` (in `dtype`, else o.dtype), or a built
+    (model, tokenizer) pair checked."""
     if isinstance(model, tuple):
         return check_built(model[0], quantization, "a model"), model[1]
-    return load_checkpoint(model, dtype=o.dtype, device=device, backend=backend, quantization=quantization)
+    return load_checkpoint(model, dtype=dtype or o.dtype, device=device, backend=backend, quantization=quantization)
+
+
+def draft_dtype(o: EngineOptions):
+    """The dtype a draft from a path loads in: o.dtype, except that "auto" beside a built target
+    means the target's dtype (as an EAGLE head's does), not the CPU's fp32 default."""
+    if o.dtype in (None, "auto") and isinstance(o.model, tuple):
+        return o.model[0].dtype
+    return o.dtype
 
 
 def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, backend: AttentionBackend,
@@ -110,8 +119,8 @@ def load_draft_model(o: EngineOptions, device, backend: AttentionBackend) -> tup
     a reduced vocabulary if asked (drafters/reduced_vocab.py: reduced first, then quantized)."""
     quantization = o.draft_quantization or o.quantization
     if o.draft_vocab_size is None:
-        return load_model(o.draft_model, quantization, o, device, backend)
-    draft, tokenizer = load_model(o.draft_model, None, o, device, backend)
+        return load_model(o.draft_model, quantization, o, device, backend, draft_dtype(o))
+    draft, tokenizer = load_model(o.draft_model, None, o, device, backend, draft_dtype(o))
     reduce_vocab(draft, frequent_tokens(tokenizer, o.draft_vocab_size, min(draft.cfg.vocab_size, tokenizer.vocab_size)))
     return (quantize_int4_model(draft) if quantization == "int4" else draft), tokenizer
 

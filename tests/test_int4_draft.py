@@ -60,16 +60,17 @@ def test_each_weight_moves_by_at_most_half_a_step(out_in, spread, seed):
 @given(rows=st.integers(1, 9), out_in=st.sampled_from([(32, 64), (64, 96)]), bias=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 10**6))
 def test_kernel_computes_the_twins_math(rows, out_in, bias, dtype, seed):
-    """Int4Linear (torch's CPU int4 kernel) == dequantize-then-F.linear, to the dtype's rounding."""
+    """Int4Linear (torch's CPU int4 kernel) == dequantize-then-F.linear, to bf16's rounding (the
+    kernel's dtype, whatever x's), in x's dtype."""
     torch.manual_seed(seed)
     linear = nn.Linear(out_in[1], out_in[0], bias=bias)
     layer = Int4Linear.from_linear(linear, dtype)
     x = torch.randn(rows, out_in[1]).to(dtype)
     q, scales_and_zeros = quantize_int4(linear.weight)
-    twin = int4_linear_reference(x.float(), q, scales_and_zeros.to(dtype).float(),
-                                 None if linear.bias is None else linear.bias.detach().to(dtype).float())
-    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
-    torch.testing.assert_close(layer(x).float(), twin, rtol=tol, atol=tol * twin.abs().max().item())
+    twin = int4_linear_reference(x, q, scales_and_zeros, None if linear.bias is None else linear.bias.detach())
+    y = layer(x)
+    assert y.dtype == twin.dtype == dtype
+    torch.testing.assert_close(y.float(), twin.float(), rtol=3e-2, atol=3e-2 * twin.abs().max().item())
 
 
 def test_layers_the_kernel_cannot_take_fall_back_by_shape(tiny_llama):
@@ -131,6 +132,16 @@ def test_greedy_output_is_plain_greedy_output(tiny_llama, tiny_llama_draft, opti
     spec = llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert llm.last_metrics.num_drafted > 0
+
+
+def test_a_draft_from_a_path_takes_a_built_targets_dtype(tiny_llama, tiny_llama_draft):
+    """dtype "auto" beside a built bf16 target: the draft loads in bf16 too, not in the CPU's fp32
+    default (an fp32 int4 draft was ~25x slower a token on the real pair); an explicit dtype wins."""
+    target = load_checkpoint(tiny_llama, dtype="bfloat16")
+    llm = LLM(model=target, draft_model=str(tiny_llama_draft), draft_quantization="int4", kv_cache_gib=0.01)
+    assert [r.model.dtype for r, _ in llm.engine.runners] == [torch.bfloat16, torch.bfloat16]
+    llm = LLM(model=target, draft_model=str(tiny_llama_draft), dtype="float32", kv_cache_gib=0.01)
+    assert llm.engine.runners[1][0].model.dtype == torch.float32
 
 
 def test_vllms_speculative_config_spelling(tiny_llama, tiny_llama_draft):

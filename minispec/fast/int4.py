@@ -33,6 +33,7 @@ from torch import nn
 from .cpu_linear import PrepackedLinear
 
 GROUP = 32  # inputs per scale/zero pair
+KERNEL_DTYPE = torch.bfloat16  # Int4Linear's compute dtype, whatever the model's (see Int4Linear)
 INNER_K_TILES = 2  # the CPU kernel's packing parameter
 DRAFT_QUANTIZATIONS = ("int4",)
 
@@ -87,15 +88,24 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Te
 
 def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    """The torch twin of Int4Linear: x [M, in] @ dequantize(q)^T (+ bias), in x's dtype."""
-    weight = dequantize_int4(q, scales_and_zeros.to(x.dtype)).to(x.dtype)  # (the kernel rounds s, z to x's dtype too)
-    return F.linear(x, weight, bias)
+    """The torch twin of Int4Linear: x [M, in] @ dequantize(q)^T (+ bias), in x's dtype; x, s, z and
+    the bias rounded to KERNEL_DTYPE first, as Int4Linear rounds them."""
+    k = KERNEL_DTYPE
+    weight = dequantize_int4(q, scales_and_zeros.to(k)).to(k)
+    y = F.linear(x.to(k), weight, None if bias is None else bias.to(k))
+    return y.to(x.dtype)
 
 
 class Int4Linear(nn.Module):
     """y = x W^T + b with W held as int4 in torch's CPU kernel layout (module docstring).
-    Buffers: packed (the kernel's uint8 tiles), scales_and_zeros [in / GROUP, out, 2] in the
-    compute dtype, bias or None. forward(x [..., in]) -> [..., out] in x's dtype."""
+    Buffers: packed (the kernel's uint8 tiles), scales_and_zeros [in / GROUP, out, 2] and the bias
+    (or None) in KERNEL_DTYPE. forward(x [..., in]) -> [..., out] in x's dtype.
+
+    The matmul runs in bf16 whatever x's dtype: torch's CPU int4 kernel is vectorized for bf16
+    only, and with fp32 or fp16 activations it is over ten times slower than with bf16 at one row
+    (docs/cpu-performance.md), slower even than the dense fp32 matmul it replaces. An fp32 draft
+    so computes each int4 matmul on x rounded to bf16: another q, which costs no exactness (module
+    docstring)."""
 
     def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                  bias: torch.Tensor | None):
@@ -116,18 +126,18 @@ class Int4Linear(nn.Module):
             packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
             pairs.append(block_pairs)
         packed, scales_and_zeros = torch.cat(packed), torch.cat(pairs, dim=1)
-        bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
-        return cls(linear.in_features, linear.out_features, packed, scales_and_zeros.to(dtype), bias)
+        bias = None if linear.bias is None else linear.bias.detach().to(KERNEL_DTYPE).clone()
+        return cls(linear.in_features, linear.out_features, packed, scales_and_zeros.to(KERNEL_DTYPE), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 weight-only, group {GROUP}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, in]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8WeightOnlyLinear(nn.Module):
