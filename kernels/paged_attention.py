@@ -402,9 +402,16 @@ def paged_attention_ref(
     if plan is None:
         plan = ref_plan(block_tables, seq_lens, query_start_loc, page_size, sliding_window, tree_start, tree_bits)
     group = q.shape[1] // num_kv_heads
+    short = plan.short
+    if short is not None and short.in_order and not plan.long_seqs and short.row_ids.shape[0] == q.shape[0]:
+        return _batched_decode_ref(q, k_cache, v_cache, short, sm_scale)  # every row, in order (a decode batch)
     out = torch.empty_like(q)  # [T, Hq, D]
-    if plan.short is not None:
-        _batched_decode_ref(q, k_cache, v_cache, plan.short, sm_scale, out)
+    if short is not None:
+        rows = _batched_decode_ref(q, k_cache, v_cache, short, sm_scale)  # [B * Qm, Hq, D]
+        if short.keep is None:
+            out[short.row_ids] = rows
+        else:
+            out[short.keep_rows] = rows[short.keep]
     for seq in plan.long_seqs:
         q_start, q_end, seq_len = plan.starts[seq], plan.starts[seq + 1], plan.seq_lens[seq]
         pages = block_tables[seq, : triton.cdiv(seq_len, page_size)].long()  # [n_pages]
@@ -431,6 +438,8 @@ class ShortQueryPlan:
     row_ids: torch.Tensor  # [B * Qm] int64
     keep: torch.Tensor | None  # [N] rows of the padded output that are real queries (None: all)
     keep_rows: torch.Tensor | None  # [N] their rows in q
+    hidden: torch.Tensor  # [B, 1, 1, Qm, L] bool: ~visible, shaped for the scores (built once a forward)
+    in_order: bool  # row_ids is 0, 1, ..., B * Qm - 1 and nothing is padded: no gather or scatter of rows
 
 
 @dataclass
@@ -489,32 +498,32 @@ def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs
         kept = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]
         keep = torch.tensor(kept, device=device)
         keep_rows = torch.tensor([rows[j] for j in kept], device=device)
-    return ShortQueryPlan(slots, visible, torch.tensor(rows, device=device), keep, keep_rows)
+    in_order = keep is None and rows == list(range(len(rows)))
+    return ShortQueryPlan(slots, visible, torch.tensor(rows, device=device), keep, keep_rows,
+                          ~visible[:, None, None], in_order)
 
 
-def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale, out) -> None:
+def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale) -> torch.Tensor:
     """`paged_attention_ref` for the short-query sequences of `plan`, with no Python loop over
-    them, written into out [T, Hq, D]: queries padded to [B, Qm], keys gathered by pool slot into
-    [B, L, Hkv, D]; the same math as `masked_attention` (fp32)."""
+    them: queries padded to [B, Qm], keys gathered by pool slot into [B, L, Hkv, D]; the same math
+    as `masked_attention` (fp32). Returns the padded rows [B * Qm, Hq, D] in q's dtype (the
+    caller keeps the real ones)."""
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     B, Qm, L = plan.visible.shape
     group = num_q_heads // num_kv_heads
     keys = k_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
     values = v_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
-    q_f = q[plan.row_ids].float()  # [B * Qm, Hq, D]
+    whole = plan.in_order and q.shape[0] == plan.row_ids.shape[0]  # (else longer sequences' rows follow)
+    q_f = (q if whole else q[plan.row_ids]).float()  # [B * Qm, Hq, D]
     q_f = q_f.view(B, Qm, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qm, D]
     q_f = q_f.reshape(B, num_kv_heads, group * Qm, head_dim)
     scores = (q_f @ keys.permute(0, 2, 3, 1) * sm_scale).view(B, num_kv_heads, group, Qm, L)
-    scores = scores.masked_fill(~plan.visible[:, None, None], float("-inf"))
+    scores = scores.masked_fill(plan.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(B, num_kv_heads, group * Qm, L)
     out_b = probs @ values.transpose(1, 2)  # [B, Hkv, g * Qm, D]
     out_b = out_b.view(B, num_kv_heads, group, Qm, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qm, Hkv, g, D]
-    out_b = out_b.reshape(B * Qm, num_q_heads, head_dim)
-    if plan.keep is None:
-        out[plan.row_ids] = out_b.to(q.dtype)
-    else:
-        out[plan.keep_rows] = out_b[plan.keep].to(q.dtype)
+    return out_b.reshape(B * Qm, num_q_heads, head_dim).to(q.dtype)
 
 
 def _check_tree_args(q, seq_lens, tree_start, tree_bits, validate) -> None:

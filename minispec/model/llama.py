@@ -51,7 +51,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     """RoPE in the HF / GPT-NeoX layout: x * cos + rotate_half(x) * sin, where
     rotate_half([x1, x2]) = [-x2, x1] on the last axis. Written as x * cos + roll(x) * sin_signed
     with roll([x1, x2]) = [x2, x1] and sin_signed = [-sin, sin] (the same products, fewer ops).
-    x: [T, H, D]; cos, sin_signed: [T, 1, D]."""
+    x: [T, H, D] (any strides); cos, sin_signed: [T, 1, D]."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
@@ -116,14 +116,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, in_features], cos / sin (signed, see apply_rope): [T, 1, head_dim] -> [T, hidden]."""
         cfg = self.cfg
-        T = x.shape[0]
-        q, k, v = self.project(x)
-        q = q.view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
-        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim).contiguous()  # [T, Hkv, D] (a strided view when fused)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        out = backend(q, k, v, kv_cache, meta, cfg.head_dim**-0.5, cfg.sliding_window)  # [T, Hq, D]
+        T, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.qkv_proj is None:
+            q, k, v = self.project(x)
+            q = apply_rope(q.view(T, hq, d), cos, sin)  # [T, Hq, D]
+            k = apply_rope(k.view(T, hkv, d), cos, sin)  # [T, Hkv, D]
+            v = v.view(T, hkv, d)
+        else:  # q and k sit side by side in the fused output: one RoPE for both (a decode row's ops are its cost)
+            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d), cos, sin)  # [T, Hq + Hkv, D]
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(T, hkv, d)  # (strided views)
+        out = backend(q, k, v, kv_cache, meta, d**-0.5, cfg.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, cfg.num_heads * cfg.head_dim))
 
 
