@@ -403,8 +403,8 @@ def paged_attention_ref(
         plan = ref_plan(block_tables, seq_lens, query_start_loc, page_size, sliding_window, tree_start, tree_bits)
     group = q.shape[1] // num_kv_heads
     short = plan.short
-    if short is not None and short.in_order and not plan.long_seqs and short.row_ids.shape[0] == q.shape[0]:
-        return _batched_decode_ref(q, k_cache, v_cache, short, sm_scale)  # every row, in order (a decode batch)
+    if short is not None and short.in_order:
+        return _batched_decode_ref(q, k_cache, v_cache, short, sm_scale)  # every row of q, in order (a decode batch)
     out = torch.empty_like(q)  # [T, Hq, D]
     if short is not None:
         rows = _batched_decode_ref(q, k_cache, v_cache, short, sm_scale)  # [B * Qm, Hq, D]
@@ -439,7 +439,7 @@ class ShortQueryPlan:
     keep: torch.Tensor | None  # [N] rows of the padded output that are real queries (None: all)
     keep_rows: torch.Tensor | None  # [N] their rows in q
     hidden: torch.Tensor  # [B, 1, 1, Qm, L] bool: ~visible, shaped for the scores (built once a forward)
-    in_order: bool  # row_ids is 0, 1, ..., B * Qm - 1 and nothing is padded: no gather or scatter of rows
+    in_order: bool  # row_ids is 0, 1, ..., T - 1 (every row of q) and nothing is padded: no gather or scatter of rows
 
 
 @dataclass
@@ -498,7 +498,7 @@ def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs
         kept = [b * Qm + i for b, n in enumerate(q_lens) for i in range(n)]
         keep = torch.tensor(kept, device=device)
         keep_rows = torch.tensor([rows[j] for j in kept], device=device)
-    in_order = keep is None and rows == list(range(len(rows)))
+    in_order = keep is None and rows == list(range(starts[-1]))  # (false when longer sequences' rows are in q too)
     return ShortQueryPlan(slots, visible, torch.tensor(rows, device=device), keep, keep_rows,
                           ~visible[:, None, None], in_order)
 
@@ -514,8 +514,7 @@ def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale) -> 
     group = num_q_heads // num_kv_heads
     keys = k_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
     values = v_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
-    whole = plan.in_order and q.shape[0] == plan.row_ids.shape[0]  # (else longer sequences' rows follow)
-    q_f = (q if whole else q[plan.row_ids]).float()  # [B * Qm, Hq, D]
+    q_f = (q if plan.in_order else q[plan.row_ids]).float()  # [B * Qm, Hq, D]
     q_f = q_f.view(B, Qm, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qm, D]
     q_f = q_f.reshape(B, num_kv_heads, group * Qm, head_dim)
     scores = (q_f @ keys.permute(0, 2, 3, 1) * sm_scale).view(B, num_kv_heads, group, Qm, L)

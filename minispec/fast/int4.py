@@ -121,6 +121,8 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int4Linear":
+        """dtype (the model's) is not used: scales, zeros and bias are held in KERNEL_DTYPE; the
+        argument keeps the signature of Int8WeightOnlyLinear.from_linear (quantize_int4_model)."""
         packed, pairs = [], []
         for q, block_pairs in quantized_blocks(dense(linear)):  # the kernel's layout is row-separable: packed by block
             packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
