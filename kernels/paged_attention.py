@@ -438,7 +438,7 @@ class ShortQueryPlan:
     row_ids: torch.Tensor  # [B * Qm] int64
     keep: torch.Tensor | None  # [N] rows of the padded output that are real queries (None: all)
     keep_rows: torch.Tensor | None  # [N] their rows in q
-    hidden: torch.Tensor  # [B, 1, 1, Qm, L] bool: ~visible, shaped for the scores (built once a forward)
+    hidden: torch.Tensor | None  # [B, 1, 1, Qm, L] bool: ~visible, shaped for the scores; None when nothing is hidden
     in_order: bool  # row_ids is 0, 1, ..., T - 1 (every row of q) and nothing is padded: no gather or scatter of rows
 
 
@@ -499,28 +499,31 @@ def _short_query_plan(block_tables, seq_lens: list[int], starts: list[int], seqs
         keep = torch.tensor(kept, device=device)
         keep_rows = torch.tensor([rows[j] for j in kept], device=device)
     in_order = keep is None and rows == list(range(starts[-1]))  # (false when longer sequences' rows are in q too)
+    hidden = ~visible[:, None, None]
     return ShortQueryPlan(slots, visible, torch.tensor(rows, device=device), keep, keep_rows,
-                          ~visible[:, None, None], in_order)
+                          hidden if bool(hidden.any()) else None, in_order)
 
 
 def _batched_decode_ref(q, k_cache, v_cache, plan: ShortQueryPlan, sm_scale) -> torch.Tensor:
     """`paged_attention_ref` for the short-query sequences of `plan`, with no Python loop over
-    them: queries padded to [B, Qm], keys gathered by pool slot into [B, L, Hkv, D]; the same math
+    them: queries padded to [B, Qm], keys gathered by pool slot into [B, Hkv, L, D]; the same math
     as `masked_attention` (fp32). Returns the padded rows [B * Qm, Hq, D] in q's dtype (the
-    caller keeps the real ones)."""
+    caller keeps the real ones). Written in few ops (a decode row's ops are most of its cost on a
+    CPU): one index_select per pool, scale and mask in place, no mask when nothing is hidden."""
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     B, Qm, L = plan.visible.shape
     group = num_q_heads // num_kv_heads
-    keys = k_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
-    values = v_cache.flatten(0, 1)[plan.slots].float()  # [B, L, Hkv, D]
+    slots = plan.slots.view(-1)  # [B * L]
+    keys = k_cache.flatten(0, 1).index_select(0, slots).view(B, L, num_kv_heads, head_dim).transpose(1, 2).float()
+    values = v_cache.flatten(0, 1).index_select(0, slots).view(B, L, num_kv_heads, head_dim).transpose(1, 2).float()
     q_f = (q if plan.in_order else q[plan.row_ids]).float()  # [B * Qm, Hq, D]
     q_f = q_f.view(B, Qm, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qm, D]
     q_f = q_f.reshape(B, num_kv_heads, group * Qm, head_dim)
-    scores = (q_f @ keys.permute(0, 2, 3, 1) * sm_scale).view(B, num_kv_heads, group, Qm, L)
-    scores = scores.masked_fill(plan.hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(B, num_kv_heads, group * Qm, L)
-    out_b = probs @ values.transpose(1, 2)  # [B, Hkv, g * Qm, D]
+    scores = torch.matmul(q_f, keys.transpose(-1, -2)).mul_(sm_scale)  # [B, Hkv, g * Qm, L]
+    if plan.hidden is not None:
+        scores.view(B, num_kv_heads, group, Qm, L).masked_fill_(plan.hidden, float("-inf"))
+    out_b = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, g * Qm, D]
     out_b = out_b.view(B, num_kv_heads, group, Qm, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qm, Hkv, g, D]
     return out_b.reshape(B * Qm, num_q_heads, head_dim).to(q.dtype)
 
