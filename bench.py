@@ -461,8 +461,10 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
         row.per_position = [round(x, 3) for x in total.per_position_acceptance]
     if base_step_s:
         row.verify_cost = target_step_time(total) / base_step_s
-        if arm.drafter != "none" and drafted:
-            row.draft_cost = row.draft_s / drafted / base_step_s
+        if arm.drafter != "none" and drafted:  # over the steps that fed no prompt (a draft model prefills it there), if any drafted
+            spent, n = ((row.draft_s - total.draft_prefill_s, drafted - total.prefill_drafted)
+                        if drafted > total.prefill_drafted else (row.draft_s, drafted))
+            row.draft_cost = spent / n / base_step_s
         a = total.num_accepted / max(total.num_accepted + total.num_rejected, 1)  # (see the module docstring)
         if arm.drafter in ("draft", "eagle"):  # fixed k only: the formula's assumption
             row.predicted_speedup = predicted_speedup(a, arm.k, row.draft_cost or 0.0)

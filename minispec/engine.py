@@ -166,7 +166,11 @@ class LLMEngine:
         self.catch_up(seqs)
         step = tree_step if self.drafter.drafts_trees else speculative_step
         fed, spent = sum(len(s) - s.target_table.num_cached for s in seqs), (self.times.target_s, self.times.draft_s)
+        feeds_prompt = any(s.target_table.num_cached == 0 for s in seqs)  # (as StepTimes.verifying decides)
         verdicts = step(seqs, self.target, self.drafter, k, self._emit, self.times)
+        if feeds_prompt:
+            self.times.draft_prefill_s += self.times.draft_s - spent[1]
+            self.times.prefill_drafted += sum(n for _, _, n in verdicts)
         if self.load is not None:  # what this step cost, for the next one's choice
             self.load.observe(fed + sum(len(d) for d, _, _ in verdicts), self.times.target_s - spent[0], len(seqs),
                               max(n for _, _, n in verdicts), self.times.draft_s - spent[1],
@@ -205,7 +209,9 @@ class LLMEngine:
         since = since or StepTimes()
         m = RunMetrics(draft_s=self.times.draft_s - since.draft_s, target_s=self.times.target_s - since.target_s,
                        prefill_s=self.times.prefill_s - since.prefill_s,
-                       prefill_steps=self.times.prefill_steps - since.prefill_steps, wall_s=wall_s)
+                       prefill_steps=self.times.prefill_steps - since.prefill_steps,
+                       draft_prefill_s=self.times.draft_prefill_s - since.draft_prefill_s,
+                       prefill_drafted=self.times.prefill_drafted - since.prefill_drafted, wall_s=wall_s)
         for s in seqs:
             m.add(s.metrics, len(s.output_ids))
         m.num_preemptions = sum(s.num_preemptions for s in seqs)

@@ -55,7 +55,7 @@ def check_result(result: dict, modes: set[str], batches: set[int], drafters: set
         if r["drafter"] == "none":
             assert r["ratios"] == [1.0] * rounds and r["verify_cost"] == pytest.approx(1.0)
         else:
-            assert 0 <= r["acceptance"] <= 1 and r["draft_cost"] >= 0
+            assert 0 <= r["acceptance"] <= 1 and r["draft_cost"] is not None and r["draft_cost"] >= 0, r["name"]
             assert 1 <= r["accepted_per_step"] <= r["k"] + 1
             assert r["target_fwd_per_token"] <= 1
             assert len(r["per_position"]) <= r["k"] and all(0 <= x <= 1 for x in r["per_position"])
@@ -223,31 +223,37 @@ def test_paired_rounds_cancel_a_linear_drift():
     assert len(peer.ratios) == 6 and peer.decode_ratios == []
 
 
-def synthetic_run(steps: int, accepted_per_step: list[int], k: int, prefill_s: float, step_s: float):
-    """One batch-1 request: a prefill step, then `steps` verification steps of step_s each that
-    drafted k tokens and accepted accepted_per_step[i] of them."""
+def synthetic_run(steps: int, accepted_per_step: list[int], k: int, prefill_s: float, step_s: float,
+                  draft_s: float = 0.0, draft_prefill_s: float = 0.0):
+    """One batch-1 request: a prefill step (its drafting draft_prefill_s), then `steps`
+    verification steps of step_s each that drafted k tokens at draft_s a token and accepted
+    accepted_per_step[i] of them."""
     from minispec.runtime.metrics import RequestMetrics, RunMetrics
 
     r = RequestMetrics()
     r.record(0, 0)  # the prefill step drafts nothing
     for i in range(steps):
         r.record(k, accepted_per_step[i % len(accepted_per_step)])
-    m = RunMetrics(target_s=prefill_s + steps * step_s, prefill_s=prefill_s, prefill_steps=1, wall_s=prefill_s + steps * step_s)
+    m = RunMetrics(target_s=prefill_s + steps * step_s, prefill_s=prefill_s, prefill_steps=1, wall_s=prefill_s + steps * step_s,
+                   draft_s=draft_prefill_s + steps * k * draft_s, draft_prefill_s=draft_prefill_s)
     m.add(r, num_generated=steps)
     return bench.Run(tokens=steps, wall_s=m.wall_s, outputs=[[1] * steps], metrics=m)
 
 
-def test_verify_cost_leaves_prefill_out_and_pred_uses_the_chance_of_one_acceptance():
+def test_verify_and_draft_costs_leave_prefill_out_and_pred_uses_the_chance_of_one_acceptance():
     """A verification that costs exactly one decode step reads 1.00 whatever the prefill costs (it
     read 1.03 with a prefill of 3 decode steps, 1.16 with 12, since a speculative row has fewer
-    steps to spread the prefill over); Leviathan's prediction takes a = accepted / (accepted +
+    steps to spread the prefill over), and a drafted token's cost leaves out the draft model's
+    prefill of the prompt, as TTFT holds it; Leviathan's prediction takes a = accepted / (accepted +
     rejections), the chance one draft is accepted (it took accepted / drafted: 0.18 for a = 0.42)."""
     base = bench.Arm("autoregressive", "none", 0, None)
     base.runs = [synthetic_run(64, [0], 0, prefill_s=12.0, step_s=1.0)]
     arm = bench.Arm("eagle k=4", "eagle", 4, None)
-    arm.runs, arm.ratios = [synthetic_run(32, [0, 1, 2, 4], 4, prefill_s=12.0, step_s=1.0)], [1.5] * 6
+    arm.runs, arm.ratios = [synthetic_run(32, [0, 1, 2, 4], 4, prefill_s=12.0, step_s=1.0, draft_s=0.25,
+                                          draft_prefill_s=3.0)], [1.5] * 6
     row = bench.summarize(arm, "greedy", 1, bench.step_time(base), torch.device("cpu"), torch.float32)
     assert bench.step_time(base) == pytest.approx(1.0) and row.verify_cost == pytest.approx(1.0)
+    assert row.draft_cost == pytest.approx(0.25)  # the draft model's prefill of the prompt left out (it read 0.27)
     a = 7 / (7 + 3)  # per 4 steps: 0 + 1 + 2 + 4 accepted, 3 steps with a rejection (one accepted all 4)
     assert row.predicted_speedup == pytest.approx(bench.predicted_speedup(a, 4, row.draft_cost))
 

@@ -94,6 +94,8 @@ class RunMetrics(RequestMetrics):
     target_s: float = 0.0  # time in target verification and rejection sampling
     prefill_s: float = 0.0  # the part of target_s in steps that fed some request its prompt (and in catch-ups)
     prefill_steps: int = 0  # the request-steps of those steps (every request in them)
+    draft_prefill_s: float = 0.0  # the part of draft_s in those steps (a draft model prefills the prompt there too)
+    prefill_drafted: int = 0  # the tokens drafted in those steps
     wall_s: float = 0.0
     ttft_sum_s: float = 0.0  # over the requests that have a TTFT ...
     num_ttft: int = 0
@@ -114,7 +116,8 @@ class RunMetrics(RequestMetrics):
     def merge(self, other: "RunMetrics") -> None:
         """Add another run's totals in (bench.py sums its rounds so)."""
         self._add_counts(other)
-        for name in ("num_requests", "num_generated", "num_preemptions", "draft_s", "target_s", "prefill_s", "prefill_steps", "wall_s",
+        for name in ("num_requests", "num_generated", "num_preemptions", "draft_s", "target_s", "prefill_s", "prefill_steps",
+                     "draft_prefill_s", "prefill_drafted", "wall_s",
                      "ttft_sum_s", "num_ttft", "tpot_sum_s", "num_tpot"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -169,12 +172,17 @@ class StepTimes:
     """Seconds spent drafting and in the target (verification), summed over steps; prefill_s:
     the part of target_s spent feeding prompts (steps that fed some sequence its prompt, and the
     catch-up of preempted sequences), prefill_steps: the request-steps of those steps. A decode
-    step's cost is (target_s - prefill_s) over the other request-steps."""
+    step's cost is (target_s - prefill_s) over the other request-steps. draft_prefill_s and
+    prefill_drafted: the drafting time and drafted tokens of those steps, so that a drafted
+    token's cost, (draft_s - draft_prefill_s) / (drafted - prefill_drafted), leaves out a draft
+    model's prefill of the prompt (a cost of the first token, not of drafting)."""
 
     draft_s: float = 0.0
     target_s: float = 0.0
     prefill_s: float = 0.0
     prefill_steps: int = 0
+    draft_prefill_s: float = 0.0
+    prefill_drafted: int = 0
 
     @contextmanager
     def verifying(self, seqs: list, device: torch.device):
