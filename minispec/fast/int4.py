@@ -43,6 +43,9 @@ def cpu_int4_available() -> bool:
     return all(hasattr(torch.ops.aten, op) for op in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
 
 
+INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default if cpu_int4_available() else None  # (bound once: cheaper to call)
+
+
 def check_draft_quantization(quantization: str | None, device: torch.device | None = None) -> None:
     """A ValueError naming the problem unless `quantization` can run the draft here."""
     if quantization is None:
@@ -135,8 +138,11 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 weight-only, group {GROUP}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == KERNEL_DTYPE and x.is_contiguous():  # a draft's rows: no reshape or cast (ops are its cost)
+            y = INT4_MM(x, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
+            return y if self.bias is None else y.add_(self.bias)
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, in]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
+        y = INT4_MM(x2, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
