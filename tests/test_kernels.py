@@ -246,6 +246,20 @@ def test_batched_decode_ref_equals_per_sequence_loop(seq_lens, data, page_size, 
     torch.testing.assert_close(batched, looped, atol=1e-5, rtol=1e-5)
 
 
+def test_a_lone_decode_row_takes_no_mask_and_a_window_or_a_ragged_batch_do():
+    """The twin's decode batch skips the mask when its plan hides no key (one sequence, no window):
+    right then (float64 reference), and the mask is still there when a window or a shorter
+    sequence beside a longer one hides keys (a plan that dropped it would attend to them)."""
+    for seq_lens, window, masked in (([37], None, False), ([37], 8, True), ([37, 12], None, True)):
+        batch = PagedBatch(seq_lens, [1] * len(seq_lens), page_size=8, num_q_heads=4, num_kv_heads=2,
+                           head_dim=16, dtype=torch.float32, seed=5)
+        plan = pa.ref_plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, 8, window)
+        assert (plan.short.hidden is not None) == masked
+        out = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window, plan=plan)
+        torch.testing.assert_close(out.cpu().double(), batch.naive(sm_scale=0.3, sliding_window=window),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_decode_batch_with_different_context_lengths():
     """q_len = 1 for every sequence (plain decode), contexts 1..40, one launch."""
     batch = PagedBatch([1, 13, 40, 27], [1, 1, 1, 1], page_size=8, num_q_heads=8, num_kv_heads=2,
