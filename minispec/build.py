@@ -117,10 +117,10 @@ def load_draft(o: EngineOptions, target: Transformer, tokenizer: Tokenizer, back
 def load_draft_model(o: EngineOptions, device, backend: AttentionBackend) -> tuple[Transformer, Tokenizer]:
     """A draft model (from a path or built), quantized on its own if asked (fast/int4.py) and with
     a reduced vocabulary if asked (drafters/reduced_vocab.py: reduced first, then quantized)."""
-    quantization = o.draft_quantization or o.quantization
+    quantization, dtype = o.draft_quantization or o.quantization, draft_dtype(o)
     if o.draft_vocab_size is None:
-        return load_model(o.draft_model, quantization, o, device, backend, draft_dtype(o))
-    draft, tokenizer = load_model(o.draft_model, None, o, device, backend, draft_dtype(o))
+        return load_model(o.draft_model, quantization, o, device, backend, dtype)
+    draft, tokenizer = load_model(o.draft_model, None, o, device, backend, dtype)
     reduce_vocab(draft, frequent_tokens(tokenizer, o.draft_vocab_size, min(draft.cfg.vocab_size, tokenizer.vocab_size)))
     return (quantize_int4_model(draft) if quantization == "int4" else draft), tokenizer
 

@@ -166,7 +166,7 @@ class LLMEngine:
         self.catch_up(seqs)
         step = tree_step if self.drafter.drafts_trees else speculative_step
         fed, spent = sum(len(s) - s.target_table.num_cached for s in seqs), (self.times.target_s, self.times.draft_s)
-        feeds_prompt = any(s.target_table.num_cached == 0 for s in seqs)  # (as StepTimes.verifying decides)
+        feeds_prompt = self.times.feeds_prompt(seqs)  # (decided before the step caches anything)
         verdicts = step(seqs, self.target, self.drafter, k, self._emit, self.times)
         if feeds_prompt:
             self.times.draft_prefill_s += self.times.draft_s - spent[1]

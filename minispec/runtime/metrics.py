@@ -184,11 +184,16 @@ class StepTimes:
     draft_prefill_s: float = 0.0
     prefill_drafted: int = 0
 
+    @staticmethod
+    def feeds_prompt(seqs: list) -> bool:
+        """Whether a step over seqs feeds some sequence its prompt (nothing of it cached yet)."""
+        return any(s.target_table.num_cached == 0 for s in seqs)
+
     @contextmanager
     def verifying(self, seqs: list, device: torch.device):
         """Time one step's verification into target_s, and into prefill_s (its sequences into
         prefill_steps) when it feeds some sequence its prompt: nothing of it cached yet."""
-        prefill = any(s.target_table.num_cached == 0 for s in seqs)
+        prefill = self.feeds_prompt(seqs)
         with self.timing("target_s", device, also="prefill_s" if prefill else None):
             yield
         self.prefill_steps += len(seqs) if prefill else 0
