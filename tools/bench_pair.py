@@ -108,7 +108,8 @@ def main(args) -> dict:
     except ValueError as e:
         raise SystemExit(f"--pair {args.pair}: {e}") from None
     dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else getattr(torch, args.dtype)
-    t0 = time.perf_counter()  # the drafts first: each load peaks (int4: while quantizing) before the target is held
+    # The drafts first: each load peaks (int4: while quantizing) before the target is held.
+    t0 = time.perf_counter()
     draft_fr = reduced_vocab_draft(draft_dir, dtype) if args.full else None
     if draft_fr is not None:
         log(f"int4 draft with a {FR_VOCAB:,}-token vocabulary built in {time.perf_counter() - t0:.1f} s (not in the load time below)")
