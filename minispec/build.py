@@ -16,7 +16,7 @@ from .drafters.draft_model import ModelDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.lookup import LookupFirstDrafter
 from .drafters.ngram import NgramDrafter
-from .drafters.reduced_vocab import frequent_tokens, reduce_vocab
+from .drafters.reduced_vocab import reduce_to_frequent
 from .drafters.tree import TreeDrafter, tree_slots
 from .engine import LLMEngine
 from .fast.int4 import quantize_int4_model
@@ -121,7 +121,7 @@ def load_draft_model(o: EngineOptions, device, backend: AttentionBackend) -> tup
     if o.draft_vocab_size is None:
         return load_model(o.draft_model, quantization, o, device, backend, dtype)
     draft, tokenizer = load_model(o.draft_model, None, o, device, backend, dtype)
-    reduce_vocab(draft, frequent_tokens(tokenizer, o.draft_vocab_size, min(draft.cfg.vocab_size, tokenizer.vocab_size)))
+    reduce_to_frequent(draft, tokenizer, o.draft_vocab_size)
     return (quantize_int4_model(draft) if quantization == "int4" else draft), tokenizer
 
 

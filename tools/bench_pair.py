@@ -39,12 +39,11 @@ def reduced_vocab_draft(draft_dir: Path, dtype: torch.dtype):
     """The int4 draft with its LM head over the FR_VOCAB most frequent tokens: reduced, then
     quantized (the order build.load_draft_model keeps for draft_vocab_size)."""
     from minispec import load_checkpoint
-    from minispec.drafters.reduced_vocab import frequent_tokens, reduce_vocab
+    from minispec.drafters.reduced_vocab import reduce_to_frequent
     from minispec.fast.int4 import quantize_int4_model
 
     model, tokenizer = load_checkpoint(draft_dir, dtype=dtype)
-    reduce_vocab(model, frequent_tokens(tokenizer, FR_VOCAB, min(model.cfg.vocab_size, tokenizer.vocab_size)))
-    return quantize_int4_model(model), tokenizer
+    return quantize_int4_model(reduce_to_frequent(model, tokenizer, FR_VOCAB)), tokenizer
 
 
 def weights_gib(model) -> float:

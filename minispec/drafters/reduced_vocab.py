@@ -79,3 +79,9 @@ def reduce_vocab(model: nn.Module, ids: torch.Tensor) -> nn.Module:
     model.lm_head = reduced.requires_grad_(False)
     model.vocab_ids = ids.to(weight.device)
     return model
+
+
+def reduce_to_frequent(model: nn.Module, tokenizer: Tokenizer, n: int) -> nn.Module:
+    """`reduce_vocab` over the n `frequent_tokens` among the ids both the draft model and its
+    tokenizer have (a checkpoint's embedding may be padded past the tokenizer's ids)."""
+    return reduce_vocab(model, frequent_tokens(tokenizer, n, min(model.cfg.vocab_size, tokenizer.vocab_size)))
