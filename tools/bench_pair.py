@@ -121,10 +121,8 @@ def main(args) -> dict:
     if draft_fr is not None:
         held["draft int4 reduced"] = weights_gib(draft_fr[0])
     rss = peak_rss_gib()
-    memory = (f"weights held: target {held['target']:.2f} GiB, draft bf16 {held['draft bf16']:.2f} GiB, draft int4 "
-              f"{held['draft int4']:.2f} GiB" + (f", reduced {held['draft int4 reduced']:.2f} GiB" if draft_fr is not None else "")
-              + f" ({sum(held.values()):.2f} GiB in all); peak RSS {rss:.2f} GiB = "
-              f"{rss / sum(held.values()):.2f}x; loaded in {load_s:.1f} s")
+    memory = (f"weights held: {', '.join(f'{name} {gib:.2f} GiB' for name, gib in held.items())} "
+              f"({sum(held.values()):.2f} GiB in all); peak RSS {rss:.2f} GiB = {rss / sum(held.values()):.2f}x; loaded in {load_s:.1f} s")
     log(memory)
     rounds, tokens, full = args.rounds or 6, args.max_tokens or 64, args.full
     prompts = bench.load_prompts(args.prompts, target[1], rounds, args.categories)
