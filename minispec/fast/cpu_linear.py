@@ -6,9 +6,11 @@ and which variant helps depends on the CPU, so the loader times the ones that ap
 model's own weights and swaps every `nn.Linear` for the winner (`use_cpu_fast_paths`), as
 `fast/int8.py` swaps in int8 layers. All compute the same math:
 
-* `PrepackedLinear` (bf16 on a CPU with native bf16 matmuls): oneDNN's blocked copy of W is made
-  once instead of on every call. The copy doubles the memory of the linear weights; inference
-  only (with gradients wanted, F.linear runs).
+* `PrepackedLinear` (bf16 on a CPU with native bf16 matmuls; fp32 anywhere): oneDNN's blocked copy
+  of W is made once instead of on every call. The copy doubles the memory of the linear weights;
+  inference only (with gradients wanted, F.linear runs). oneDNN packs bf16 weights only on CPUs
+  with AVX512 (or AVX-NE-CONVERT): elsewhere a bf16 layer can compute in fp32 on an fp32 copy
+  (`compute_dtype`), which is what row invariance does there (fast/row_invariant.py).
 * `WeightMajorLinear` (fp32): for 1..WEIGHT_MAJOR_ROWS rows, the product with W as the left
   operand, its rows split into one block per thread. Where the default path runs one row on one
   thread and repacks W for a few rows, this uses every core for one row and streams W once for a
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_caps import cpu_caps
 from .matmul_choice import read_cached_choice, write_cached_choice
 
 WEIGHT_MAJOR_ROWS = 16  # fp32 on CPU: linear layers fed 1..16 rows compute W-major
@@ -71,18 +74,22 @@ class PrepackedLinear(nn.Linear):
     the packed copy, exactly (oneDNN's reorder only moves values)."""
 
     _packed: tuple | None = None  # (the weight it was made from, (its version, data_ptr, dtype), oneDNN's copy)
+    compute_dtype: torch.dtype | None = None  # the packed copy's dtype, if not W's (e.g. fp32 for a bf16 W)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == self.weight.dtype and not (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):  # oneDNN's op has no backward
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+            compute = self.compute_dtype or x.dtype
+            bias = None if self.bias is None else self.bias.to(compute)
+            y = torch.ops.mkldnn._linear_pointwise(x.to(compute), self.packed_weight(), bias, "none", [], "")
+            return y.to(x.dtype)  # (no copy when compute is x's dtype)
         return F.linear(x, self.dense_weight(), self.bias)
 
     packed_only = property(lambda self: self.weight.is_meta and self._packed is not None)  # W kept by oneDNN only
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in]: the parameter, or unpacked from oneDNN's copy once only that is kept."""
-        return self._packed[2].to_dense() if self.packed_only else self.weight
+        return self._packed[2].to_dense().to(self.weight.dtype) if self.packed_only else self.weight
 
     def keep_packed_only(self) -> None:
         """Pack W now and drop it (see the class docstring)."""
@@ -130,7 +137,7 @@ class PrepackedLinear(nn.Linear):
         weight = self.weight
         key = (weight._version, weight.data_ptr(), weight.dtype)
         if self._packed is None or self._packed[0] is not weight or self._packed[1] != key:
-            self._packed = (weight, key, pack_weight(weight))
+            self._packed = (weight, key, pack_weight(weight.to(self.compute_dtype or weight.dtype)))
         return self._packed[2]
 
 
@@ -138,7 +145,11 @@ VARIANTS = {"linear": nn.Linear, "weight_major": WeightMajorLinear, "prepacked":
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W [out, in] -> oneDNN's blocked copy for `torch.ops.mkldnn._linear_pointwise` (any row count)."""
+    """W [out, in] -> oneDNN's blocked copy for `torch.ops.mkldnn._linear_pointwise` (any row count).
+    A ValueError naming the missing CPU feature where oneDNN cannot pack W's dtype (cpu_caps)."""
+    if weight.dtype == torch.bfloat16 and not cpu_caps().onednn_bf16_prepack:
+        raise ValueError(f"oneDNN packs {weight.dtype} linear weights only on CPUs with AVX512 (BW, VL, DQ) or "
+                         f"AVX-NE-CONVERT; this one is {cpu_caps().describe()}: compute in float32 instead")
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
@@ -189,9 +200,8 @@ def set_cpu_matmul(model: nn.Module, name: str) -> None:
 
 
 def native_cpu_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls natively (AVX512-BF16 or AMX, through oneDNN)."""
-    flags = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(f is not None and f() for f in flags)
+    """Whether this CPU runs bf16 matmuls natively (AVX512-BF16 or AMX, through oneDNN; fast/cpu_caps.py)."""
+    return cpu_caps().native_bf16
 
 
 def cpu_matmul_candidates(dtype: torch.dtype) -> tuple[str, ...]:
@@ -238,7 +248,8 @@ def time_cpu_matmuls(model: nn.Module, names: tuple[str, ...], rows: tuple[int, 
 
 
 def machine_key(model: nn.Module, dtype: torch.dtype) -> str:
-    """What the timing depends on: this CPU, torch, the thread count, the dtype and the weights' shapes."""
+    """What the timing depends on: this CPU (and the level it is decided as), torch, the thread count, the
+    dtype and the weights' shapes."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -247,7 +258,7 @@ def machine_key(model: nn.Module, dtype: torch.dtype) -> str:
         pass
     shapes = sorted({tuple(m.weight.shape) for _, _, m in linear_slots(model)})
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
-    return f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}|{digest}"
+    return f"{cpu}|{cpu_caps().level}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}|{digest}"
 
 
 def use_cpu_fast_paths(model: nn.Module, dtype: torch.dtype, device: torch.device, prefer: str | None = None,

@@ -15,6 +15,10 @@ What torch's CPU kernels do (measured, docs/cpu-performance.md), and what is don
   bits for every M >= 2 tested (2..600, bf16 and fp32, with and without bias, any position of the
   row), but a 1-row input takes another path on some shapes (e.g. 2048 x 1536). So every linear
   layer runs prepacked, and a 1-row input is padded with a row of zeros (RowInvariantLinear).
+* oneDNN packs a bf16 weight only on CPUs with AVX512 (or AVX-NE-CONVERT; fast/cpu_caps.py). On
+  the others (AVX2 only) a bf16 target's layers keep an fp32 packed copy and compute in fp32:
+  the input row is widened and the output row rounded to bf16 one row at a time, so the result
+  is still the same bits for every row count (and closer to exact than bf16 compute).
 * The reference attention backend computes a decode row and a verification row with matmuls of
   different shapes: the target runs the invariant backend (model/invariant_attention.py), whose
   reductions depend on a row's own context length only.
@@ -31,6 +35,7 @@ import torch
 from torch import nn
 
 from ..model.attention import AttentionBackend
+from .cpu_caps import cpu_caps
 from .cpu_linear import PrepackedLinear, as_variant, linear_slots
 
 ROW_INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
@@ -54,6 +59,12 @@ def check_row_invariant(device: torch.device, dtype: torch.dtype) -> None:
         raise ValueError(f"row_invariant=True covers float32 and bfloat16 (oneDNN's linear), not {dtype}")
 
 
+def invariant_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a row-invariant layer of a `dtype` model computes in on this CPU: its own, or fp32
+    for bf16 where oneDNN cannot pack bf16 weights (module docstring)."""
+    return torch.float32 if dtype == torch.bfloat16 and not cpu_caps().onednn_bf16_prepack else dtype
+
+
 def make_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
     """Make a (target) Transformer row-invariant in place and return it: every nn.Linear becomes a
     RowInvariantLinear (keeping only oneDNN's copy of a weight nobody else holds), attention runs
@@ -69,12 +80,17 @@ def make_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
         model.cpu_matmul = "prepacked"
         return model
     check_row_invariant(model.device, model.dtype)
+    compute = invariant_compute_dtype(model.dtype)
     shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     for parent, attr, child in linear_slots(model):
-        if isinstance(child, PrepackedLinear):
+        if isinstance(child, PrepackedLinear) and (child.compute_dtype or child.weight.dtype) == compute:
             child.__class__ = RowInvariantLinear  # keeps its packed copy (and a packed-only layer stays so)
             continue
+        if isinstance(child, PrepackedLinear):
+            child.restore_dense()  # (packed in another dtype: W back before it is packed again)
         module = as_variant(child, RowInvariantLinear)
+        if compute != module.weight.dtype:
+            module.compute_dtype = compute
         if id(module.weight) not in shared:
             module.keep_packed_only()
         setattr(parent, attr, module)
