@@ -184,34 +184,48 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
 
 
-def calibrate_dtype(target_path: Path, k: int, reps: int = 5) -> tuple[torch.dtype, dict, str]:
-    """'auto' on CPU, decided by measurement: load the target in fp32 and in bf16 and time, in
-    alternation, a 1-token forward (a decode step) and a (k+1)-token forward (a verification),
-    cache-free (the weights' matmuls, which dominate a step on CPU, are the same);
-    pick the dtype whose verification is faster: the cost of every speculative step, and what
-    decides the speedup the bench measures. Both times are reported, since the other dtype may
-    decode faster without speculation (the README says where). Whether bf16 is fast depends on
-    the CPU (native on AVX512-BF16 / AMX through oneDNN, emulated elsewhere) and whether fp32
-    verification is flat on how its matmuls run, so neither is assumed.
-    Returns (dtype, the loaded (model, tokenizer), a report line)."""
+def calibrate_dtype(target_path: Path, rows: int, invariant: bool, reps: int = 5) -> tuple[torch.dtype, tuple, str]:
+    """'auto' on CPU, decided by measurement: load the target in fp32 and in bf16, each on the path
+    the bench will run it on (row-invariant when `invariant`: on a CPU without bf16 prepacking
+    that path computes in fp32 whatever the dtype, fast/row_invariant.py), and time, in
+    alternation, a 1-token forward (a decode step) and a `rows`-token forward (the largest
+    verification the plan's rows run), cache-free (the weights' matmuls, which dominate a step on
+    CPU, are the same). Pick the dtype whose verification is faster: the cost of every speculative
+    step, and what decides the speedup the bench measures. Both times are reported, since the other
+    dtype may decode faster without speculation. Whether bf16 is fast depends on the CPU (native on
+    AVX512-BF16 / AMX through oneDNN, emulated elsewhere: fast/cpu_caps.py) and how its matmuls
+    run, so neither is assumed. Returns (dtype, the loaded (model, tokenizer), a report line)."""
     from minispec import BatchMetadata, load_checkpoint
+    from minispec.fast.row_invariant import make_row_invariant
 
     candidates = {dt: load_checkpoint(target_path, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+    if invariant:
+        for model, _ in candidates.values():
+            make_row_invariant(model)
     times: dict[tuple, list[float]] = {}
     with torch.inference_mode():
         for _ in range(reps + 1):  # the first pass warms up
             for dt, (model, _) in candidates.items():
-                for n in (1, k + 1):
+                for n in (1, rows):
                     ids = torch.arange(3, 3 + n)  # n new tokens: the matmuls of a step, which dominate it
                     t0 = time.perf_counter()
                     model(ids, BatchMetadata.for_prompts([len(ids)]))
                     times.setdefault((dt, n), []).append(time.perf_counter() - t0)
     median = {key: statistics.median(ts[1:]) for key, ts in times.items()}
-    best = min(candidates, key=lambda dt: median[(dt, k + 1)])
-    report = "dtype auto: " + "; ".join(
-        f"{dtype_name(dt)} decode {median[(dt, 1)] * 1e3:.0f} ms, verify k+1={k + 1} {median[(dt, k + 1)] * 1e3:.0f} ms"
+    best = min(candidates, key=lambda dt: median[(dt, rows)])
+    path = " (row-invariant path)" if invariant else ""
+    report = f"dtype auto{path}: " + "; ".join(
+        f"{dtype_name(dt)} decode {median[(dt, 1)] * 1e3:.0f} ms, verify {rows} rows {median[(dt, rows)] * 1e3:.0f} ms"
         for dt in candidates) + f" -> {dtype_name(best)} (faster verification)"
     return best, candidates[best], report
+
+
+def verify_rows(p: dict) -> int:
+    """The most rows one request's verification feeds in the plan: a chain's k + 1, a tree's nodes + 1
+    (adaptive rows run up to --adaptive-k, but mostly stop far earlier: left out)."""
+    chains = [k + 1 for k in p["ks"] + p["eagle_ks"]]
+    return max(chains + [n + 1 for n in p["tree_budgets"] if any(d.removesuffix("+lookup") in TREE_DRAFTERS
+                                                                   for d in p["drafters"])])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -388,16 +402,23 @@ def step_time(arm: Arm) -> float:
 
 
 def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[int]]], label: str,
-                  progress: bool) -> None:
+                  progress: bool, groups_after: int = 0) -> None:
     """Round r: baseline, the arms (order rotated by r), baseline; each arm's ratio is its tok/s
     over the mean tok/s of the round's two baseline runs, its decode ratio the mean of the two
     baseline runs' TPOT over its own (minispec arms). Fills each arm's `runs`, `ratios` and
-    `decode_ratios`."""
+    `decode_ratios`. Progress: a bar on a terminal, else one line a round with the time left
+    (this group's rounds at the pace so far, and `groups_after` more groups like it)."""
     from tqdm import tqdm
 
     total = len(prompt_slices) * (len(arms) + 2)
+    start = time.perf_counter()
     with tqdm(total=total, desc=label, unit="run", disable=not progress, leave=False, file=sys.stderr) as bar:
         for r, prompts in enumerate(prompt_slices):
+            if r and not progress:
+                per_round = (time.perf_counter() - start) / r
+                left = per_round * (len(prompt_slices) - r + groups_after * len(prompt_slices))
+                log(f"{label}: {r} of {len(prompt_slices)} rounds done, {per_round:.0f}s a round; "
+                    f"about {left / 60:.1f} min left" + (f" ({groups_after} more groups)" if groups_after else ""))
             order = arms[r % len(arms):] + arms[: r % len(arms)] if arms else []
             before = baseline.run(prompts)
             bar.update()
@@ -889,7 +910,7 @@ def main(argv=None) -> dict:
         dtype = torch.bfloat16
         target = load_checkpoint(target_path, dtype=dtype)
     else:
-        dtype, target, dtype_note = calibrate_dtype(target_path, max(p["ks"]))
+        dtype, target, dtype_note = calibrate_dtype(target_path, verify_rows(p), args.row_invariant == "on")
         log(dtype_note)
     matmul = getattr(target[0], "cpu_matmul", None)  # the CPU Linear entry point the loader timed fastest
     log(f"device={device} dtype={dtype_name(dtype)}{f' matmul={matmul}' if matmul else ''} target={target_path} draft={draft_path}")
@@ -918,7 +939,7 @@ def main(argv=None) -> dict:
     divergences: set[tuple] = set()
     quantized_divergences: set[tuple] = set()
     peer_rows: list[Row] = []
-    for mode, bs in p["groups"]:
+    for group, (mode, bs) in enumerate(p["groups"]):
         params = modes[mode]
         # Round r's prompts: bs consecutive prompts, wrapping around a short prompt file.
         slices = [[prompts[(r * bs + i) % len(prompts)] for i in range(bs)] for r in range(p["rounds"])]
@@ -943,7 +964,7 @@ def main(argv=None) -> dict:
                                     prompts[0], p["all_peers"])
             arms += hf
         t0 = time.perf_counter()
-        paired_rounds(baseline, arms, slices, f"{mode} bs={bs}", progress)
+        paired_rounds(baseline, arms, slices, f"{mode} bs={bs}", progress, len(p["groups"]) - group - 1)
         log(f"{mode}, batch {bs}: {len(arms)} arms x {p['rounds']} rounds in {time.perf_counter() - t0:.1f}s")
         # One request's share of a baseline decode step: the unit of the verify and draft costs.
         base_step_s = step_time(baseline)

@@ -335,13 +335,25 @@ def test_divergence_check_tells_rounding_ties_from_mismatches(tiny_llama):
     assert "rounding ties" in bench.correctness_line([(0, 3, 0.0)], [], torch.bfloat16)
 
 
-def test_dtype_auto_on_cpu_is_decided_by_timing(tiny_llama):
-    """calibrate_dtype times fp32 and bf16 decode and verification forwards and returns the model
-    loaded in the dtype it names, with both timings in its report."""
-    dtype, (model, _), report = bench.calibrate_dtype(tiny_llama, k=2, reps=2)
+@pytest.mark.parametrize("invariant", [False, True])
+def test_dtype_auto_on_cpu_is_decided_by_timing(tiny_llama, invariant):
+    """calibrate_dtype times fp32 and bf16 decode and verification forwards on the path the bench
+    will run (row-invariant or not) and returns the model loaded in the dtype it names, on that
+    path, with both timings in its report."""
+    dtype, (model, _), report = bench.calibrate_dtype(tiny_llama, rows=6, invariant=invariant, reps=2)
     assert dtype in (torch.float32, torch.bfloat16) and model.embed_tokens.weight.dtype == dtype
-    assert report.startswith("dtype auto: float32 decode") and "bfloat16 decode" in report
+    assert model.row_invariant == invariant
+    head = "dtype auto (row-invariant path): " if invariant else "dtype auto: "
+    assert report.startswith(head + "float32 decode") and "bfloat16 decode" in report and "verify 6 rows" in report
     assert report.endswith(f"-> {bench.dtype_name(dtype)} (faster verification)")
+
+
+def test_the_dtype_is_timed_at_the_plans_largest_verification():
+    """The default CPU plan verifies a chain of 4 (5 rows) and a tree of 5 nodes (6 rows): 6 rows are
+    timed, not the draft model's k=2 (which the default run does not bench)."""
+    p = bench.plan(bench.parse_args([]), gpu=False)
+    assert bench.verify_rows(p) == 6
+    assert bench.verify_rows(bench.plan(bench.parse_args(["--drafters", "eagle", "--eagle-ks", "7"]), gpu=False)) == 8
 
 
 def test_categories_select_prompts_and_an_unknown_one_is_named(tiny_llama, tmp_path):
