@@ -11,7 +11,10 @@ Invariants taught here:
   keys made of a page's own tokens (not its chain: another prefix's K/V served); a rollback into
   a registered page is refused by name;
 * through the engine: outputs with prefix caching equal those without, token for token and logprob
-  for logprob (row-invariant target), for every drafter, greedy and seeded, with preemption too.
+  for logprob (row-invariant target), for every drafter, greedy and seeded, with preemption too;
+* a preempted request readmitted onto pages an identical one (a client's retry) cached up to its
+  newest token starts over in its drafter too: nothing the drafter remembered from before points
+  below those shared pages.
 """
 
 from __future__ import annotations
@@ -218,8 +221,19 @@ DRAFTERS = {
 
 
 def draft_for(drafter: str, draft_path, eagle_path) -> str | None:
-    """LLM's draft_model for a DRAFTERS name: none, n-gram, the EAGLE head or the draft model."""
-    return {"plain": None, "ngram": "ngram", "eagle": str(eagle_path), "eagle-tree": str(eagle_path)}.get(drafter, str(draft_path))
+    """LLM's draft_model for a DRAFTERS (or RETRY_DRAFTERS) name: none, n-gram, the EAGLE head or
+    the draft model."""
+    eagle = str(eagle_path)
+    named = {"plain": None, "ngram": "ngram", "eagle": eagle, "eagle-tree": eagle, "eagle-lookup": eagle}
+    return named.get(drafter, str(draft_path))
+
+
+def kv_gib_for(num_pages: int, target, draft, page_size: int, options: dict) -> float:
+    """The kv_cache_gib that gives each of the engine's pools about num_pages pages of page_size
+    tokens (the budget is split between the pools by their bytes per token)."""
+    probe = LLM(target, draft_model=draft, kv_cache_gib=0.02, page_size=page_size, **options)
+    per_page = sum(KVCache.bytes_per_page(r.model.cfg, page_size, r.model.dtype) for r, _ in probe.engine.runners)
+    return per_page * num_pages / 2**30
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
@@ -240,8 +254,7 @@ def test_outputs_with_prefix_caching_equal_those_without(tiny_llama, tiny_llama_
     def run(caching: bool):
         budget = 0.02
         if mode == "preemption":  # 20 pages of 8 tokens in each pool: too few for all four at once
-            probe = LLM(target, draft_model=draft, kv_cache_gib=0.02, page_size=8, **DRAFTERS[drafter])
-            budget = sum(KVCache.bytes_per_page(r.model.cfg, 8, r.model.dtype) for r, _ in probe.engine.runners) * 21 / 2**30
+            budget = kv_gib_for(21, target, draft, 8, DRAFTERS[drafter])
         llm = LLM(target, draft_model=draft, row_invariant=True, kv_cache_gib=budget, page_size=8,
                   enable_prefix_caching=caching, **DRAFTERS[drafter])
         first = llm.generate(prompts[:2], params)
@@ -256,3 +269,42 @@ def test_outputs_with_prefix_caching_equal_those_without(tiny_llama, tiny_llama_
         assert llm.last_metrics.num_preemptions > 0
     if drafter != "plain":  # drafting after a hit goes on as without it (an EAGLE head: from the shared pages of its own pool)
         assert llm.last_metrics.num_drafted >= 0.8 * plain_llm.last_metrics.num_drafted > 0
+
+
+RETRY_DRAFTERS = {**DRAFTERS, "eagle-lookup": DRAFTERS["lookup"]}  # lookup in front of the EAGLE head as well
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("drafter", list(RETRY_DRAFTERS))
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_a_preempted_retry_readmitted_onto_its_twins_pages_finishes(tiny_llama, tiny_llama_draft, tiny_llama_eagle,
+                                                                    drafter, page_size, monkeypatch):
+    """Client retries: one prompt four times, greedy, in pools of about 40 small pages, too few
+    for all four, with prefix caching (`minispec serve`'s default). A preempted copy comes back
+    to find its twins' pages cached up to its newest token, so nothing of it is fed again before
+    its step. What its drafter knew about the pages it lost must go with them: an EAGLE head's
+    pending features, if kept over the preemption, send its rollback below the shared pages
+    ("would cut into a registered page"), failing every request of the step. Every copy
+    finishes, with the tokens of a run without caching or preemption."""
+    target = load_checkpoint(tiny_llama, dtype="float32")
+    draft, options = draft_for(drafter, tiny_llama_draft, tiny_llama_eagle), RETRY_DRAFTERS[drafter]
+    prompt = torch.randint(2, target[0].cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = LLM(target, draft_model=draft, row_invariant=True, kv_cache_gib=0.02, page_size=page_size, **options)
+    expected = alone.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    attach, onto_twin = PrefixCache.attach, []
+
+    def recording(cache, seq):  # readmissions that find cached pages up to the newest token
+        hit = attach(cache, seq)
+        if seq.num_preemptions and hit == len(seq) - 1:
+            onto_twin.append(seq.request_id)
+        return hit
+
+    monkeypatch.setattr(PrefixCache, "attach", recording)
+    llm = LLM(target, draft_model=draft, row_invariant=True, page_size=page_size,
+              kv_cache_gib=kv_gib_for(40, target, draft, page_size, options), enable_prefix_caching=True, **options)
+    outputs = llm.generate([prompt] * 4, params, use_tqdm=False)
+    assert onto_twin, "no preempted copy came back onto its twins' pages: the case is not exercised"
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * 4
+    assert [o.outputs[0].token_ids for o in outputs] == [expected] * 4
