@@ -10,9 +10,11 @@ pool), so a step never runs out of pages half-way.
 When a pool runs dry, the most recently admitted sequence is preempted: its pages are freed and
 it goes back to the front of the queue, to be recomputed from its tokens when pages free up (its
 output so far is kept, and its random generator carries on, so the preemption does not change
-what it samples). A step that preempted admits nobody new, so freed pages go to the survivors
-instead of to a newcomer that would be preempted again next step. The oldest running sequence
-is never preempted by a younger one, so it always progresses and nothing livelocks.
+what it samples). Its drafter's state (`seq.draft_state`) goes with its pages: it described
+them, and the pages the sequence gets back (recomputed, or shared from the prefix cache up to
+its newest token) are others. A step that preempted admits nobody new, so freed pages go to the
+survivors instead of to a newcomer that would be preempted again next step. The oldest running
+sequence is never preempted by a younger one, so it always progresses and nothing livelocks.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
+        seq.draft_state = None  # the drafter starts over, as with a new sequence (module docstring)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)  # victims go newest-first to the front: the oldest leads
         seq.num_preemptions += 1

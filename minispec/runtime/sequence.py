@@ -38,7 +38,9 @@ class Sequence:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.target_table = BlockTable(page_size)  # K/V of this sequence in the target's pool
         self.draft_table = BlockTable(page_size)  # ... and in the draft model's (or EAGLE head's) pool
-        self.draft_state = None  # a drafter's own per-sequence data (the EAGLE drafter: pending target features)
+        # A drafter's own per-sequence data (the EAGLE drafter: pending target features); None on
+        # arrival and again after a preemption, which frees the pages it describes (scheduler.py).
+        self.draft_state = None
         self.status = Status.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (vLLM's, see outputs.py)
         self.stop_reason: int | str | None = None  # the stop string that ended it (None for EOS)
