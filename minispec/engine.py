@@ -155,8 +155,8 @@ class LLMEngine:
         if not seqs:
             return []
         k = self.load.choose(len(seqs)) if self.load is not None else self.k
-        if self.chunk_budget is not None:  # prompts that do not fit this step's budget: a chunk each, then sit it out
-            chunks = plan_chunks(seqs, self.chunk_budget, self.scheduler.tree_slots or k, self.target.cache.page_size)
+        if self.chunk_budget is not None:  # what does not fit this step's budget sits it out, a prompt fed a chunk
+            chunks = plan_chunks(seqs, self.chunk_budget, self.scheduler.tree_slots or k)
             if chunks:
                 feed_chunks(seqs, chunks, self.target, self.drafter, self.times)
                 seqs = [s for i, s in enumerate(seqs) if i not in chunks]

@@ -3,10 +3,13 @@ the sequences in flight keep decoding.
 
 Invariants taught here:
 * a decoding request gets tokens every step while a prompt 10x the step's budget is prefilled, and
-  no target forward feeds more than the budget (plus the step's own drafts);
+  no step feeds the target more than the budget: prompt tokens, continuing chunks, verification
+  rows and their drafts all count, however many long prompts arrive at once;
 * outputs with chunked prefill equal those without, token for token and logprob for logprob (the
   target row-invariant), for every drafter, greedy and seeded, with prefix caching too;
-* the plan: sequences that fit run the step, the others get what is left (never their newest token).
+* the plan: in admission order, what fits runs the step; a prompt that does not fit gets what is
+  left (never its newest token), and the rest sit the step out; a budget that cannot hold one
+  verification row is refused (the oldest sequence always steps).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from minispec import LLM, SamplingParams, load_checkpoint
+from minispec.engine import LLMEngine
 from minispec.runtime.chunked_prefill import plan_chunks
 from minispec.runtime.kv_cache import BlockTable
 from test_prefix_cache import DRAFTERS, draft_for
@@ -31,12 +35,47 @@ class Planned:
         return self.length
 
 
-def test_the_plan_runs_what_fits_and_chunks_the_rest():
+def fed_per_step(engine: LLMEngine, runner) -> list[int]:
+    """Count the tokens fed to runner in each engine step from now on (every forward of the step:
+    chunks, verifications, a drafter's forwards): returns the list the steps append to."""
+    fed: list[int] = []
+    step, forward = engine.step, runner.forward
+
+    def counting_step():
+        fed.append(0)
+        return step()
+
+    def counting_forward(feeds, **kwargs):
+        fed[-1] += sum(len(f.tokens) for f in feeds)
+        return forward(feeds, **kwargs)
+
+    engine.step, runner.forward = counting_step, counting_forward
+    return fed
+
+
+def long_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 300, (length + i,), generator=g).tolist() for i in range(n)]
+
+
+def test_the_plan_runs_what_fits_chunks_a_prompt_and_holds_the_rest_back():
     seqs = [Planned(40, 39), Planned(30, 0), Planned(100, 0), Planned(9, 0), Planned(7, 6)]
-    # budget 50, k = 2: the decode takes 3, the 30-token prompt 32; the 100-token one gets the 15 left,
-    # the 9-token one the minimum chunk of 8 (never its newest token); a decode always runs
-    assert plan_chunks(seqs, 50, 2, 8) == {2: 15, 3: 8}
-    assert plan_chunks([Planned(100, 96)], 2, 0, 8) == {0: 3}  # what is left but the newest token
+    # budget 50, k = 2: the decode takes 3, the 30-token prompt 32; the 100-token one gets the 15
+    # left; then nothing is left: the 9-token prompt and the decode behind it sit the step out
+    assert plan_chunks(seqs, 50, 2) == {2: 15, 3: 0, 4: 0}
+    assert plan_chunks(seqs, 200, 2) == {}  # all fit: 3 + 32 + 102 + 11 + 3
+    assert plan_chunks([Planned(100, 96)], 2, 0) == {0: 2}  # a chunk below a page when that is what is left
+    assert plan_chunks([Planned(100, 97)], 8, 6) == {0: 2}  # never the newest token (the 3 with 6 drafts: 9)
+    assert plan_chunks([Planned(10, 9), Planned(100, 0)], 3, 2) == {1: 0}  # a verification row fills the budget
+
+
+def test_a_budget_below_one_verification_row_is_refused(tiny_llama, tiny_llama_draft):
+    """The oldest sequence must always be able to step, or the engine would wait forever: with
+    chunked prefill the budget holds at least one sequence's newest token and its k drafts."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens=3 cannot hold one sequence's verification step of 4"):
+        LLM(str(tiny_llama), draft_model=str(tiny_llama_draft), num_speculative_tokens=3, kv_cache_gib=0.02,
+            enable_chunked_prefill=True, max_num_batched_tokens=3)
+    LLM(str(tiny_llama), kv_cache_gib=0.02, enable_chunked_prefill=True, max_num_batched_tokens=1)  # plain decoding: 1
 
 
 def test_a_decode_goes_on_while_a_long_prompt_is_prefilled(tiny_llama):
@@ -64,6 +103,23 @@ def test_a_decode_goes_on_while_a_long_prompt_is_prefilled(tiny_llama):
     assert steps >= 10 and max(fed) <= 24
 
 
+@pytest.mark.parametrize("budget", [32, 100])
+def test_a_burst_of_long_prompts_never_feeds_a_step_past_the_budget(tiny_llama, budget):
+    """Many prompts longer than the budget at once (serve's burst): every step feeds the target
+    at most max_num_batched_tokens, though several prompts are mid-chunk, and every request
+    completes."""
+    llm = LLM(str(tiny_llama), kv_cache_gib=0.05, enable_chunked_prefill=True, max_num_batched_tokens=budget)
+    engine = llm.engine
+    fed = fed_per_step(engine, engine.target)
+    length = 90  # past either budget: several prompts are admitted while others are mid-chunk
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in long_prompts(16, length)]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(s.output_ids) == 3 for s in seqs)
+    assert max(fed) <= budget, f"steps fed {sorted(fed)[-5:]} tokens, budget {budget}"
+
+
 @pytest.mark.parametrize("drafter", [d for d in DRAFTERS if d != "ngram"])
 @pytest.mark.parametrize("mode", ["greedy", "seeded", "prefix-cached"])
 def test_outputs_with_chunked_prefill_equal_those_without(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter, mode):
@@ -79,10 +135,12 @@ def test_outputs_with_chunked_prefill_equal_those_without(tiny_llama, tiny_llama
         llm = LLM(target, draft_model=draft, row_invariant=True, kv_cache_gib=0.02, page_size=8,
                   enable_chunked_prefill=chunked, max_num_batched_tokens=16 if chunked else 8192,
                   enable_prefix_caching=mode == "prefix-cached", **DRAFTERS[drafter])
-        return llm, llm.generate(prompts[:1], params) + llm.generate(prompts, params)
+        fed = fed_per_step(llm.engine, llm.engine.target)
+        return llm, llm.generate(prompts[:1], params) + llm.generate(prompts, params), fed
 
-    _, plain = run(False)
-    llm, chunked = run(True)
+    _, plain, _ = run(False)
+    llm, chunked, fed = run(True)
     assert_same_outputs(plain, chunked)
+    assert max(fed) <= 16  # (a tree's rows of 6 let two sequences step at a time: the others wait their turn)
     if draft is not None:
         assert llm.last_metrics.num_drafted > 0

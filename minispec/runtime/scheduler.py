@@ -1,8 +1,11 @@
 """Continuous batching: which sequences run in the next step.
 
 Every step, running sequences keep their place, and waiting ones are admitted in arrival order
-while there are free slots (`max_num_seqs`), room in the prefill token budget
-(`max_num_batched_tokens`) and KV pages. A finished sequence frees its slot and pages at once,
+while there are free slots (`max_num_seqs`), room in the step's token budget
+(`max_num_batched_tokens`) and KV pages. Without chunked prefill the budget counts the prompts
+admitted in the step (one longer than all of it is admitted when nothing else runs); with it,
+every token the step feeds the target (`step_feed`: the running sequences' too), so a newcomer is
+admitted only while the running ones leave some of it (runtime/chunked_prefill.py splits it). A finished sequence frees its slot and pages at once,
 so a waiting one joins on the very next step. Before a step each running sequence reserves the
 pages the step may write (`step_tokens`: its tokens plus the drafts it may get, in every model's
 pool), so a step never runs out of pages half-way.
@@ -35,6 +38,10 @@ class Scheduler:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1, "
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
+        row = 1 + (tree_slots or k)  # one sequence's verification: its newest token and its drafts
+        if chunked_prefill and max_num_batched_tokens < row:  # (else the oldest could never step: a hang)
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one sequence's verification "
+                             f"step of {row} tokens (its newest token and {row - 1} draft slots): raise it to {row} or more")
         self.runners = runners  # (runner, "target" | "draft"): the pools every sequence needs pages in
         self.k = k
         self.tree_slots = tree_slots  # a tree drafter's: the slots one step writes past the sequence
@@ -60,6 +67,11 @@ class Scheduler:
         if self.tree_slots:
             return len(seq) + (self.tree_slots if seq.remaining > 1 else 0)
         return len(seq) + max(0, min(self.k, seq.remaining - 1))
+
+    def step_feed(self, seq: Sequence) -> int:
+        """The most tokens the next step feeds the target for seq: its uncached tokens (a prompt,
+        or a decode's newest token) plus the drafts it may get, what chunked prefill budgets."""
+        return self.step_tokens(seq) - seq.target_table.num_cached
 
     def _reserve(self, seq: Sequence) -> bool:
         """Reserve pages for one step of seq in every pool. On failure, pages already reserved
@@ -101,6 +113,8 @@ class Scheduler:
         if preempted and scheduled:
             return scheduled
         budget = self.max_num_batched_tokens
+        if self.chunked_prefill:  # the running sequences come first, a prompt mid-chunk with all it has left
+            budget -= sum(self.step_feed(s) for s in scheduled)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if (budget <= 0 if self.chunked_prefill else len(seq) > budget) and scheduled:
@@ -119,7 +133,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
-            budget -= len(seq) - hit  # (a prefix cache hit is not fed)
+            budget -= self.step_feed(seq) if self.chunked_prefill else len(seq) - hit  # (a prefix cache hit is not fed)
         return scheduled
 
     def finish(self, seq: Sequence) -> None:
