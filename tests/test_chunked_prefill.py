@@ -7,6 +7,7 @@ Invariants taught here:
   rows and their drafts all count, however many long prompts arrive at once;
 * outputs with chunked prefill equal those without, token for token and logprob for logprob (the
   target row-invariant), for every drafter, greedy and seeded, with prefix caching too;
+* a draft model's prompt follows the target's chunks, so a chain step feeds it no more than the budget;
 * the plan: in admission order, what fits runs the step; a prompt that does not fit gets what is
   left (never its newest token), and the rest sit the step out; a budget that cannot hold one
   verification row is refused (the oldest sequence always steps).
@@ -120,6 +121,23 @@ def test_a_burst_of_long_prompts_never_feeds_a_step_past_the_budget(tiny_llama, 
     assert max(fed) <= budget, f"steps fed {sorted(fed)[-5:]} tokens, budget {budget}"
 
 
+def test_a_draft_model_is_fed_its_prompt_in_the_targets_chunks(tiny_llama, tiny_llama_draft):
+    """A chain's draft model keeps the budget too: its prompt comes in the same chunks as the
+    target's (its later forwards catch up one or two tokens and feed one per draft), so no step
+    feeds it more than max_num_batched_tokens."""
+    llm = LLM(str(tiny_llama), draft_model=str(tiny_llama_draft), num_speculative_tokens=3, kv_cache_gib=0.05,
+              enable_chunked_prefill=True, max_num_batched_tokens=16)
+    engine = llm.engine
+    draft_runner = engine.runners[1][0]
+    target_fed, draft_fed = fed_per_step(engine, engine.target), fed_per_step(engine, draft_runner)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in long_prompts(2, 240)]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(s.output_ids) == 8 for s in seqs) and llm.engine.drafter.runner is draft_runner
+    assert max(target_fed) <= 16 and max(draft_fed) <= 16, (max(target_fed), max(draft_fed))
+
+
 @pytest.mark.parametrize("drafter", [d for d in DRAFTERS if d != "ngram"])
 @pytest.mark.parametrize("mode", ["greedy", "seeded", "prefix-cached"])
 def test_outputs_with_chunked_prefill_equal_those_without(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter, mode):
@@ -135,12 +153,14 @@ def test_outputs_with_chunked_prefill_equal_those_without(tiny_llama, tiny_llama
         llm = LLM(target, draft_model=draft, row_invariant=True, kv_cache_gib=0.02, page_size=8,
                   enable_chunked_prefill=chunked, max_num_batched_tokens=16 if chunked else 8192,
                   enable_prefix_caching=mode == "prefix-cached", **DRAFTERS[drafter])
-        fed = fed_per_step(llm.engine, llm.engine.target)
+        fed = [fed_per_step(llm.engine, runner) for runner, _ in llm.engine.runners]  # target's, draft's
         return llm, llm.generate(prompts[:1], params) + llm.generate(prompts, params), fed
 
     _, plain, _ = run(False)
     llm, chunked, fed = run(True)
     assert_same_outputs(plain, chunked)
-    assert max(fed) <= 16  # (a tree's rows of 6 let two sequences step at a time: the others wait their turn)
+    assert max(fed[0]) <= 16  # (a tree's rows of 6 let two sequences step at a time: the others wait their turn)
+    if drafter == "draft":  # a chain's draft model too (module docstring of runtime/chunked_prefill.py)
+        assert max(fed[1]) <= 16
     if draft is not None:
         assert llm.last_metrics.num_drafted > 0

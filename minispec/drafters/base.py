@@ -8,6 +8,9 @@ distribution q each was drawn from. `speculative_step` calls exactly these metho
                                                was fed (only for a drafter with `target_layers`)
     rollback(seqs)                             after it: forget what the target rejected
 
+and, outside the step, `feed_prompt(seqs, ends)` after the target was fed a chunk of each prompt
+(runtime/chunked_prefill.py; `observe` then has its features already).
+
 `target_layers` names the target layers whose input residual stream the drafter reads (an
 EAGLE-3 head); for every other drafter it is empty and the target computes no features.
 
@@ -73,6 +76,11 @@ class Drafter:
 
     def rollback(self, seqs: list[Sequence]) -> None:
         """Forget draft state past each sequence's accepted tokens."""
+
+    def feed_prompt(self, seqs: list[Sequence], ends: list[int]) -> None:
+        """The target was just fed a chunk of each sequence's prompt, up to position ends[b]
+        (exclusive): a drafter that caches the tokens themselves may feed them now, so that its
+        prefill comes in the same chunks as the target's. Nothing is drafted."""
 
 
 class NoDrafter(Drafter):

@@ -3,7 +3,8 @@ paged KV cache, drafting token by token (the loop is `AutoregressiveDrafter.prop
 
 The draft's first forward of a step catches up on the tokens it has not cached (the whole prompt
 at first, then the 1 or 2 tokens the last step accepted past its drafts); each later forward feeds
-the token it just drafted. Its q lives on the target's vocabulary: a draft whose embedding is
+the token it just drafted. A prompt fed to the target in chunks (runtime/chunked_prefill.py) is fed
+to the draft in the same chunks (`feed_prompt`), so its first step catches up on its newest token only. Its q lives on the target's vocabulary: a draft whose embedding is
 padded to another size (the same tokenizer) has its extra columns dropped and missing ones get
 q = 0, and a draft with a reduced vocabulary (reduced_vocab.py) scores its N tokens only.
 """
@@ -51,6 +52,13 @@ class ModelDrafter(AutoregressiveDrafter):
         if Vd < V:
             return torch.cat([logits, logits.new_full((logits.shape[0], V - Vd), float("-inf"))], dim=-1)
         return logits
+
+    def feed_prompt(self, seqs: list[Sequence], ends: list[int]) -> None:
+        """Cache the draft's K/V of each prompt up to position ends[b] (the logits are unused)."""
+        feeds = [Feed(s.draft_table, s.tokens[s.draft_table.num_cached : end])
+                 for s, end in zip(seqs, ends) if s.draft_table.num_cached < end]
+        if feeds:
+            self.runner.forward(feeds)
 
     def rollback(self, seqs: list[Sequence]) -> None:
         """Forget draft K/V past the accepted tokens (the newest token is fed next step)."""

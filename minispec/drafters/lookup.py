@@ -77,3 +77,6 @@ class LookupFirstDrafter(Drafter):
 
     def rollback(self, seqs: list[Sequence]) -> None:
         self.model_drafter.rollback(seqs)
+
+    def feed_prompt(self, seqs: list[Sequence], ends: list[int]) -> None:
+        self.model_drafter.feed_prompt(seqs, ends)

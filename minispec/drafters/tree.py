@@ -131,6 +131,9 @@ class TreeDrafter(Drafter):
     def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:
         self.head.observe(seqs, starts, num_fed, hidden)
 
+    def feed_prompt(self, seqs: list[Sequence], ends: list[int]) -> None:
+        self.head.feed_prompt(seqs, ends)
+
     def rollback(self, seqs: list[Sequence]) -> None:
         """Drop the fed frontiers' K/V (scratch), then the drafter's own rollback."""
         for s in seqs:

@@ -13,7 +13,11 @@ that token and gives its first logits. The oldest sequence always steps: the sch
 budget smaller than one verification row, so nothing waits forever.
 
 A drafter that reads the target's features (an EAGLE head) is handed those of every chunk, so it
-drafts from the sequence's first step on.
+drafts from the sequence's first step on; a draft model is fed each chunk too (`Drafter.feed_prompt`),
+so in a chain step it is fed no more than the target (a catch-up of one or two tokens, then one
+per later draft). Outside the budget: an EAGLE head's catch-up over the features it was handed
+(the whole prompt, when it first drafts), a draft model catching up on the tokens of steps that
+prompt lookup drafted, and the frontiers a draft tree feeds its drafter.
 
 Why the output stays exact: a chunk writes the K/V of the prompt's own tokens at their own
 positions, as the whole prefill would (with row_invariant=True bit for bit; otherwise computed in
@@ -47,7 +51,7 @@ def plan_chunks(seqs: list[Sequence], budget: int, k: int) -> dict[int, int]:
 def feed_chunks(seqs: list[Sequence], chunks: dict[int, int], target: ModelRunner, drafter: Drafter,
                 times: StepTimes) -> None:
     """One target forward over the planned chunks (their logits unused; a chunk of 0 is skipped),
-    and their features to a drafter that reads them. The
+    their features to a drafter that reads them, their tokens to one that caches tokens. The
     engine's catch-up of a recomputed sequence (engine.py) is such a chunk too: all but its newest token."""
     chunks = {i: n for i, n in chunks.items() if n > 0}
     if not chunks:
@@ -62,3 +66,5 @@ def feed_chunks(seqs: list[Sequence], chunks: dict[int, int], target: ModelRunne
             drafter.observe(chunked, starts, [len(f.tokens) for f in feeds], hidden)
         else:
             target.forward(feeds)
+    with times.timing("draft_s", target.device, also="draft_prefill_s"):  # (a cost of the first token, not of drafting)
+        drafter.feed_prompt(chunked, [start + len(f.tokens) for start, f in zip(starts, feeds)])
