@@ -65,7 +65,9 @@ class LLMEngine:
         allocators must be CachingAllocators); speculation_by_load: each step drafts the k that its
         batch size makes pay best, from measured step costs (runtime/speculation_by_load.py; chains);
         chunked_prefill: a prompt that does not fit a step's max_num_batched_tokens is fed in chunks
-        over several steps while the others decode (runtime/chunked_prefill.py)."""
+        over several steps while the others decode, and the budget bounds every token a step feeds
+        the target, drafts included (runtime/chunked_prefill.py); without it, the budget bounds the
+        prompt tokens a step admits (runtime/scheduler.py)."""
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDrafter()
