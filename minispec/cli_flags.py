@@ -40,7 +40,8 @@ def add_model_arguments(m) -> None:
     m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="share prompt prefixes' K/V (default: serve, chat)")
     m.add_argument("--speculation-by-load", action=argparse.BooleanOptionalAction, help="each step's k from measured costs (default: serve)")
     m.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, help="long prompts a chunk a step (default: serve)")
-    m.add_argument("--max-num-batched-tokens", type=int, help="tokens a step feeds the target at most, drafts included (512, with chunked prefill); "
-                   "without chunks, the prompt tokens a step admits (8192)")
+    m.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens a step feeds the target at most, drafts included (512, with chunked prefill); "
+                        "without chunks, the prompt tokens a step admits (8192)")
     m.add_argument("-c", "--ctx-size", "--max-model-len", type=int, dest="ctx_size", help="context length (prompt + answer)")
     m.add_argument("-t", "--threads", type=int, help="CPU threads (torch's default otherwise)")

@@ -5,10 +5,11 @@ while there are free slots (`max_num_seqs`), room in the step's token budget
 (`max_num_batched_tokens`) and KV pages. Without chunked prefill the budget counts the prompts
 admitted in the step (one longer than all of it is admitted when nothing else runs); with it,
 every token the step feeds the target (`step_feed`: the running sequences' too), so a newcomer is
-admitted only while the running ones leave some of it (runtime/chunked_prefill.py splits it). A finished sequence frees its slot and pages at once,
-so a waiting one joins on the very next step. Before a step each running sequence reserves the
-pages the step may write (`step_tokens`: its tokens plus the drafts it may get, in every model's
-pool), so a step never runs out of pages half-way.
+admitted only while the running ones leave some of it (runtime/chunked_prefill.py splits it).
+A finished sequence frees its slot and pages at once, so a waiting one joins on the very next
+step. Before a step each running sequence reserves the pages the step may write (`step_tokens`:
+its tokens plus the drafts it may get, in every model's pool), so a step never runs out of pages
+half-way.
 
 When a pool runs dry, the most recently admitted sequence is preempted: its pages are freed and
 it goes back to the front of the queue, to be recomputed from its tokens when pages free up (its
@@ -40,8 +41,9 @@ class Scheduler:
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
         row = 1 + (tree_slots or k)  # one sequence's verification: its newest token and its drafts
         if chunked_prefill and max_num_batched_tokens < row:  # (else the oldest could never step: a hang)
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one sequence's verification "
-                             f"step of {row} tokens (its newest token and {row - 1} draft slots): raise it to {row} or more")
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one sequence's "
+                             f"verification step of {row} tokens (its newest token and {row - 1} draft slots): "
+                             f"raise it to {row} or more")
         self.runners = runners  # (runner, "target" | "draft"): the pools every sequence needs pages in
         self.k = k
         self.tree_slots = tree_slots  # a tree drafter's: the slots one step writes past the sequence
