@@ -33,6 +33,7 @@ from minispec.fast.cpu_linear import (
     native_cpu_bf16,
     set_cpu_matmul,
 )
+from minispec.fast.cpu_caps import cpu_caps
 from minispec.io.eagle_checkpoint import load_eagle
 from minispec.sampling import warp_probs
 from minispec.speculative import greedy_verify, rejection_sample
@@ -82,6 +83,9 @@ def test_upcast_linear_equals_fp32_math_rounded(rows, bias, seed):
 
 
 needs_native_bf16 = pytest.mark.skipif(not native_cpu_bf16(), reason="oneDNN packs bf16 weights only on CPUs with native bf16")
+# The dtypes oneDNN packs on this CPU kind (fp32 everywhere; bf16 with AVX512 or AVX-NE-CONVERT), so the
+# packed-layer tests run on every kind, and under MINISPEC_CPU_ISA=avx2 take the AVX2 branch anywhere.
+PACKABLE = [torch.float32] + ([torch.bfloat16] if cpu_caps().onednn_bf16_prepack else [])
 
 
 def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
@@ -91,7 +95,7 @@ def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
     keeps F.linear untimed; $MINISPEC_CPU_MATMUL overrides where it applies, warns where it does
     not, and a name that is none of them is refused."""
     monkeypatch.delenv("MINISPEC_CPU_MATMUL", raising=False)
-    timed, seconds = [], {"linear": 2.0, "weight_major": 1.0, "prepacked": 1.0}
+    timed, seconds = [], {"linear": 2.0, "weight_major": 1.0, "prepacked": 2.5}
 
     def fake_time(model, names, **_):
         timed.append(names)
@@ -104,7 +108,7 @@ def test_loader_keeps_the_fastest_cpu_matmul_it_timed(tiny_llama, monkeypatch):
     assert fp32.cpu_matmul == "linear" and plan(fp32) == {torch.nn.Linear} and timed == []  # too small to time
     monkeypatch.setattr(cpu_linear, "TIMED_BYTES", 0)
     fp32, _ = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
-    assert timed == [("linear", "weight_major")] and fp32.cpu_matmul == "weight_major"
+    assert timed == [("linear", "weight_major", "prepacked")] and fp32.cpu_matmul == "weight_major"
     assert plan(fp32) == {WeightMajorLinear}
     assert fp32.lm_head.weight is fp32.embed_tokens.weight or not fp32.cfg.tie_word_embeddings  # tying survives the swap
     seconds["weight_major"] = 1.99  # faster, but by less than MIN_GAIN: F.linear stays
@@ -129,10 +133,10 @@ def test_the_timed_choice_is_cached_per_machine_and_dtype(tiny_llama, monkeypatc
     monkeypatch.setattr(cpu_linear, "TIMED_BYTES", 0)
     timed = []
     monkeypatch.setattr(cpu_linear, "time_cpu_matmuls",
-                        lambda model, names, **_: timed.append(names) or {"linear": 2.0, "weight_major": 1.0, "prepacked": 1.0})
+                        lambda model, names, **_: timed.append(names) or {"linear": 2.0, "weight_major": 1.0, "prepacked": 1.5})
     first = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")[0]
     again = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")[0]
-    assert first.cpu_matmul == again.cpu_matmul == "weight_major" and timed == [("linear", "weight_major")]
+    assert first.cpu_matmul == again.cpu_matmul == "weight_major" and timed == [("linear", "weight_major", "prepacked")]
     key = cpu_linear.machine_key(again, torch.float32)
     assert json.loads((tmp_path / "cpu_matmul.json").read_text()) == {key: "weight_major"}
     assert "torch.float32" in key and torch.__version__ in key
@@ -151,11 +155,11 @@ def test_the_timer_times_each_candidate_and_leaves_random_streams_alone(tiny_lla
     assert torch.equal(after, torch.rand(3))
 
 
-@needs_native_bf16
-def test_the_timer_packs_each_weight_once(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("dtype", PACKABLE)
+def test_the_timer_packs_each_weight_once(tiny_llama, monkeypatch, dtype):
     """Timing F.linear and prepacked in turns must not time the packing: each weight is packed
     once, in the warm-up pass, however many repeats follow."""
-    model, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+    model, _ = load_checkpoint(tiny_llama, dtype=dtype, device="cpu")
     packed, pack = [], cpu_linear.pack_weight
     monkeypatch.setattr(cpu_linear, "pack_weight", lambda w: packed.append(w) or pack(w))
     cpu_linear.time_cpu_matmuls(model, ("linear", "prepacked"), repeats=3)
@@ -171,15 +175,16 @@ def test_eagle_head_takes_its_targets_cpu_matmul(tiny_llama, tiny_llama_eagle, m
     assert all(isinstance(m, WeightMajorLinear) for m in head.modules() if isinstance(m, torch.nn.Linear))
 
 
-@needs_native_bf16
 @settings(max_examples=15, deadline=None)
-@given(rows=st.integers(1, 40), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_prepacked_linear_equals_f_linear(rows, bias, seed):
+@given(rows=st.integers(1, 40), bias=st.booleans(), seed=st.integers(0, 2**16), compute=st.sampled_from(PACKABLE))
+def test_prepacked_linear_equals_f_linear(rows, bias, seed, compute):
     """oneDNN's packed copy of W gives F.linear's result (to bf16 rounding: another kernel may add
     in another order), for 2-d and 3-d inputs and a non-contiguous one; a weight changed in place,
-    replaced or cast is packed again, never used stale; with gradients wanted F.linear runs."""
+    replaced or cast is packed again, never used stale; with gradients wanted F.linear runs. On a
+    CPU kind that cannot pack bf16, the bf16 layer computes on an fp32 packed copy (compute)."""
     torch.manual_seed(seed)
     layer = as_variant(torch.nn.Linear(48, 80, bias=bias).to(torch.bfloat16), "prepacked")
+    layer.compute_dtype = compute
 
     def check(x):
         with torch.inference_mode():
@@ -207,14 +212,17 @@ def test_prepacked_linear_equals_f_linear(rows, bias, seed):
     assert xg.grad is not None and layer.weight.grad is not None
 
 
-@needs_native_bf16
-def test_a_layer_holding_only_its_packed_copy_is_the_same_layer():
+@pytest.mark.parametrize("compute", PACKABLE)
+def test_a_layer_holding_only_its_packed_copy_is_the_same_layer(compute):
     """keep_packed_only drops W (held once, not twice) and changes nothing a user can see: the
-    output, W unpacked exactly (F.linear with gradients, state_dict, copies), a cast, a reload."""
+    output, W unpacked exactly (F.linear with gradients, state_dict, copies), a cast, a reload.
+    Also for a bf16 layer packed in fp32 (a CPU kind without bf16 packing): bf16 -> fp32 -> bf16
+    is exact."""
     torch.manual_seed(0)
     dense = torch.nn.Linear(48, 80).to(torch.bfloat16)
     weight = dense.weight.detach().clone()
     layer = as_variant(dense, "prepacked")
+    layer.compute_dtype = compute
     x = torch.randn(3, 48).to(torch.bfloat16)
     with torch.inference_mode():
         before = layer(x)
@@ -229,6 +237,7 @@ def test_a_layer_holding_only_its_packed_copy_is_the_same_layer():
         assert torch.equal(copied(x), before)
     assert torch.equal(layer(x.clone().requires_grad_()), F.linear(x, weight, layer.bias))  # grad mode: F.linear
     fresh = as_variant(torch.nn.Linear(48, 80).to(torch.bfloat16), "prepacked")
+    fresh.compute_dtype = compute
     fresh.keep_packed_only()
     fresh.load_state_dict(layer.state_dict())  # a meta W would take the values silently: nothing
     assert torch.equal(fresh.weight, weight) and not fresh.packed_only
@@ -236,22 +245,22 @@ def test_a_layer_holding_only_its_packed_copy_is_the_same_layer():
     assert not layer.packed_only and torch.equal(layer.weight, weight.float())
 
 
-@needs_native_bf16
-def test_a_loaded_prepacked_model_holds_each_weight_once(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("dtype", PACKABLE)
+def test_a_loaded_prepacked_model_holds_each_weight_once(tiny_llama, monkeypatch, dtype):
     """The loader keeps only the packed copy of each linear weight it owns; a tied lm_head keeps
     the embedding's W (the embedding needs it). Logits and the checkpoint's tensors are unchanged."""
     from minispec.io.checkpoint import read_safetensors
     from minispec.model.llama import checkpoint_state_dict
 
     monkeypatch.setenv("MINISPEC_CPU_MATMUL", "prepacked")
-    model, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+    model, _ = load_checkpoint(tiny_llama, dtype=dtype, device="cpu")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(isinstance(m, PrepackedLinear) and m.packed_only for m in linears)
     saved = {k.removeprefix("model."): v for k, v in read_safetensors(tiny_llama).items()}
     state = checkpoint_state_dict(model)
-    assert all(torch.equal(state[k], saved[k].to(torch.bfloat16)) for k in saved)
+    assert all(torch.equal(state[k], saved[k].to(dtype)) for k in saved)
     monkeypatch.setenv("MINISPEC_CPU_MATMUL", "linear")
-    plain, _ = load_checkpoint(tiny_llama, dtype=torch.bfloat16, device="cpu")
+    plain, _ = load_checkpoint(tiny_llama, dtype=dtype, device="cpu")
     ids = torch.arange(5, 30)
     torch.testing.assert_close(model(ids, BatchMetadata.for_prompts([len(ids)])),
                                plain(ids, BatchMetadata.for_prompts([len(ids)])), atol=0.05, rtol=0.02)
@@ -352,3 +361,35 @@ def test_greedy_verify_equals_rejection_sample_on_one_hot_rows(data):
                                                    draft, target, gens)
     assert num_accepted == expected_accepted.tolist()
     assert tokens == [expected[b, : n + 1].tolist() for b, n in enumerate(num_accepted)]
+
+
+# --- CPU kinds (fast/cpu_caps.py) ------------------------------------------------------------------
+
+
+def test_the_cpu_can_be_decided_as_a_lesser_kind_never_a_greater(monkeypatch):
+    """MINISPEC_CPU_ISA caps what every fast path sees: at avx2 no AVX512, no native bf16 and no
+    bf16 packing, whatever the hardware; a level above the hardware's, or an unknown one, is a
+    ValueError naming the variable (never a crash later inside oneDNN)."""
+    from minispec.fast.cpu_caps import ISA_ENV, LEVELS, hardware_caps
+
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    caps = cpu_caps()
+    assert caps.level == "avx2" and not (caps.avx512 or caps.native_bf16 or caps.onednn_bf16_prepack)
+    assert not native_cpu_bf16() and cpu_linear.cpu_matmul_candidates(torch.bfloat16) == ("upcast",)
+    assert "MINISPEC_CPU_ISA=avx2" in caps.describe()
+    above = LEVELS[LEVELS.index(hardware_caps().level) + 1:] if hardware_caps().level in LEVELS else LEVELS
+    for level in list(above) + ["avx1024"]:
+        monkeypatch.setenv(ISA_ENV, level)
+        with pytest.raises(ValueError, match=ISA_ENV):
+            cpu_caps()
+    monkeypatch.delenv(ISA_ENV)
+    assert cpu_caps() == hardware_caps() and cpu_caps().capped is None
+
+
+def test_packing_bf16_where_onednn_cannot_is_a_named_error(monkeypatch):
+    """On a CPU kind without bf16 packing (AVX2 only, here decided so on any CPU) packing a bf16
+    weight is a ValueError naming the missing feature, not oneDNN's crash; fp32 packs."""
+    monkeypatch.setenv("MINISPEC_CPU_ISA", "avx2")
+    with pytest.raises(ValueError, match="AVX512 .BW, VL, DQ. or AVX-NE-CONVERT"):
+        cpu_linear.pack_weight(torch.randn(16, 32).to(torch.bfloat16))
+    cpu_linear.pack_weight(torch.randn(16, 32))

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_tokenizer
-from minispec.fast.cpu_linear import native_cpu_bf16
+from minispec.fast.cpu_linear import cpu_matmul_candidates
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 1024, 2816, 6, 8, 4, 8192
 
@@ -58,10 +58,12 @@ print(before, kib("VmHWM"), model.cpu_matmul)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("matmul", ["linear", "prepacked"])
+@pytest.mark.parametrize("matmul", ["linear", "prepacked", "upcast"])
 def test_a_load_holds_the_weights_once(tmp_path, matmul, tiny_llama):
-    if matmul == "prepacked" and not native_cpu_bf16():
-        pytest.skip("oneDNN's prepacked bf16 path needs a CPU with native bf16")
+    """Per CPU kind (fast/cpu_caps.py): the bf16 variants this CPU offers are each loaded; the others
+    are skipped by name (prepacked needs native bf16, upcast is for CPUs without it)."""
+    if matmul not in cpu_matmul_candidates(torch.bfloat16):
+        pytest.skip(f"{matmul} is not a bf16 matmul on this CPU kind (there: {cpu_matmul_candidates(torch.bfloat16)})")
     weight_bytes = big_checkpoint(tmp_path / "big")
     out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "big"), "bfloat16", str(tiny_llama)], capture_output=True, text=True,
                          timeout=300, env={**__import__("os").environ, "MINISPEC_CPU_MATMUL": matmul,

@@ -207,7 +207,7 @@ def native_cpu_bf16() -> bool:
 def cpu_matmul_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """The variants that apply to this dtype on this CPU, F.linear first."""
     if dtype == torch.float32:
-        return ("linear", "weight_major")
+        return ("linear", "weight_major", "prepacked")  # oneDNN packs fp32 weights on every x86 CPU
     if not native_cpu_bf16():
         return ("upcast",)  # emulated bf16 / fp16: prefill in fp32 (emulated GEMMs are slow for many rows)
     return ("linear", "prepacked") if dtype == torch.bfloat16 else ("linear",)
