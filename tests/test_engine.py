@@ -186,10 +186,12 @@ def test_runner_with_shuffled_pages_matches_a_cache_free_forward(tiny_llama):
     vocab = model.cfg.vocab_size
     cache = KVCache(model.cfg, num_pages=40, page_size=PAGE_SIZE, dtype=torch.float32, device=torch.device("cpu"))
     allocator = cache.allocator
-    pages = [allocator.allocate() for _ in range(40)]
+    pages = []
+    for _ in range(40):
+        allocator.allocate(pages)
     random.Random(0).shuffle(pages)
-    for page in pages:  # the free list now hands pages out in a shuffled order
-        allocator.release(page)
+    while pages:  # the free list now hands pages out in a shuffled order
+        allocator.release(pages)
     runner = ModelRunner(model, cache)
     tables = [BlockTable(PAGE_SIZE) for _ in range(2)]
     for _ in range(5):  # alternate single pages: each table's pages are scattered and interleaved

@@ -7,6 +7,9 @@ Invariants taught here:
   with the pool's contents simulated: every page is free, held or evictable, never two; its
   reference count is the number of tables holding it; every cached position of every table holds
   the K/V of that table's own tokens (what a hit must give), and a registered page never changes;
+* the books hold at every point an exception (a KeyboardInterrupt from a signal) can land: attach,
+  commit, reserve by eviction, free and truncate, interrupted before each of their instructions in
+  turn, lose no page, miscount no reference, and leave no key finding a page that may be written;
 * power: the same machine fails with a release that frees a page other tables still hold, and with
   keys made of a page's own tokens (not its chain: another prefix's K/V served); a rollback into
   a registered page is refused by name;
@@ -26,12 +29,32 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minispec import LLM, SamplingParams, load_checkpoint
+import minispec.runtime.kv_cache as kv_cache
+import minispec.runtime.prefix_cache as prefix_cache
+from interrupts import every_interrupt
 from minispec.runtime.kv_cache import BlockTable, KVCache, KVPoolExhausted
 from minispec.runtime.prefix_cache import CachingAllocator, PrefixCache, page_keys
 from test_row_invariance import assert_same_outputs
 
 PAGE = 4
 PREFIXES = [[7, 7, 1, 2, 3, 4, 5, 6, 9], [7, 7, 1, 2, 8, 8], [3] * 13]  # shared starts: system prompts
+
+
+def assert_books_agree(a: CachingAllocator, tables: list[BlockTable]) -> None:
+    """Every page is free, held or evictable, never two, never none; its reference count is the
+    number of tables holding it; the index is one-to-one; a page kept when free is registered, a
+    registered page is never on the free list (it would be handed out and written while its key
+    still finds it), and no table holds a registered page where it may write (past its keys)."""
+    held = [p for t in tables for p in t.pages]
+    assert all(a.refs[p] == held.count(p) for p in range(a.num_pages)), "refcount != tables holding the page"
+    assert all(a.in_use[p] == (a.refs[p] > 0) for p in range(a.num_pages)), "in-use mark != held"
+    free, evictable = set(a.free), set(a.evictable)
+    assert len(free) == len(a.free) and not free & evictable and not (free | evictable) & set(held)
+    assert len(free | evictable | set(held)) == a.num_pages, "a page was lost"
+    assert all(a.key_of[p] in a.page_of and a.page_of[a.key_of[p]] == p for p in a.key_of) and len(a.key_of) == len(a.page_of)
+    assert evictable <= set(a.key_of), "only registered pages are kept when free"
+    assert not free & set(a.key_of), "a registered page is on the free list"
+    assert all(p not in a.key_of for t in tables for p in t.pages[len(t.keys):]), "a table may write a registered page"
 
 
 class FakeSeq:
@@ -115,14 +138,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_are_free_held_or_evictable(self):
-        a = self.allocator
-        held = [p for s in self.live for p in s.target_table.pages]
-        assert all(a.refs[p] == held.count(p) for p in range(a.num_pages)), "refcount != tables holding the page"
-        free, evictable = set(a.free), set(a.evictable)
-        assert len(free) == len(a.free) and not free & evictable and not (free | evictable) & set(held)
-        assert len(free | evictable | set(held)) == a.num_pages, "a page was lost"
-        assert all(a.key_of[p] in a.page_of and a.page_of[a.key_of[p]] == p for p in a.key_of) and len(a.key_of) == len(a.page_of)
-        assert evictable <= set(a.key_of), "only registered pages are kept when free"
+        assert_books_agree(self.allocator, [s.target_table for s in self.live])
 
     @invariant()
     def cached_positions_hold_their_own_tokens(self):
@@ -168,9 +184,9 @@ def test_a_release_that_frees_a_shared_page_is_caught(monkeypatch):
     K/V the other table reads: the machine says so."""
     release = CachingAllocator.release
 
-    def ignoring_refs(self, page):  # the last holder's release, whoever calls it
-        self.refs[page] = min(self.refs[page], 1)
-        release(self, page)
+    def ignoring_refs(self, pages, index=-1):  # the last holder's release, whoever calls it
+        self.refs[pages[index]] = min(self.refs[pages[index]], 1)
+        return release(self, pages, index)
 
     monkeypatch.setattr(CachingAllocator, "release", ignoring_refs)
     with pytest.raises(AssertionError, match="refcount|wrong K/V|was written|lost"):
@@ -193,6 +209,67 @@ def test_keys_of_a_page_alone_are_caught(monkeypatch):
         run_machine(PoolMachine)
 
 
+def cached_pool(state: str):
+    """An 8-page pool where a 13-token sequence A ran (3 full pages of K/V), set up for one of
+    INTERRUPTED_OPS: A "held" (its pages registered), "uncommitted" (not registered yet),
+    "reserved ahead" (2 pages past its committed tokens, as for drafts), "evictable" (A left:
+    its registered pages kept), or "full" (evictable, and the free list empty: the next page is
+    an eviction). Returns (allocator, cache, the live seqs, seq B sharing A's 3 pages)."""
+    allocator = CachingAllocator(8)
+    cache = PrefixCache([("target", allocator, 0)], PAGE)
+    a, b = FakeSeq(list(range(1, 14))), FakeSeq(list(range(1, 14)) + [1])
+    a.target_table.reserve(13, allocator)
+    a.target_table.num_cached = 13
+    if state != "uncommitted":
+        cache.commit(a)
+    if state == "reserved ahead":
+        a.target_table.reserve(21, allocator)
+    if state not in ("evictable", "full"):
+        return allocator, cache, [a], b
+    a.target_table.free(allocator)
+    if state == "evictable":
+        return allocator, cache, [], b
+    filler = FakeSeq([])
+    filler.target_table.reserve(PAGE * len(allocator.free), allocator)
+    assert not allocator.free and len(allocator.evictable) == 3
+    return allocator, cache, [filler], b
+
+
+INTERRUPTED_OPS = {  # what is interrupted, on which cached_pool state
+    "attach evictable pages": ("evictable", lambda cache, live, b: cache.attach(b)),
+    "attach held pages": ("held", lambda cache, live, b: cache.attach(b)),
+    "reserve by eviction": ("full", lambda cache, live, b: b.target_table.reserve(8, cache.pools[0][1])),
+    "commit": ("uncommitted", lambda cache, live, b: cache.commit(live[0])),
+    "free registered pages": ("held", lambda cache, live, b: live[0].target_table.free(cache.pools[0][1])),
+    "truncate": ("reserved ahead", lambda cache, live, b: live[0].target_table.truncate(13, cache.pools[0][1])),
+}
+
+
+@pytest.mark.parametrize("op", list(INTERRUPTED_OPS))
+def test_an_interrupt_at_any_point_leaves_the_books_whole(op):
+    """A KeyboardInterrupt (a signal's) before any instruction of attach, commit, reserve (by
+    eviction), free or truncate: at that point the books agree with the tables (assert_books_agree:
+    no page lost, counted twice, or registered where a table writes), and freeing every table then
+    leaves every page free or evictable. Used to fail for attach: reference counts were raised
+    before the table held the pages, so an interrupted admission leaked them."""
+    state, call = INTERRUPTED_OPS[op]
+
+    def setup():
+        allocator, cache, live, b = cached_pool(state)
+        return allocator, cache, live + [b], b
+
+    def check(s):
+        allocator, cache, tables, b = s[0], s[1], [seq.target_table for seq in s[2]], s[3]
+        assert_books_agree(allocator, tables)
+        for table in tables:
+            table.free(allocator)
+        assert_books_agree(allocator, [])
+        assert allocator.num_free == allocator.num_pages and not any(allocator.refs)
+
+    tried = every_interrupt(setup, lambda s: call(s[1], s[2][:-1], s[3]), check, kv_cache, prefix_cache)
+    assert tried > 10  # (the walk did reach the operation's instructions)
+
+
 def test_keys_name_the_whole_chain_and_the_lookahead():
     """A page's key depends on every token before it (not its own page only) and, with lookahead
     1, on the token after it; a lookup stops at the first miss."""
@@ -200,13 +277,13 @@ def test_keys_name_the_whole_chain_and_the_lookahead():
     assert page_keys(a, 4, 2)[1] != page_keys(b, 4, 2)[1]  # page 1 agrees, its chain does not
     assert page_keys(a, 4, 2, lookahead=1) != page_keys(a[:8] + [0], 4, 2, lookahead=1)
     assert page_keys(a, 4, 2)[:1] == page_keys(a[:4] + [0] * 5, 4, 2)[:1]
-    allocator = CachingAllocator(4)
-    page = allocator.allocate()
+    allocator, pages = CachingAllocator(4), []
+    page = allocator.allocate(pages)
     allocator.register(page, page_keys(a, 4, 1)[0])
     assert allocator.lookup(page_keys(a, 4, 2)) == [page] and allocator.lookup(page_keys(b, 4, 2)) == []
-    allocator.release(page)
+    allocator.release(pages)
     assert allocator.num_free == 4 and list(allocator.evictable) == [page]  # kept, evictable
-    assert [allocator.allocate() for _ in range(4)][-1] == page and not allocator.page_of  # evicted last, forgotten
+    assert [allocator.allocate(pages) for _ in range(4)][-1] == page and not allocator.page_of  # evicted last, forgotten
 
 
 DRAFTERS = {

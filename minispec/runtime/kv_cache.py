@@ -25,7 +25,14 @@ class KVPoolExhausted(RuntimeError):
 
 
 class PageAllocator:
-    """A free list of page ids. Invariant: a page is on the free list exactly when no table owns it."""
+    """A free list of page ids. Invariant: a page is on the free list exactly when no table owns it.
+
+    A page moves between the free list and a table's page list in one call (`allocate`,
+    `release`), which keeps the invariant wherever an exception lands inside it (a
+    KeyboardInterrupt from a signal can land between any two instructions): the table's list is
+    the record, and a move stopped half-way has its books made to agree with it (`_settle`; a
+    second interrupt inside that repair is not covered). A page is never in the caller's hands
+    only, where an interrupt would lose it."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
@@ -38,19 +45,43 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self.free)
 
-    def allocate(self) -> int:
+    def allocate(self, pages: list[int]) -> int:
+        """Move a free page onto the end of `pages` (a block table's) and return it."""
         if not self.free:
             raise KVPoolExhausted(f"KV pool exhausted: all {self.num_pages} pages are in use")
-        page = self.free.pop()
-        self.in_use[page] = True
+        page = self.free[-1]
+        try:
+            self.free.pop()
+            self.in_use[page] = True
+            pages.append(page)
+        except BaseException:
+            self._settle(page, int(pages[-1:] == [page]))
+            raise
         return page
 
-    def release(self, page: int) -> None:
-        """The page is free again (releasing a free page is a bug in the caller: refused)."""
+    def release(self, pages: list[int], index: int = -1) -> int:
+        """Move pages[index] back to the free list and return it (releasing a free page is a bug
+        in the caller: refused)."""
+        page = pages[index]
         if not self.in_use[page]:
             raise ValueError(f"page {page} released but it is not allocated")
-        self.in_use[page] = False
-        self.free.append(page)
+        try:
+            del pages[index]
+            self.in_use[page] = False
+            self.free.append(page)
+        except BaseException:
+            self._settle(page, int(page in pages))
+            raise
+        return page
+
+    def _settle(self, page: int, holders: int) -> None:
+        """Make the books of `page` say what its holders say (after an exception part-way
+        through a move: the steps done are redone or undone, whichever agrees with the table)."""
+        self.in_use[page] = holders > 0
+        if holders and page in self.free:
+            self.free.remove(page)
+        elif not holders and page not in self.free:
+            self.free.append(page)
 
 
 @dataclass
@@ -75,7 +106,8 @@ class BlockTable:
         return len(self.pages) * self.page_size
 
     def reserve(self, num_tokens: int, allocator: PageAllocator) -> None:
-        """Make room for positions < num_tokens (all-or-nothing: on failure nothing is allocated)."""
+        """Make room for positions < num_tokens (all-or-nothing when the pool is short: nothing is
+        allocated)."""
         need = self.pages_for(num_tokens) - len(self.pages)
         if need <= 0:
             return
@@ -83,7 +115,8 @@ class BlockTable:
             raise KVPoolExhausted(
                 f"KV pool exhausted: need {need} more pages, {allocator.num_free} of {allocator.num_pages} free"
             )
-        self.pages.extend(allocator.allocate() for _ in range(need))
+        for _ in range(need):  # (interrupted part-way: the pages taken so far are the table's, freed with it)
+            allocator.allocate(self.pages)
 
     def truncate(self, num_tokens: int, allocator: PageAllocator) -> None:
         """Roll back to the first `num_tokens` positions and free the pages past them (no copy)."""
@@ -95,12 +128,14 @@ class BlockTable:
         self.num_cached = min(self.num_cached, num_tokens)
         keep = self.pages_for(num_tokens)
         while len(self.pages) > keep:
-            allocator.release(self.pages.pop())
+            allocator.release(self.pages)
 
     def free(self, allocator: PageAllocator) -> None:
-        for page in self.pages:
-            allocator.release(page)
-        self.pages, self.num_cached, self.keys = [], 0, []
+        """Release every page, first to last (with prefix caching, the first become the least
+        recently used). Interrupted part-way, the pages not released yet are still the table's."""
+        while self.pages:
+            allocator.release(self.pages, 0)
+        self.num_cached, self.keys = 0, []
 
     def slots(self, start: int, end: int) -> list[int]:
         """Pool slots (page * page_size + offset) of positions start..end-1 (they must be reserved)."""

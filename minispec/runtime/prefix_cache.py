@@ -48,7 +48,11 @@ class CachingAllocator(PageAllocator):
     """A page allocator with reference counts and an index of full pages by key (module docstring).
 
     Every page is in exactly one state: free (on the free list), held (refs >= 1), or evictable
-    (registered, refs 0, in `evictable` in LRU order). A held page may be registered too."""
+    (registered, refs 0, in `evictable` in LRU order). A held page may be registered too. As in
+    PageAllocator, a page moves to or from a table's list in one call that leaves these states
+    agreeing with the tables whatever exception lands inside it (`_settle`). An index entry is
+    made key_of first and undone page_of first, so a half-made or half-undone one is in key_of
+    alone: a key never finds a page that may be handed out and written."""
 
     def __init__(self, num_pages: int):
         super().__init__(num_pages)
@@ -61,41 +65,95 @@ class CachingAllocator(PageAllocator):
     def num_free(self) -> int:
         return len(self.free) + len(self.evictable)
 
-    def allocate(self) -> int:
-        if self.free:
-            page = self.free.pop()
-        elif self.evictable:
-            page, _ = self.evictable.popitem(last=False)  # the least recently used cached page
-            del self.page_of[self.key_of.pop(page)]
-        else:
+    def allocate(self, pages: list[int]) -> int:
+        """Move a free page onto the end of `pages`, else the least recently used evictable one
+        (forgetting its key), and return it."""
+        if not self.free and not self.evictable:
             raise KVPoolExhausted(f"KV pool exhausted: all {self.num_pages} pages are in use")
-        self.refs[page], self.in_use[page] = 1, True
+        evict = not self.free
+        page = next(iter(self.evictable)) if evict else self.free[-1]
+        try:
+            if not evict:
+                self.free.pop()
+            else:
+                del self.evictable[page]
+                del self.page_of[self.key_of[page]]
+                del self.key_of[page]
+            self.refs[page] = 1
+            self.in_use[page] = True
+            pages.append(page)
+        except BaseException:
+            self._settle(page, int(pages[-1:] == [page]))
+            raise
         return page
 
-    def release(self, page: int) -> None:
-        """One table lets the page go; the last one frees it, or keeps it evictable if registered."""
-        if self.refs[page] == 0:
+    def release(self, pages: list[int], index: int = -1) -> int:
+        """Move pages[index] out of one table; the last holder frees the page, or keeps it
+        evictable if registered. Returns it."""
+        page = pages[index]
+        holders = self.refs[page] - 1
+        if holders < 0:
             raise ValueError(f"page {page} released but it is not allocated")
-        self.refs[page] -= 1
-        if self.refs[page] == 0:
-            self.in_use[page] = False
-            if page in self.key_of:
-                self.evictable[page] = None  # the most recently used end
-            else:
-                self.free.append(page)
+        try:
+            del pages[index]
+            self.refs[page] = holders
+            if holders == 0:
+                self.in_use[page] = False
+                if page in self.key_of:
+                    self.evictable[page] = None  # the most recently used end
+                else:
+                    self.free.append(page)
+        except BaseException:
+            self._settle(page, holders + int(page in pages))
+            raise
+        return page
 
-    def share(self, page: int) -> None:
-        """One more table holds the registered page (taking it out of the evictable set)."""
-        if self.refs[page] == 0:
-            del self.evictable[page]
-            self.in_use[page] = True
-        self.refs[page] += 1
+    def share(self, page: int, pages: list[int]) -> None:
+        """One more table holds the registered page (taking it out of the evictable set): the
+        page goes onto the end of `pages`."""
+        holders = self.refs[page] + 1
+        try:
+            if holders == 1:
+                del self.evictable[page]
+                self.in_use[page] = True
+            self.refs[page] = holders
+            pages.append(page)
+        except BaseException:
+            self._settle(page, holders - int(pages[-1:] != [page]))
+            raise
+
+    def _settle(self, page: int, holders: int) -> None:
+        """Make the books of `page` say what its holders say (after an exception part-way
+        through a move): a half-made or half-undone index entry is dropped; held, the page is in
+        neither the free list nor the evictable set; not held, it is evictable if registered,
+        else free."""
+        if page in self.key_of and self.page_of.get(self.key_of[page]) != page:
+            del self.key_of[page]
+        self.refs[page] = holders
+        self.in_use[page] = holders > 0
+        evictable = not holders and page in self.key_of
+        free = not holders and not evictable
+        if not evictable:
+            self.evictable.pop(page, None)
+        elif page not in self.evictable:
+            self.evictable[page] = None
+        if not free and page in self.free:
+            self.free.remove(page)
+        elif free and page not in self.free:
+            self.free.append(page)
 
     def register(self, page: int, key: bytes) -> None:
         """Index a held page, all of whose positions hold committed K/V, under its key (a key or a
         page already indexed stays as it is: the first page with those contents serves them)."""
-        if key not in self.page_of and page not in self.key_of:
-            self.page_of[key], self.key_of[page] = page, key
+        if key in self.page_of or page in self.key_of:
+            return
+        try:
+            self.key_of[page] = key
+            self.page_of[key] = page
+        except BaseException:
+            if self.page_of.get(key) != page:  # (half made: undone)
+                self.key_of.pop(page, None)
+            raise
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The registered pages of the leading keys found, up to the first miss."""
@@ -133,9 +191,12 @@ class PrefixCache:
         for (which, allocator, _), pool_keys, pages in zip(self.pools, keys, found):
             table: BlockTable = seq.table(which)
             assert not table.pages, "attach needs a sequence with empty block tables"
+            # Keys first: a page the table holds below its keys is one it never writes. Interrupted
+            # part-way, the pages shared so far are the table's, released when it is freed.
+            table.keys = pool_keys[:hit]
             for page in pages[:hit]:
-                allocator.share(page)
-            table.pages, table.num_cached, table.keys = pages[:hit], hit * P, pool_keys[:hit]
+                allocator.share(page, table.pages)
+            table.num_cached = hit * P
         return hit * P
 
     def commit(self, seq) -> None:
