@@ -19,6 +19,10 @@ them, and the pages the sequence gets back (recomputed, or shared from the prefi
 its newest token) are others. A step that preempted admits nobody new, so freed pages go to the
 survivors instead of to a newcomer that would be preempted again next step. The oldest running
 sequence is never preempted by a younger one, so it always progresses and nothing livelocks.
+
+A sequence holding pages is always in `waiting` or `running` (for a moment, in both), and leaves
+them only once its pages are freed: whatever exception stops a step (a KeyboardInterrupt
+included), aborting every sequence in the two lists frees every page (the LLM does).
 """
 
 from __future__ import annotations
@@ -92,11 +96,11 @@ class Scheduler:
             seq.table(which).free(runner.cache.allocator)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
         self._free(seq)
         seq.draft_state = None  # the drafter starts over, as with a new sequence (module docstring)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)  # victims go newest-first to the front: the oldest leads
+        self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
 
@@ -131,25 +135,25 @@ class Scheduler:
                 self.prefix_cache.hits += hit
                 if not seq.num_preemptions:
                     seq.metrics.num_cached_tokens = hit
+            self.running.append(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            self.running.append(seq)
             scheduled.append(seq)
             budget -= self.step_feed(seq) if self.chunked_prefill else len(seq) - hit  # (a prefix cache hit is not fed)
         return scheduled
 
     def finish(self, seq: Sequence) -> None:
         """Retire seq: its slot and all its pages are free for the next step."""
+        self._free(seq)
         seq.status = Status.FINISHED
         self.running.remove(seq)
-        self._free(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop seq wherever it is (e.g. an abandoned stream): its pages are freed."""
+        self._free(seq)
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        if seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"
-        self._free(seq)
