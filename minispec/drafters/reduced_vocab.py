@@ -11,22 +11,26 @@ only lower acceptance, where the target's next token lies outside the N.
 Which N tokens: counted over a corpus every Python installation has, its standard library's
 source (code, and English in its docstrings and comments), tokenized by the target's own
 tokenizer; every special token (the chat markers, the end tokens) is kept whatever its count, and
-ties go to the lower id (a byte-level BPE numbers tokens in merge order). The list is computed
-once per tokenizer and N and kept in the cache directory. `frequent_tokens(..., corpus=)` takes
-any other text (e.g. the target's own answers).
+ties go to the lower id (a byte-level BPE numbers tokens in merge order). Counting takes about a
+minute, so the counts (one per token id) are made once per tokenizer and corpus and kept in the
+cache directory; every N is then taken from them. `frequent_tokens(..., corpus=)` takes any other
+text (e.g. the target's own answers), counted each time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import sysconfig
-from collections import Counter
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
+from ..io.paths import cache_dir, write_atomic
 from ..io.tokenizer import Tokenizer
 
 CORPUS_FILES = 4  # every 4th standard-library module (tests left out): ~27M characters
@@ -39,27 +43,85 @@ def stdlib_corpus() -> list[str]:
     return [f.read_text(encoding="utf-8", errors="ignore") for f in files]
 
 
-def frequent_tokens(tokenizer: Tokenizer, n: int, vocab_size: int, corpus: list[str] | None = None) -> torch.Tensor:
-    """The n ids (sorted, int64 [n]) kept: the tokenizer's special tokens, then by frequency in the
-    corpus (default: stdlib_corpus(), cached per tokenizer and n), ties to the lower id."""
-    from ..io.paths import cache_dir
+def stdlib_corpus_id() -> str:
+    """What names the default corpus in the cache (without reading it): this Python's version,
+    the folder of its standard library, and CORPUS_FILES."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    return f"python {sys.version.split()[0]}, {stdlib}, every {CORPUS_FILES}th module"
 
+
+def count_tokens(tokenizer: Tokenizer, corpus: list[str]) -> np.ndarray:
+    """How often each of the tokenizer's ids occurs in the corpus as it encodes it:
+    int64 [tokenizer.vocab_size]."""
+    counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)  # [V_tok]
+    for encoding in tokenizer.tok.encode_batch(corpus):
+        ids = np.asarray(encoding.ids, dtype=np.int64)  # [tokens]
+        counts += np.bincount(ids[ids < len(counts)], minlength=len(counts))
+    return counts
+
+
+def stdlib_counts(tokenizer: Tokenizer) -> np.ndarray:
+    """count_tokens over stdlib_corpus(), from the cache when it holds them for this tokenizer and
+    corpus (else counted, about a minute, and cached).
+
+    A cache file that is not what this code writes (not JSON, cut short, another tokenizer's or
+    corpus's counts, a count per id missing or not a non-negative int) is counted again and
+    replaced, with a warning naming the file and what is wrong with it. Not an error: the file is
+    derived data that a recount restores exactly, and it is written atomically, so a bad one came
+    from outside (an older minispec killed while writing, a full disk, a hand edit); refusing to
+    run until the user deletes it would only add a step. Not silent either: a cache that keeps
+    going bad is worth knowing about."""
+    tokenizer_id = hashlib.sha256(tokenizer.tok.to_str().encode()).hexdigest()
+    header = {"tokenizer": tokenizer_id, "corpus": stdlib_corpus_id()}
+    key = hashlib.sha256(json.dumps(header).encode()).hexdigest()[:16]
+    path = cache_dir() / "vocab" / f"counts-{key}.json"
+    if path.exists():
+        try:
+            return read_counts(path, header, tokenizer.vocab_size)
+        except ValueError as e:
+            warnings.warn(f"{e}; counting the corpus again to replace it", RuntimeWarning, stacklevel=3)
+    print(f"[minispec] counting the tokens of the standard library once into {path}", file=sys.stderr)
+    counts = count_tokens(tokenizer, stdlib_corpus())
+    write_atomic(path, json.dumps({**header, "counts": counts.tolist()}))
+    return counts
+
+
+def read_counts(path: Path, header: dict, size: int) -> np.ndarray:
+    """The counts in a cache file that stdlib_counts wrote for `header`, checked: int64 [size];
+    a ValueError naming the file and what is wrong with it otherwise."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"token counts cache {path} is not valid JSON ({e})") from None
+    fields = {*header, "counts"}
+    if not isinstance(data, dict) or set(data) != fields:
+        raise ValueError(f"token counts cache {path} is not an object with the fields {sorted(fields)}")
+    if {k: data[k] for k in header} != header:
+        raise ValueError(f"token counts cache {path} holds the counts of another tokenizer or corpus")
+    counts = data["counts"]
+    if not isinstance(counts, list) or len(counts) != size:
+        raise ValueError(f"token counts cache {path} must hold {size} counts (one per token id), "
+                         f"not {len(counts) if isinstance(counts, list) else type(counts).__name__}")
+    if not all(type(c) is int and c >= 0 for c in counts):
+        raise ValueError(f"token counts cache {path} holds a count that is not a non-negative int")
+    return np.array(counts, dtype=np.int64)
+
+
+def frequent_tokens(tokenizer: Tokenizer, n: int, vocab_size: int, corpus: list[str] | None = None) -> torch.Tensor:
+    """The n ids kept, among ids 0..vocab_size-1 (sorted, distinct; int64 [n]): the tokenizer's
+    special tokens, then by frequency in the corpus (default: stdlib_corpus(), its counts cached),
+    ties to the lower id."""
     if not 1 <= n <= vocab_size:
         raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}] (the target's vocabulary), got {n}")
-    key = hashlib.sha256(tokenizer.tok.to_str().encode()).hexdigest()[:16]
-    cached = cache_dir() / "vocab" / f"{key}-{n}.json"
-    if corpus is None and cached.exists():
-        return torch.tensor(json.loads(cached.read_text()), dtype=torch.int64)
-    counts = Counter()
-    for encoding in tokenizer.tok.encode_batch(corpus if corpus is not None else stdlib_corpus()):
-        counts.update(encoding.ids)
-    special = {i for i in tokenizer.tok.get_added_tokens_decoder()} | set(tokenizer.eos_token_ids)
-    order = sorted(range(vocab_size), key=lambda i: (i not in special, -counts.get(i, 0), i))
-    ids = sorted(order[:n])
-    if corpus is None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(json.dumps(ids))
-    return torch.tensor(ids, dtype=torch.int64)
+    counted = count_tokens(tokenizer, corpus) if corpus is not None else stdlib_counts(tokenizer)
+    counts = np.zeros(vocab_size, dtype=np.int64)  # [vocab_size]: ids past the tokenizer's never occur
+    counts[: min(vocab_size, len(counted))] = counted[:vocab_size]
+    special = np.zeros(vocab_size, dtype=bool)  # [vocab_size]
+    special_ids = {*tokenizer.tok.get_added_tokens_decoder(), *tokenizer.eos_token_ids}
+    special[[i for i in special_ids if i < vocab_size]] = True
+    # Special first, then the most frequent, ties to the lower id (np.lexsort: the last key leads).
+    order = np.lexsort((np.arange(vocab_size), -counts, ~special))  # [vocab_size]
+    return torch.from_numpy(np.sort(order[:n])).to(torch.int64)
 
 
 def reduce_vocab(model: nn.Module, ids: torch.Tensor) -> nn.Module:

