@@ -45,7 +45,10 @@ def stdlib_corpus() -> list[str]:
 
 def stdlib_corpus_id() -> str:
     """What names the default corpus in the cache (without reading it): this Python's version,
-    the folder of its standard library, and CORPUS_FILES."""
+    the folder of its standard library, and CORPUS_FILES. Caveat: where that folder holds
+    site-packages (a Python used without a virtual environment), the corpus includes the packages
+    installed there, and they are not in its name: counts made before a package is installed or
+    upgraded are kept (they only steer which tokens are kept; the output stays exact)."""
     stdlib = sysconfig.get_paths()["stdlib"]
     return f"python {sys.version.split()[0]}, {stdlib}, every {CORPUS_FILES}th module"
 
