@@ -73,6 +73,8 @@ COLORS = {"draft": "tab:blue", "adaptive": "tab:purple", "eagle": "tab:red", "ea
           "draft-tree": "tab:blue", "draft-tree+lookup": "tab:cyan"}
 FAST_PATH = "autoregressive, not row-invariant"  # the row timing plain decoding without row invariance
 START = time.perf_counter()
+MIN_ROUNDS = 6  # the fewest paired rounds that admit a 95% interval for a median (median_interval)
+CPU_TIME_BUDGET_S = 540  # the default CPU run's timed rounds, so that the whole run takes at most ~10 minutes
 
 
 def log(msg: str) -> None:
@@ -218,6 +220,14 @@ def calibrate_dtype(target_path: Path, rows: int, invariant: bool, reps: int = 5
         f"{dtype_name(dt)} decode {median[(dt, 1)] * 1e3:.0f} ms, verify {rows} rows {median[(dt, rows)] * 1e3:.0f} ms"
         for dt in candidates) + f" -> {dtype_name(best)} (faster verification)"
     return best, candidates[best], report
+
+
+def rounds_line(p: dict, rounds_run: dict) -> str:
+    """'12 paired rounds per group', or what the time budget left of them per group."""
+    if all(n == p["rounds"] for n in rounds_run.values()):
+        return f"{p['rounds']} paired rounds per group"
+    runs = ", ".join(f"{mode} bs={bs}: {n}" for (mode, bs), n in rounds_run.items())
+    return f"paired rounds per group ({p['rounds']} planned; within the {p['time_budget']:.0f}s budget): {runs}"
 
 
 def verify_rows(p: dict) -> int:
@@ -402,22 +412,29 @@ def step_time(arm: Arm) -> float:
 
 
 def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[int]]], label: str,
-                  progress: bool, groups_after: int = 0) -> None:
+                  progress: bool, groups_after: int = 0, budget_s: float | None = None) -> int:
     """Round r: baseline, the arms (order rotated by r), baseline; each arm's ratio is its tok/s
     over the mean tok/s of the round's two baseline runs, its decode ratio the mean of the two
     baseline runs' TPOT over its own (minispec arms). Fills each arm's `runs`, `ratios` and
     `decode_ratios`. Progress: a bar on a terminal, else one line a round with the time left
-    (this group's rounds at the pace so far, and `groups_after` more groups like it)."""
+    (this group's rounds at the pace so far, and `groups_after` more groups like it).
+    budget_s: no round starts that would end past it at the pace so far, once MIN_ROUNDS are run
+    (a slow machine runs fewer rounds, a wider interval, rather than for an hour). Returns the
+    number of rounds run."""
     from tqdm import tqdm
 
     total = len(prompt_slices) * (len(arms) + 2)
     start = time.perf_counter()
     with tqdm(total=total, desc=label, unit="run", disable=not progress, leave=False, file=sys.stderr) as bar:
         for r, prompts in enumerate(prompt_slices):
+            per_round = (time.perf_counter() - start) / max(r, 1)
+            if budget_s is not None and r >= MIN_ROUNDS and (r + 1) * per_round > budget_s:
+                log(f"{label}: {r} rounds fit its {budget_s:.0f}s share of the time budget ({per_round:.0f}s a round)")
+                return r
             if r and not progress:
-                per_round = (time.perf_counter() - start) / r
-                left = per_round * (len(prompt_slices) - r + groups_after * len(prompt_slices))
-                log(f"{label}: {r} of {len(prompt_slices)} rounds done, {per_round:.0f}s a round; "
+                rounds = len(prompt_slices) if budget_s is None else max(MIN_ROUNDS, min(len(prompt_slices), int(budget_s // per_round)))
+                left = per_round * (rounds - r + groups_after * rounds)
+                log(f"{label}: {r} of {rounds} rounds done, {per_round:.0f}s a round; "
                     f"about {left / 60:.1f} min left" + (f" ({groups_after} more groups)" if groups_after else ""))
             order = arms[r % len(arms):] + arms[: r % len(arms)] if arms else []
             before = baseline.run(prompts)
@@ -443,6 +460,7 @@ def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[
                 tpot = run.metrics.mean_tpot_s if run.metrics is not None else None
                 if base_tpot and tpot:
                     arm.decode_ratios.append(base_tpot / tpot)
+    return len(prompt_slices)
 
 
 def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device, dtype: torch.dtype) -> Row:
@@ -792,6 +810,10 @@ def parse_args(argv=None):
     ap.add_argument("--row-invariant", choices=["on", "off"], default="on",
                     help="CPU, fp32 / bf16: the target computes every row alike in any batch, so the greedy check is bit "
                          "for bit (on, the default; a 'not row-invariant' row times the fast path in the same rounds)")
+    ap.add_argument("--time-budget", type=float,
+                    help=f"seconds for the paired rounds of all groups together: a slow machine runs fewer rounds (at least "
+                         f"{MIN_ROUNDS}), never for longer (default: {CPU_TIME_BUDGET_S} on the default CPU run; none with "
+                         "--rounds, --quick, --full or on GPU)")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV budget of each LLM built (target and draft together)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
     ap.add_argument("--no-plots", action="store_true")
@@ -854,6 +876,10 @@ def plan(args, gpu: bool) -> dict:
         tree_budgets=csv_ints(args.tree_budgets or ("8,16,32" if gpu_or_full else "5")),
     )
     p["groups"] = [(m, b) for m in modes for b in p["batches"]]
+    default_run = not (args.quick or gpu_or_full or args.rounds)
+    p["time_budget"] = args.time_budget if args.time_budget is not None else CPU_TIME_BUDGET_S if default_run else None
+    if p["time_budget"] is not None and p["time_budget"] <= 0:
+        raise SystemExit(f"--time-budget must be positive seconds, got {args.time_budget}")
     if not (args.quick or gpu_or_full or args.modes or args.batch_sizes):  # CPU default: sampled at batch 1 only
         p["groups"] = [(m, b) for m, b in p["groups"] if m == "greedy" or b == 1]
     if p["rounds"] < 6:
@@ -939,6 +965,7 @@ def main(argv=None) -> dict:
     divergences: set[tuple] = set()
     quantized_divergences: set[tuple] = set()
     peer_rows: list[Row] = []
+    rounds_run: dict[tuple[str, int], int] = {}
     for group, (mode, bs) in enumerate(p["groups"]):
         params = modes[mode]
         # Round r's prompts: bs consecutive prompts, wrapping around a short prompt file.
@@ -964,7 +991,9 @@ def main(argv=None) -> dict:
                                     prompts[0], p["all_peers"])
             arms += hf
         t0 = time.perf_counter()
-        paired_rounds(baseline, arms, slices, f"{mode} bs={bs}", progress, len(p["groups"]) - group - 1)
+        groups_left = len(p["groups"]) - group
+        share = None if p["time_budget"] is None else max(p["time_budget"] - (time.perf_counter() - START), 0) / groups_left
+        rounds_run[mode, bs] = paired_rounds(baseline, arms, slices, f"{mode} bs={bs}", progress, groups_left - 1, share)
         log(f"{mode}, batch {bs}: {len(arms)} arms x {p['rounds']} rounds in {time.perf_counter() - t0:.1f}s")
         # One request's share of a baseline decode step: the unit of the verify and draft costs.
         base_step_s = step_time(baseline)
@@ -1000,8 +1029,7 @@ def main(argv=None) -> dict:
     print()
     print(f"minispec bench: device={device}, dtype={dtype_name(dtype)}{f', matmul={matmul}' if matmul else ''}, target={target_path.name}, "
           + (f"draft={draft_path.name}, " if draft_path else "") + (f"prompts: {args.categories}, " if args.categories else "")
-          + f"{p['max_tokens']} new tokens per prompt, {p['rounds']} paired rounds per group, "
-          f"{bench_time}")
+          + f"{p['max_tokens']} new tokens per prompt, {rounds_line(p, rounds_run)}, {bench_time}")
     if dtype_note:
         print(dtype_note)
     if invariant:
@@ -1021,6 +1049,7 @@ def main(argv=None) -> dict:
         "dtype_choice": dtype_note,
         "cpu_matmul": matmul,
         "plan": p,
+        "rounds_run": {f"{mode} bs={bs}": n for (mode, bs), n in rounds_run.items()},
         "categories": args.categories,
         "rows": [{**asdict(r), "distinguishable": r.distinguishable} for r in rows],
         "correctness": correctness,

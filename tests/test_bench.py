@@ -223,6 +223,36 @@ def test_paired_rounds_cancel_a_linear_drift():
     assert len(peer.ratios) == 6 and peer.decode_ratios == []
 
 
+def test_a_time_budget_cuts_rounds_but_never_below_the_minimum(monkeypatch):
+    """With a budget, no round starts that would end past it at the pace so far, but at least
+    MIN_ROUNDS run (fewer admit no interval); without one every round runs. Each fake run takes
+    one tick of a fake clock, so a round (baseline, arm, baseline) takes 3."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def run(prompts):
+        clock[0] += 1.0
+        return bench.Run(tokens=10, wall_s=1.0, outputs=[[1] * 10], metrics=None)
+
+    def rounds(budget):
+        arm = bench.Arm("draft k=2", "draft", 2, run)
+        n = bench.paired_rounds(bench.Arm("autoregressive", "none", 0, run), [arm], [[[1]]] * 12, "t", False,
+                                budget_s=budget)
+        assert len(arm.ratios) == n
+        return n
+
+    assert rounds(None) == 12
+    assert rounds(27.0) == 9  # 3 per round: a 10th would end at 30
+    assert rounds(1.0) == bench.MIN_ROUNDS
+    assert rounds(1000.0) == 12
+    p = bench.plan(bench.parse_args([]), gpu=False)
+    assert p["time_budget"] == bench.CPU_TIME_BUDGET_S
+    assert bench.plan(bench.parse_args(["--rounds", "8"]), gpu=False)["time_budget"] is None
+    assert bench.plan(bench.parse_args(["--rounds", "8", "--time-budget", "60"]), gpu=False)["time_budget"] == 60
+    assert bench.rounds_line(p, {("greedy", 1): 12}) == "12 paired rounds per group"
+    assert "greedy bs=1: 7" in bench.rounds_line(p, {("greedy", 1): 7})
+
+
 def synthetic_run(steps: int, accepted_per_step: list[int], k: int, prefill_s: float, step_s: float,
                   draft_s: float = 0.0, draft_prefill_s: float = 0.0):
     """One batch-1 request: a prefill step (its drafting draft_prefill_s), then `steps`
