@@ -402,3 +402,17 @@ def test_categories_select_prompts_and_an_unknown_one_is_named(tiny_llama, tmp_p
                          "--dtype", "float32", "--drafters", "ngram", "--modes", "greedy", "--batch-sizes", "1",
                          "--categories", "rewrite", "--out", str(tmp_path / "plots")])
     assert result["categories"] == "rewrite"  # the report says which prompts it ran
+
+
+def test_the_pair_runs_in_the_dtype_this_cpu_kind_verifies_fastest(monkeypatch):
+    """--pair with dtype auto: bf16 where the CPU runs bf16 natively, fp32 on an AVX2-only CPU (where
+    an emulated bf16 target made speculation lose); a named dtype is taken as named."""
+    from minispec.fast.cpu_caps import cpu_caps
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench_pair
+
+    assert bench_pair.pair_dtype("auto") == (torch.bfloat16 if cpu_caps().native_bf16 else torch.float32)
+    monkeypatch.setenv("MINISPEC_CPU_ISA", "avx2")
+    assert bench_pair.pair_dtype("auto") == torch.float32
+    assert bench_pair.pair_dtype("bfloat16") == torch.bfloat16

@@ -1,14 +1,14 @@
 """`python bench.py --pair qwen2.5-coder`: speculative decoding where it pays, an expensive target
-with a cheap draft. Qwen2.5-Coder-1.5B-Instruct as target (bf16), its 0.5B sibling as draft (bf16
-and int4, fast/int4.py), in the paired rounds of bench.py (its module docstring says how a speedup
+with a cheap draft. Qwen2.5-Coder-1.5B-Instruct as target (bf16; fp32 on a CPU without native bf16:
+`pair_dtype`), its 0.5B sibling as draft (the target's dtype, and int4, fast/int4.py), in the paired rounds of bench.py (its module docstring says how a speedup
 and its interval are measured), on coding and general prompts, batch 1, greedy and sampled.
 
-Rows (greedy): plain bf16 (the baseline); the draft at k = 4 and 6 (int4) and k = 4 (bf16);
+Rows (greedy): plain (the baseline); the draft at k = 4 and 6 (int4) and k = 4 (the target's dtype);
 adaptive k; a draft tree; prompt lookup in front of the draft; n-gram; the row-invariant target
 (fast/row_invariant.py) plain and with the int4 draft, whose greedy output is checked against its
 own plain output bit for bit; llama.cpp (llama-cpp-python, where installed) plain on the
 target's own GGUF as a peer. Sampled (T 0.7, top-p 0.95): the int4 draft at k = 4. --full adds
-the bf16 draft at k = 6, the int4 draft with a reduced vocabulary (FR-Spec: its LM head over the
+the dense draft at k = 6, the int4 draft with a reduced vocabulary (FR-Spec: its LM head over the
 FR_VOCAB most frequent tokens, drafters/reduced_vocab.py, so its `draft` and tokens-a-step columns
 say what the smaller head buys), llama.cpp's prompt lookup, transformers' generate plain and with
 assistant_model, and the sampled int4 draft at k = 6 (~17 minutes on 2 cores; the default ~10-12). Also said: the weights as held and the process's peak RSS before any peer loads,
@@ -56,7 +56,8 @@ def weights_gib(model) -> float:
             if not t.is_meta:
                 total += t.numel() * t.element_size()
         if isinstance(m, PrepackedLinear) and m._packed is not None:
-            total += m.out_features * m.in_features * m.weight.element_size()  # oneDNN's copy (opaque: its dense size)
+            packed_dtype = m.compute_dtype or m.weight.dtype  # (fp32 for a bf16 layer where oneDNN cannot pack bf16)
+            total += m.out_features * m.in_features * packed_dtype.itemsize  # oneDNN's copy (opaque: its dense size)
     return total / 2**30
 
 
@@ -106,7 +107,7 @@ def main(args) -> dict:
         target_dir, draft_dir = converted_pair(args.pair)
     except ValueError as e:
         raise SystemExit(f"--pair {args.pair}: {e}") from None
-    dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else getattr(torch, args.dtype)
+    dtype = pair_dtype(args.dtype)
     # The drafts first: each load peaks (int4: while quantizing) before the target is held.
     t0 = time.perf_counter()
     draft_fr = reduced_vocab_draft(draft_dir, dtype) if args.full else None
@@ -114,10 +115,10 @@ def main(args) -> dict:
         log(f"int4 draft with a {FR_VOCAB:,}-token vocabulary built in {time.perf_counter() - t0:.1f} s (not in the load time below)")
     t0 = time.perf_counter()
     draft_int4 = load_checkpoint(draft_dir, dtype=dtype, quantization="int4")
-    draft_bf16 = load_checkpoint(draft_dir, dtype=dtype)
+    draft_dense = load_checkpoint(draft_dir, dtype=dtype)
     target = load_checkpoint(target_dir, dtype=dtype)
     load_s = time.perf_counter() - t0
-    held = {"target": weights_gib(target[0]), "draft bf16": weights_gib(draft_bf16[0]), "draft int4": weights_gib(draft_int4[0])}
+    held = {"target": weights_gib(target[0]), f"draft {bench.dtype_name(dtype)}": weights_gib(draft_dense[0]), "draft int4": weights_gib(draft_int4[0])}
     if draft_fr is not None:
         held["draft int4 reduced"] = weights_gib(draft_fr[0])
     rss = peak_rss_gib()
@@ -146,7 +147,8 @@ def main(args) -> dict:
         arms = [arm(draft_int4, "draft", 4, "int4")] + ([arm(draft_int4, "draft", 6, "int4")] if full or mode == "greedy" else [])
         invariant = []
         if mode == "greedy":  # (sampled: the int4 chain, to stay within ~12 minutes; --full: k = 6 too)
-            arms += [arm(draft_bf16, "draft", 4, "bf16")] + ([arm(draft_bf16, "draft", 6, "bf16")] if full else [])
+            dense = bench.dtype_name(dtype)
+            arms += [arm(draft_dense, "draft", 4, dense)] + ([arm(draft_dense, "draft", 6, dense)] if full else [])
             arms += [arm(draft_int4, "adaptive", args.adaptive_k, "int4"),
                      arm(draft_int4, "draft-tree", args.tree_depth, "int4", budget=8),
                      arm(draft_int4, "draft+lookup", 4, "int4")]
@@ -182,8 +184,21 @@ def main(args) -> dict:
     correctness += "; row-invariant target: " + ("identical, bit for bit" if not invariant_divergences else
                                                  f"DIFFERED in {len(invariant_divergences)} runs")
     return report(args, rows + peer_rows, correctness, memory, target_dir, draft_dir, rounds, tokens,
-                  {"weights_gib": held, "peak_rss_gib": rss, "load_s": load_s,
+                  {"weights_gib": held, "peak_rss_gib": rss, "load_s": load_s, "dtype": bench.dtype_name(dtype),
                    "failed": bool(invariant_divergences)})  # the row-invariant rows must agree bit for bit: exit status 1
+
+
+def pair_dtype(name: str) -> torch.dtype:
+    """The target's (and bf16 draft's) dtype: as named, or for auto bf16 where this CPU runs bf16
+    natively (AVX512-BF16, AMX) and fp32 elsewhere. On an AVX2-only CPU an emulated bf16 target
+    verifies k+1 rows at several times a decode step's cost, so speculation loses there, while
+    oneDNN's fp32 GEMM verifies 5 rows at ~2 decode steps (docs/cpu-performance.md). The int4
+    draft computes in bf16 either way (fast/int4.py)."""
+    from minispec.fast.cpu_caps import cpu_caps
+
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if cpu_caps().native_bf16 else torch.float32
 
 
 def make_row_invariant_off(model) -> None:
@@ -214,7 +229,7 @@ def report(args, rows, correctness, memory, target_dir, draft_dir, rounds, token
           f"{rounds} paired rounds per mode, "
           f"{time.perf_counter() - bench.START:.0f} s in all")
     print(memory)
-    print("speedup: median over rounds of (row tok/s / the round's plain bf16 tok/s), exact 95% interval; "
+    print(f"speedup: median over rounds of (row tok/s / the round's plain {extra['dtype']} tok/s), exact 95% interval; "
           "row-invariant rows' verify/draft in units of a row-invariant plain step")
     bench.print_table(rows)
     print(correctness)
