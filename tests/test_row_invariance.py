@@ -207,3 +207,29 @@ def test_greedy_with_an_eagle_head_is_plain_greedy_bit_for_bit_in_bf16(tiny_llam
     spec = llm.generate(prompts, params)
     assert_same_outputs(plain, spec)
     assert llm.last_metrics.num_drafted > 0
+
+
+def test_on_a_cpu_without_bf16_packing_a_bf16_target_is_invariant_in_fp32(checkpoint_factory, monkeypatch):
+    """Decided as on an AVX2-only CPU (any machine): LLM(..., row_invariant=True, dtype bfloat16)
+    works (it crashed inside oneDNN's bf16 reorder there), its layers compute on fp32 packed copies,
+    each row is computed as if alone, and greedy speculative output is plain output bit for bit.
+    float16 is a one-line error naming what is covered."""
+    from minispec.fast.row_invariant import check_row_invariant
+
+    monkeypatch.setenv("MINISPEC_CPU_ISA", "avx2")
+    path = checkpoint_factory("llama", seed=0, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    model, tok = load_checkpoint(path, dtype="bfloat16")
+    make_row_invariant(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, RowInvariantLinear) and m.compute_dtype == torch.float32 for m in linears)
+    assert all(rows_match_alone(model, 1 + 7 * s % 30, 1 + s % 9, s % 3, s) for s in range(4))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    prompts = [[5, 6, 7, 5, 6, 9, 11], [3, 4, 8, 3, 4]]
+    plain = LLM((model, tok), row_invariant=True, kv_cache_gib=0.01).generate(prompts, params)
+    spec = LLM((model, tok), draft_model="ngram", num_speculative_tokens=3, row_invariant=True,
+               kv_cache_gib=0.01).generate(prompts, params)
+    assert_same_outputs(plain, spec)
+    fresh, tok = load_checkpoint(path, dtype="bfloat16")
+    assert LLM((fresh, tok), row_invariant=True, kv_cache_gib=0.01).generate(prompts, params)[0].token_ids
+    with pytest.raises(ValueError, match="covers float32 and bfloat16"):
+        check_row_invariant(torch.device("cpu"), torch.float16)
