@@ -28,7 +28,7 @@ accepted, which their model takes as the same at every position until the first 
 a = accepted / (accepted + steps with a rejection) (its maximum-likelihood estimate; the
 acceptance rate accepted / drafted also counts the drafts after a rejection, never tried):
     E[tokens per step] = (1 - a^(k+1)) / (1 - a),  predicted speedup = E / (k c + 1).
-With --quantization int8, each row is also run with int8 target and draft weights (quant.py), in
+With --quantization int8, each row is also run with int8 target and draft weights (fast/int8.py), in
 the same rounds and against the same baseline (the bench's dtype, plain decoding); those rows'
 `verify` and `draft` costs are in units of a plain decode step with int8 weights, and their greedy
 outputs are checked against plain decoding with int8 weights, bit for bit.
@@ -805,7 +805,7 @@ def parse_args(argv=None):
                     help="weights and activations (auto: bfloat16 on GPU; on CPU whichever of float32 and bfloat16 "
                          "verifies k+1 tokens faster, timed at start)")
     ap.add_argument("--quantization", choices=["int8"],
-                    help="also run every row with int8 weights (target and draft; quant.py) in the same paired rounds, "
+                    help="also run every row with int8 weights (target and draft; fast/int8.py) in the same paired rounds, "
                          "against the same baseline")
     ap.add_argument("--row-invariant", choices=["on", "off"], default="on",
                     help="CPU, fp32 / bf16: the target computes every row alike in any batch, so the greedy check is bit "
@@ -1016,7 +1016,7 @@ def main(argv=None) -> dict:
     failed = bool(mismatches) and invariant
     correctness = correctness_line(ties, mismatches, dtype) if "greedy" in p["modes"] else "correctness: (greedy mode not run)"
     if quantized and "greedy" in p["modes"]:
-        # A quantized model is batch-invariant bit for bit (quant.py, invariant_attention.py): no ties allowed.
+        # A quantized model is batch-invariant bit for bit (fast/int8.py, model/invariant_attention.py): no ties allowed.
         indexed = {(index[pr], j, a, b, prefix) for pr, j, a, b, prefix in quantized_divergences}
         q_ties, q_mismatches = check_divergences(quantized[0][0], prompts, indexed, 0.0)
         mismatches += q_mismatches + q_ties

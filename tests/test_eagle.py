@@ -113,7 +113,7 @@ def test_every_proposal_equals_a_fresh_drafter_on_the_accepted_prefix(target, ea
 
 
 def test_steps_drafted_by_prompt_lookup_leave_the_heads_proposals_exact(target, eagle):
-    """With prompt lookup in front (hybrid.py), the head skips the steps lookup drafts and catches
+    """With prompt lookup in front (drafters/lookup.py), the head skips the steps lookup drafts and catches
     up on all their positions the next time it drafts: every proposal it makes still equals a
     fresh drafter's over the accepted prefix. Lookup is made to fire on every sequence length
     divisible by 3 (proposing its last tokens again: how lookup finds its tokens is not what is

@@ -1,4 +1,4 @@
-"""Graph-ready steps (graphs.py): the static-shape layout gives the dynamic path's answers.
+"""Graph-ready steps (runtime/static_shapes.py): the static-shape layout gives the dynamic path's answers.
 
 On CPU the static layout runs eagerly; it is exactly what a CUDA graph replays on a GPU. Invariants:
   * with static_shapes=True, greedy and seeded sampled outputs equal the dynamic path's token for

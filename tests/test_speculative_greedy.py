@@ -34,7 +34,7 @@ LOOKUP_MIN = 2  # "<drafter>+lookup": prompt lookup of >= 2 tokens first, the mo
 @pytest.fixture(scope="module", params=[None, "int8"])
 def pair(request, tiny_llama, tiny_llama_draft, tiny_llama_eagle):
     """(target, tokenizer), (draft, tokenizer), the EAGLE head, loaded once; LLMs are built from them.
-    Twice: fp32 weights, and int8 weights with per-row activation scales (quant.py) for all three,
+    Twice: fp32 weights, and int8 weights with per-row activation scales (fast/int8.py) for all three,
     where exactness is with respect to the int8 target."""
     quantization = request.param
     target, tok = load_checkpoint(tiny_llama, dtype="float32", quantization=quantization)

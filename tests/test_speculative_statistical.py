@@ -6,7 +6,7 @@ far from uniform and depend on the context) and two drafts: a perturbed copy of 
 (acceptance ~0.6-0.8) and an independent random model (low acceptance), plus the n-gram drafter,
 an EAGLE-3 head (random, reading the target's hidden states) whose draft vocabulary holds 4 of
 the 6 tokens, so the target puts mass where q is 0, and prompt lookup in front of a draft model
-or of the head ("+lookup", hybrid.py: one-hot q on some steps, the model's on others), and int4
+or of the head ("+lookup", drafters/lookup.py: one-hot q on some steps, the model's on others), and int4
 drafts (fast/int4.py) in front of the full-precision target, one with a reduced vocabulary (FR-Spec).
 For each configuration we sample N = 2000 requests of m tokens in one batch, each with its own
 seed, and compare the empirical distribution of the m-token continuations with the exact one,
@@ -312,7 +312,7 @@ def test_generated_sequences_follow_the_target_distribution(models, drafter, k, 
 
 @pytest.fixture(scope="module")
 def int8_models(models):
-    """The same models with int8 weights and per-row activation scales (quant.py)."""
+    """The same models with int8 weights and per-row activation scales (fast/int8.py)."""
     target = quantize_model(copy.deepcopy(models["target"]))
     eagle = copy.deepcopy(models["eagle"])
     eagle.embed_weight = target.embed_tokens.weight
