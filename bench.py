@@ -530,6 +530,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def greedy_divergences(baseline: Arm, arms: list[Arm], prompt_slices) -> set[tuple]:
     """(prompt, position, autoregressive token, speculative token, prefix) where a minispec arm's
     greedy output parted from the baseline's in the same round."""
+    if any(len(arm.runs) != len(prompt_slices) for arm in arms):
+        raise ValueError(f"{[len(a.runs) for a in arms]} runs for {len(prompt_slices)} rounds: pass the rounds that ran")
     found = set()
     for arm in arms:
         if arm.drafter == "peer":
@@ -994,6 +996,7 @@ def main(argv=None) -> dict:
         groups_left = len(p["groups"]) - group
         share = None if p["time_budget"] is None else max(p["time_budget"] - (time.perf_counter() - START), 0) / groups_left
         rounds_run[mode, bs] = paired_rounds(baseline, arms, slices, f"{mode} bs={bs}", progress, groups_left - 1, share)
+        slices = slices[: rounds_run[mode, bs]]  # the rounds run (a time budget may have cut them): runs pair with these
         log(f"{mode}, batch {bs}: {len(arms)} arms x {p['rounds']} rounds in {time.perf_counter() - t0:.1f}s")
         # One request's share of a baseline decode step: the unit of the verify and draft costs.
         base_step_s = step_time(baseline)

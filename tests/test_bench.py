@@ -232,13 +232,17 @@ def test_a_time_budget_cuts_rounds_but_never_below_the_minimum(monkeypatch):
 
     def run(prompts):
         clock[0] += 1.0
-        return bench.Run(tokens=10, wall_s=1.0, outputs=[[1] * 10], metrics=None)
+        return bench.Run(tokens=10, wall_s=1.0, outputs=[[prompts[0][0]] * 10], metrics=None)  # each round its own answer
 
     def rounds(budget):
-        arm = bench.Arm("draft k=2", "draft", 2, run)
-        n = bench.paired_rounds(bench.Arm("autoregressive", "none", 0, run), [arm], [[[1]]] * 12, "t", False,
-                                budget_s=budget)
-        assert len(arm.ratios) == n
+        arm, baseline = bench.Arm("draft k=2", "draft", 2, run), bench.Arm("autoregressive", "none", 0, run)
+        slices = [[[r]] for r in range(12)]
+        n = bench.paired_rounds(baseline, [arm], slices, "t", False, budget_s=budget)
+        assert len(arm.ratios) == n and len(baseline.runs) == 2 * n
+        assert bench.greedy_divergences(baseline, [arm], slices[:n]) == set()  # each run pairs with its own round
+        if n < 12:  # the rounds planned are not the rounds run: refused, never paired wrongly
+            with pytest.raises(ValueError, match="rounds"):
+                bench.greedy_divergences(baseline, [arm], slices)
         return n
 
     assert rounds(None) == 12
