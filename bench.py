@@ -222,6 +222,24 @@ def calibrate_dtype(target_path: Path, rows: int, invariant: bool, reps: int = 5
     return best, candidates[best], report
 
 
+def speculation_verdict(rows: list[Row]) -> list[str]:
+    """Per mode, one line when plain decoding without row invariance (FAST_PATH, timed in the same
+    rounds) beats the best speculative row: on such a CPU the bit-for-bit check costs more than
+    speculation buys, and the user should know which path pays (docs/cpu-performance.md)."""
+    lines = []
+    for mode in dict.fromkeys(r.mode for r in rows):
+        fast = next((r for r in rows if r.mode == mode and r.name == FAST_PATH and r.speedup), None)
+        spec = [r for r in rows if r.mode == mode and r.drafter not in ("none", "peer") and r.speedup and r.weights != "int8"]
+        if fast is None or not spec:
+            continue
+        best = max(spec, key=lambda r: r.speedup)
+        if fast.speedup > best.speedup:
+            lines.append(f"{mode}: plain decoding without row invariance ({fast.speedup:.2f}x) beats the best speculative row "
+                         f"({best.name}, {best.speedup:.2f}x) on this CPU: row invariance costs more of a decode step here "
+                         f"than speculation buys (docs/cpu-performance.md); --row-invariant off times what pays")
+    return lines
+
+
 def rounds_line(p: dict, rounds_run: dict) -> str:
     """'12 paired rounds per group', or what the time budget left of them per group."""
     if all(n == p["rounds"] for n in rounds_run.values()):
@@ -997,7 +1015,7 @@ def main(argv=None) -> dict:
         share = None if p["time_budget"] is None else max(p["time_budget"] - (time.perf_counter() - START), 0) / groups_left
         rounds_run[mode, bs] = paired_rounds(baseline, arms, slices, f"{mode} bs={bs}", progress, groups_left - 1, share)
         slices = slices[: rounds_run[mode, bs]]  # the rounds run (a time budget may have cut them): runs pair with these
-        log(f"{mode}, batch {bs}: {len(arms)} arms x {p['rounds']} rounds in {time.perf_counter() - t0:.1f}s")
+        log(f"{mode}, batch {bs}: {len(arms)} arms x {rounds_run[mode, bs]} rounds in {time.perf_counter() - t0:.1f}s")
         # One request's share of a baseline decode step: the unit of the verify and draft costs.
         base_step_s = step_time(baseline)
         # Quantized rows' verify / draft costs are in units of a quantized plain decode step.
@@ -1043,6 +1061,9 @@ def main(argv=None) -> dict:
     print("decode: the same median for the decode phase alone (the round's baseline TPOT / the row's; prefill left "
           "out; its interval is in --json); TPOT: ms per output token after the step that emitted a request's first")
     print_table(rows)
+    verdict = speculation_verdict(rows)
+    for line in verdict:
+        print(line)
     print(correctness)
     result = {
         "device": str(device),
@@ -1056,6 +1077,7 @@ def main(argv=None) -> dict:
         "categories": args.categories,
         "rows": [{**asdict(r), "distinguishable": r.distinguishable} for r in rows],
         "correctness": correctness,
+        "verdict": verdict,
         "row_invariant": invariant,  # the target computed every row alike: the check above is bit for bit
         "greedy_mismatches": mismatches,  # (prompt, position, logit gap) beyond the rounding tolerance
         "greedy_rounding_ties": ties,

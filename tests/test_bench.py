@@ -420,3 +420,18 @@ def test_the_pair_runs_in_the_dtype_this_cpu_kind_verifies_fastest(monkeypatch):
     monkeypatch.setenv("MINISPEC_CPU_ISA", "avx2")
     assert bench_pair.pair_dtype("auto") == torch.float32
     assert bench_pair.pair_dtype("bfloat16") == torch.bfloat16
+
+
+def test_the_bench_says_when_plain_decoding_without_row_invariance_pays_more():
+    """Where the fast plain path (timed in the same rounds) beats every speculative row, one line per
+    mode says so and names the best row; where speculation wins, nothing is said."""
+    def row(name, drafter, speedup, mode="greedy"):
+        return bench.Row(name, drafter, mode, 1, 4, speedup=speedup, weights="float32")
+
+    rows = [row("autoregressive", "none", 1.0), row("eagle k=4", "eagle", 1.2), row(bench.FAST_PATH, "none", 1.5),
+            row("hf generate", "peer", 2.0), row("autoregressive", "none", 1.0, "sampled"),
+            row("eagle k=4", "eagle", 1.6, "sampled"), row(bench.FAST_PATH, "none", 1.5, "sampled")]
+    lines = bench.speculation_verdict(rows)
+    assert len(lines) == 1 and lines[0].startswith("greedy: plain decoding without row invariance (1.50x) beats")
+    assert "(eagle k=4, 1.20x)" in lines[0]
+    assert bench.speculation_verdict([r for r in rows if r.name != bench.FAST_PATH]) == []
