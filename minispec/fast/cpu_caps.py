@@ -1,12 +1,13 @@
 """What this CPU runs natively: the one place every CPU fast path asks (skip on a first read).
 
 x86 CPUs come in kinds that matter here:
-* AVX2 (+FMA) only: AMD before Zen 4, many Intel client chips, x86 emulation on Apple silicon.
+* AVX2 (+FMA) only: many laptops and older servers, and x86 emulation on Apple silicon.
   No native bf16: bf16 matmuls are emulated, and oneDNN refuses to prepack a bf16 weight
   (its reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT); fp32 prepacking works.
 * AVX512 (F, BW, VL, DQ): oneDNN prepacks bf16 weights, still without native bf16 arithmetic.
-* AVX512-BF16 (Zen 4, Cooper Lake and later Xeons): native bf16 dot products.
-* AMX (Sapphire Rapids and later Xeons): bf16 tile matmuls, on top of AVX512-BF16.
+* AVX512-BF16: native bf16 dot products.
+* AMX: bf16 tile matmuls, on top of AVX512-BF16.
+Which CPUs are which, and what each kind measured: docs/cpu-performance.md.
 
 `cpu_caps()` reads the hardware once and returns a frozen `CpuCaps`. The environment variable
 MINISPEC_CPU_ISA (avx2, avx512, avx512_bf16, amx) makes the library decide AS ON a lesser CPU:
