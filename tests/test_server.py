@@ -517,7 +517,9 @@ def test_a_thread_that_ends_leaves_no_openmp_pool_behind():
     if gnu != "True":
         pytest.skip("torch here does not use GNU OpenMP")
     assert raised == "True" and float(value) == 2.0
-    assert int(passing) == int(before) and int(on_main) == int(before) + 1
+    # The main thread's pool keeps its worker(s): at least one more thread (an extra one may still be
+    # starting or leaving when counted, so not exactly one: the count flaked in about 1 run in 5).
+    assert int(passing) == int(before) and int(on_main) > int(before)
 
 
 def test_serve_loads_the_model_in_a_thread_that_has_ended_before_serving(monkeypatch):
