@@ -1,5 +1,6 @@
 """Load a checkpoint: a Hugging Face directory (config.json, *.safetensors shards, tokenizer.json)
-or a single GGUF file (see `gguf.py`).
+or a single GGUF file (see `gguf.py`, imported only when a .gguf file is read: the `gguf` package
+is needed for those files alone).
 
 Every tensor the model needs must be present with the right shape; anything missing, mis-shaped
 or unexpected is reported by name instead of surfacing later as a wrong answer.
@@ -19,7 +20,6 @@ from ..fast.smoothquant import CALIBRATION_TEXT
 from ..model.attention import AttentionBackend
 from ..model.config import DTYPES, ModelConfig, rope_inv_freq
 from ..model.llama import Transformer, fuse_projections, fused_state
-from .gguf import read_gguf, read_gguf_header
 from .tokenizer import Tokenizer, read_json_object
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -130,6 +130,8 @@ def peek_checkpoint(path: str | Path) -> tuple[ModelConfig, Tokenizer]:
     types are checked): what a pair of checkpoints is checked by before either loads."""
     path = Path(path)
     if path.suffix == ".gguf":
+        from .gguf import read_gguf_header  # (needs the gguf package: imported only for a .gguf file)
+
         hf_config, tokenizer = read_gguf_header(path)
     else:
         if not (path / "config.json").is_file():
@@ -160,6 +162,8 @@ def load_checkpoint(
     if not isinstance(backend, AttentionBackend):
         backend = AttentionBackend(backend)
     if path.suffix == ".gguf":  # dequantized straight to the compute dtype (a GGUF's 'auto' is fp32)
+        from .gguf import read_gguf  # (needs the gguf package: imported only for a .gguf file)
+
         hf_config, state, tokenizer = read_gguf(path, resolve_dtype(dtype, torch.float32, device))
     else:
         if not path.is_dir():

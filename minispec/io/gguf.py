@@ -2,7 +2,9 @@
 a `config.json` dict, a state dict under HF tensor names (dequantized to fp32), and a tokenizer.
 
 The `gguf` package parses the file and dequantizes (`GGUFReader`, `gguf.quants.dequantize`); this
-module only translates llama.cpp's conventions back to Hugging Face's:
+module only translates llama.cpp's conventions back to Hugging Face's. It is the only module that
+imports `gguf`, and it is imported only when a .gguf file is read, so an environment without the
+package (a GPU image that cannot install it) runs everything else:
 
 - Names: `blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, and so on (tables below).
 - Shapes: GGUF lists dims fastest-first (`tensor.shape == [in_features, out_features]`), the reverse
@@ -26,9 +28,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, TokenType
-from gguf.quants import dequantize
-from gguf.quants import _type_traits as GGUF_QUANTS  # the quant types the gguf package dequantizes
+
+try:  # only this module needs `gguf`: minispec imports, and loads checkpoint directories, without it
+    from gguf import GGMLQuantizationType, GGUFReader, TokenType
+    from gguf.quants import dequantize
+    from gguf.quants import _type_traits as GGUF_QUANTS  # the quant types the gguf package dequantizes
+except ImportError as e:
+    raise ImportError(
+        f"reading a .gguf file needs the `gguf` package, which cannot be imported here ({e}); install it with "
+        "`pip install 'gguf>=0.10'`, or convert the file where it is installed (python -m minispec.io.convert "
+        "FILE.gguf DIR) and load the directory", name="gguf") from e
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 

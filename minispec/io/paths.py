@@ -51,10 +51,10 @@ def write_atomic(path: Path, text: str) -> None:
 def default_target() -> Path:
     """The default target (SmolLM2-135M-Instruct) as an HF directory in the cache, converted from
     the packaged GGUF on first use (a few seconds, said on stderr)."""
-    from .convert import convert_gguf
-
     out = cache_dir() / DEFAULT_TARGET_NAME
     if not (out / "config.json").exists():  # config.json is written last: its presence means complete
+        from .convert import convert_gguf  # (needs the gguf package; a converted target does not)
+
         gguf = smollm2_gguf_path()
         print(f"[minispec] converting {gguf.name} once into {out}", file=sys.stderr)
         convert_gguf(gguf, out)
