@@ -1,123 +1,149 @@
 #!/usr/bin/env bash
-# The one command that checks minispec on a GPU machine with the real pair, writing every result
-# under $OUT (at most 8 files: gpu_check.log with every step's output, bench.json, roofline.json).
+# The prepared check of minispec on a borrowed GPU machine, writing its results under $OUT.
 #
-#   python tools/carry_target.py split      # here, once: the default target's GGUF in two halves
-#   # GPU command 1 carries .gpu-carry/target.gguf.1 (and runs nothing but a listing)
-#   # GPU command 2 carries .gpu-carry/target.gguf.2 (+ .gpu-wheels if the GPU's Python needs them):
-#   tools/gpu_check.sh                      # on the GPU machine (one GPU, its own torch + triton, no internet)
-#   tools/gpu_check.sh --dry-run            # on a CPU machine: every step but the GPU ones, at tiny sizes
-#   tools/gpu_check.sh --fetch-wheels       # here, with a package index: wheels for the GPU's Python
+#   tools/gpu_check.sh [tests | bench | all]      # on the GPU machine (default: all)
+#   tools/gpu_check.sh --dry-run [PART]           # on a CPU machine: the same steps at tiny sizes
+#   tools/gpu_check.sh --plan                     # each part's step timeouts, summed
 #
-# Steps, most valuable first: the environment; the bf16 kernel tests against their torch twins;
-# the real target reassembled from its halves (sha256 checked; else the random pair, said so);
-# bench.py on the real pair (CUDA graphs on, bf16): plain vs the EAGLE head (+ prompt lookup, and a tree of 32 nodes), the
-# distilled draft and n-gram, greedy and sampled, batch 1 and 16, 128-token answers, paired
-# rounds, with transformers' generate and assisted generation as peers and greedy identity
-# checked; the batch-1 TPOT against the speed of light and the launch-bound estimate, and what
-# eager steps cost under continuous batching (tools/roofline.py); `bench.py --kernels`, each
-# kernel's throughput as a share of the measured ceilings. A failing step is reported and the
-# others still run; the exit status is non-zero if any failed. The repository's packages run from
-# the checkout (PYTHONPATH), so nothing is built.
+# What the GPU machine has, and what travels there (docs/kernels-and-gpu.md has the details): one
+# GPU, its own torch + triton + transformers, no network and no `gguf` package; a command brings the
+# working tree (tracked files and untracked ones git does not ignore; the shipped draft and EAGLE
+# head are most of it) plus what it carries, 64 MiB in all. So this check carries nothing
+# and installs nothing: the repository's packages run from the checkout (PYTHONPATH), and the target
+# is a random-init model of SmolLM2-135M-Instruct's shape written on the GPU (tools/random_pair.py),
+# for which the shipped draft and EAGLE head fit. Acceptance means nothing on random weights; step
+# times, verification and drafting costs, and the kernels' behaviour are real.
+#
+# Time: 15 minutes of GPU time in all, start-up (1-2 minutes) included; 600 s at most a command.
+# Two commands, each step under its own timeout (--plan prints the sums), most valuable first:
+#   run(command="bash tools/gpu_check.sh tests", timeout_s=300)   # 1. kernels vs twins, CUDA graphs
+#   run(command="bash tools/gpu_check.sh bench", timeout_s=420)   # 2. bench, roofline, kernel bench
+# Worst case 2 + 5 + 7 = 14 minutes; a part that finishes early leaves time to rerun the other.
+#
+# Part "tests": the environment; tests/test_kernels.py (bf16 included) and tests/test_graphs.py
+# (CUDA-graph replay against eager) on the GPU. Part "bench": the random target; bench.py on it
+# with the shipped drafters (CUDA graphs on, bf16; plain vs the EAGLE head, a tree of 32 nodes,
+# the draft model and n-gram, greedy, batch 1 and 16, 64-token answers, 6 paired rounds, with
+# transformers as peers and greedy identity checked); tools/roofline.py (the batch-1 TPOT against
+# the speed of light and the launch-bound estimate, eager steps under continuous batching);
+# `bench.py --kernels`. Results: $OUT/gpu_check.log (every step's output), bench.json,
+# roofline.json; the random target lives in a temporary folder, never under $OUT (what is there
+# comes back). A failing step is reported and the others still run; the exit status is 1 if any
+# failed, 2 if the machine cannot run the check at all.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
-OUT=${OUT:-$ROOT/gpu-check-out}
-WHEELS=$ROOT/.gpu-wheels
-CARRY=$ROOT/.gpu-carry
+
+# Each step's timeout in seconds on the GPU (the dry run's are five times as long). A part's steps
+# add up to at most its command's timeout_s above less 30 s for the checks between them
+# (tests/test_gpu_check.py checks the sums against the two commands and the 15 minutes).
+T_ENV=30 T_KERNEL_TESTS=150 T_GRAPH_TESTS=90
+T_TARGET=30 T_BENCH=180 T_ROOFLINE=60 T_KERNEL_BENCH=75
+TESTS_S=$((T_ENV + T_KERNEL_TESTS + T_GRAPH_TESTS))
+BENCH_S=$((T_ENV + T_TARGET + T_BENCH + T_ROOFLINE + T_KERNEL_BENCH))
+
 DRY=0
-case "${1:-}" in
-    --dry-run) DRY=1 ;;
-    --fetch-wheels)
-        # The pure-Python and manylinux wheels minispec and its tests need beyond torch / triton,
-        # for the GPU machine's CPython (GPU_PYTHONS, default 3.12: the lent H200's), ~25 MB each.
-        mkdir -p "$WHEELS"
-        for py in ${GPU_PYTHONS:-3.12}; do
-            pip download --quiet --only-binary=:all: --python-version "$py" --platform manylinux2014_x86_64 \
-                --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$WHEELS" \
-                einops safetensors tokenizers jinja2 gguf numpy pytest hypothesis tqdm || exit 1
-        done
-        du -sh "$WHEELS"; exit 0 ;;
-    "") ;;
-    *) echo "usage: tools/gpu_check.sh [--dry-run | --fetch-wheels]" >&2; exit 2 ;;
-esac
-mkdir -p "$OUT"
+PART=all
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        --plan)
+            echo "tests $TESTS_S: environment $T_ENV, kernel-tests $T_KERNEL_TESTS, graph-tests $T_GRAPH_TESTS"
+            echo "bench $BENCH_S: environment $T_ENV, random-target $T_TARGET, bench $T_BENCH, roofline $T_ROOFLINE, kernel-bench $T_KERNEL_BENCH"
+            exit 0 ;;
+        tests|bench|all) PART=$arg ;;
+        *) echo "usage: tools/gpu_check.sh [--dry-run] [tests | bench | all] | --plan" >&2; exit 2 ;;
+    esac
+done
+
+# The dry run's steps are small, but they share CPUs that may be busy: they get five times as long.
+SLACK=$([ "$DRY" = 1 ] && echo 5 || echo 1)
+OUT=${OUT:-$ROOT/gpu-check-out}
+mkdir -p "$OUT" || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit 2; }
 LOG=$OUT/gpu_check.log
 FAILED=()
 log() { echo "[gpu_check $(date +%T)] $*" | tee -a "$LOG"; }
-step() {  # step NAME COMMAND...: run, append its output to the log, remember a failure
-    local name=$1; shift
-    log "$name: $*"
-    if "$@" >> "$LOG" 2>&1; then log "$name: ok"; else log "$name: FAILED"; FAILED+=("$name"); fi
+step() {  # step NAME SECONDS COMMAND...: run under a timeout, append its output to the log, remember a failure
+    local name=$1 secs=$(($2 * SLACK)) rc=0; shift 2
+    log "$name (at most $secs s): $*"
+    timeout --kill-after=10 "$secs" "$@" >> "$LOG" 2>&1 || rc=$?
+    if [ "$rc" = 0 ]; then log "$name: ok"
+    elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then log "$name: FAILED (timed out after $secs s)"; FAILED+=("$name")
+    else log "$name: FAILED (exit status $rc)"; FAILED+=("$name"); fi
 }
+give_up() { log "$*"; exit 2; }
 
+command -v timeout > /dev/null || give_up "no \`timeout\` command (coreutils) on this machine"
+PY=${PYTHON:-$(command -v python3 || command -v python || true)}  # PYTHON: another interpreter
+[ -n "$PY" ] || give_up "no python3 or python on PATH (or name one in PYTHON)"
+
+# Scratch space outside the checkout and outside $OUT: the import shim and the random target.
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") || give_up "cannot create a temporary folder"
+trap 'rm -rf "$WORK"' EXIT
 # minispec_kernels / minispec_weights are kernels/ and weights/ (pyproject's package-dir); run from the checkout.
-SHIM=$(mktemp -d)
-ln -s "$ROOT/kernels" "$SHIM/minispec_kernels"
-ln -s "$ROOT/weights" "$SHIM/minispec_weights"
-export PYTHONPATH=$ROOT:$SHIM${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$WORK/shim" && ln -s "$ROOT/kernels" "$WORK/shim/minispec_kernels" && ln -s "$ROOT/weights" "$WORK/shim/minispec_weights" \
+    || give_up "cannot link the checkout's kernels/ and weights/ into $WORK/shim"
+export PYTHONPATH=$ROOT:$WORK/shim${PYTHONPATH:+:$PYTHONPATH}
 export TRITON_DEFAULT_FP_FUSION=1
-export MINISPEC_CACHE=$CARRY/cache  # the converted target lives beside its halves, not in $HOME
 
-step environment python -c "
-import platform, torch, triton
-print('python', platform.python_version(), 'torch', torch.__version__, 'triton', triton.__version__)
-print('cuda', torch.cuda.is_available(), torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else '-')"
-if [ "$DRY" = 0 ] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-    log "no CUDA device: run with --dry-run on a CPU machine"; exit 2
+# The environment: torch first (without it nothing else can even say what is missing), then a GPU,
+# then every package the steps import. Nothing can be installed there: a missing one stops the check.
+torch=$("$PY" -c "import torch; print(int(torch.cuda.is_available()), torch.__version__)" 2>> "$LOG") \
+    || give_up "torch is missing or broken ($PY -c 'import torch' failed; see the log): the check needs the machine's own torch"
+if [ "$DRY" = 0 ] && [ "${torch%% *}" != 1 ]; then
+    give_up "no CUDA device: torch ${torch#* } sees none; on a CPU machine run with --dry-run"
 fi
-
-missing=$(python -c "
+missing=$("$PY" -c "
 import importlib.util
-print(' '.join(m for m in ('einops', 'safetensors', 'tokenizers', 'jinja2', 'gguf', 'numpy', 'pytest', 'hypothesis', 'tqdm')
-               if importlib.util.find_spec(m) is None))")
-if [ -n "$missing" ]; then
-    step install pip install --no-index --find-links "$WHEELS" $missing
+print(' '.join(m for m in ('triton', 'transformers', 'tokenizers', 'safetensors', 'einops', 'jinja2', 'numpy', 'pytest', 'hypothesis', 'tqdm')
+               if importlib.util.find_spec(m) is None))" 2>> "$LOG") || give_up "could not ask $PY which packages it has (see the log)"
+[ -z "$missing" ] || give_up "missing Python packages: $missing (nothing can be installed on the GPU machine)"
+step environment "$T_ENV" "$PY" -c "
+import importlib.util, platform, torch, triton, minispec
+print('python', platform.python_version(), 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)
+print('minispec from', minispec.__file__)
+print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')
+print('gguf', 'installed' if importlib.util.find_spec('gguf') else 'not installed (not needed: nothing here reads a .gguf file)')"
+
+if [ "$PART" != bench ]; then
+    # 1. The kernels against their torch twins (bf16 included on a GPU; a few small cases interpreted on
+    # CPU), then CUDA-graph replay against eager steps (on CPU: the static layout run eagerly).
+    if [ "$DRY" = 1 ]; then
+        TRITON_INTERPRET=1 step kernel-tests "$T_KERNEL_TESTS" "$PY" -m pytest -q -x tests/test_kernels.py -k "write_kv_scatters" -p no:cacheprovider
+        step graph-tests "$T_GRAPH_TESTS" "$PY" -m pytest -q -x tests/test_graphs.py -k "prompts_take or padding" -p no:cacheprovider
+    else
+        step kernel-tests "$T_KERNEL_TESTS" "$PY" -m pytest -q tests/test_kernels.py -m "slow or not slow" -p no:cacheprovider
+        step graph-tests "$T_GRAPH_TESTS" "$PY" -m pytest -q tests/test_graphs.py -p no:cacheprovider
+    fi
 fi
 
-# 1. The kernels against their twins (bf16 included on the GPU; a few small cases interpreted on CPU).
-if [ "$DRY" = 1 ]; then
-    export TRITON_INTERPRET=1
-    step kernel-tests python -m pytest -q -x tests/test_kernels.py -k "write" -p no:cacheprovider
-    unset TRITON_INTERPRET
-else
-    step kernel-tests python -m pytest -q tests/test_kernels.py -m "slow or not slow" -p no:cacheprovider
+if [ "$PART" != tests ]; then
+    # 2. The target: SmolLM2-135M-Instruct's shape with random weights (the real one cannot travel), with
+    # the shipped drafters; on CPU a tiny random pair.
+    PAIR=$WORK/pair
+    if [ "$DRY" = 1 ]; then
+        step random-target "$T_TARGET" "$PY" tools/random_pair.py "$PAIR" --size tiny --device cpu
+        DRAFTS=(--draft "$PAIR/draft")
+        BENCH=(--quick --dtype float32 --row-invariant off --no-peers --drafters draft,ngram --rounds 6 --max-tokens 6)
+        ROOF=(--tokens 4 --requests 6)
+    else
+        step random-target "$T_TARGET" "$PY" tools/random_pair.py "$PAIR" --size smollm2 --device cuda
+        DRAFTS=(--draft weights/draft-smollm2 --eagle weights/eagle-smollm2)
+        BENCH=(--dtype bfloat16 --drafters eagle,eagle-tree,draft,ngram --ks 4 --eagle-ks 4 --tree-budgets 32
+               --tree-top-k 8 --batch-sizes 1,16 --modes greedy --rounds 6 --max-tokens 64)
+        ROOF=(--tokens 128 --requests 32)
+    fi
+    # 3. The bench on it, the roofline, then the kernels' shares of the ceilings.
+    if [ -f "$PAIR/target/config.json" ]; then
+        step bench "$T_BENCH" "$PY" bench.py --target "$PAIR/target" "${DRAFTS[@]}" "${BENCH[@]}" --no-plots --no-progress \
+            --json "$OUT/bench.json"
+        step roofline "$T_ROOFLINE" "$PY" tools/roofline.py --target "$PAIR/target" --json "$OUT/roofline.json" "${ROOF[@]}"
+    else
+        log "bench, roofline: not run (no target was written; see random-target above)"
+        FAILED+=(bench roofline)
+    fi
+    step kernel-bench "$T_KERNEL_BENCH" "$PY" bench.py --kernels
 fi
 
-# 2. The real target, whole again; else the random pair of realistic size (no acceptance to speak of).
-if [ "$DRY" = 1 ] && [ ! -f "$CARRY/target.gguf.2" ]; then
-    step split python tools/carry_target.py split
-fi
-if python tools/carry_target.py join "$CARRY/target.gguf" >> "$LOG" 2>&1; then
-    log "target: the real SmolLM2-135M-Instruct (sha256 checked)"
-    TARGET=$(python -c "
-import sys; sys.path.insert(0, '$ROOT')
-from pathlib import Path
-from minispec.io.convert import convert_gguf
-out = Path('$CARRY/cache/SmolLM2-135M-Instruct')
-print(out if (out / 'config.json').exists() else convert_gguf('$CARRY/target.gguf', out))" 2>> "$LOG")
-    PAIR=(--target "$TARGET" --draft weights/draft-smollm2 --eagle weights/eagle-smollm2)
-    DRAFTERS=eagle,eagle+lookup,eagle-tree,draft,ngram
-else
-    log "target: the halves did not make the GGUF (see above); falling back to the random-init pair"
-    step random-pair python tools/random_pair.py "$OUT/pair" --size "$([ "$DRY" = 1 ] && echo tiny || echo 1b)"
-    TARGET=$OUT/pair/target
-    PAIR=(--target "$TARGET" --draft "$OUT/pair/draft")
-    DRAFTERS=draft,ngram
-fi
-
-# 3. The main job on the pair, then the roofline, then the kernels' shares of the ceilings.
-if [ "$DRY" = 1 ]; then
-    BENCH=(--quick --no-peers --drafters "${DRAFTERS/eagle+lookup,/}" --rounds 6 --max-tokens 6)
-    ROOF=(--tokens 4 --requests 6)
-else
-    BENCH=(--drafters "$DRAFTERS" --ks 4 --eagle-ks 4 --tree-budgets 32 --tree-top-k 8 --batch-sizes 1,16 --modes greedy,sampled --rounds 8 --max-tokens 128)
-    ROOF=(--tokens 128 --requests 32)
-fi
-step bench python bench.py "${PAIR[@]}" "${BENCH[@]}" --no-plots --no-progress --json "$OUT/bench.json"
-step roofline python tools/roofline.py --target "$TARGET" --json "$OUT/roofline.json" "${ROOF[@]}"
-step kernel-bench python bench.py --kernels
-
-rm -rf "$SHIM" "$OUT/pair"
 if [ ${#FAILED[@]} -gt 0 ]; then log "failed: ${FAILED[*]}"; exit 1; fi
-log "all steps passed; results in $OUT"
+log "all steps passed ($PART); results in $OUT"
