@@ -7,7 +7,8 @@ with room to spare; its two commands' step timeouts add up to less than their co
 which with start-up fit the 15 minutes; a machine without torch is told so (not "no CUDA device"),
 and one without a GPU is told to use --dry-run; the dry run passes end to end (every step at tiny
 sizes on CPU), leaves only its three result files in $OUT and no scratch folder behind; the random
-target of SmolLM2-135M-Instruct's shape takes the shipped draft and EAGLE head; bench.py with a
+target of SmolLM2-135M-Instruct's shape takes the shipped draft and EAGLE head, and the GPU bench's
+arguments parse into the rows the script's header names; bench.py with a
 user's --target benches only the drafters made for it (never the shipped head of another model),
 and refuses a head for another target in one line; tools/random_pair.py writes a pair minispec
 decodes speculatively with greedy output equal to plain decoding.
@@ -144,6 +145,23 @@ def test_the_random_smollm2_target_takes_the_shipped_draft_and_eagle_head():
     real = cache_dir() / "SmolLM2-135M-Instruct" / "config.json"  # converted from the GGUF, where it has been
     if real.is_file():
         assert ModelConfig.from_hf(json.loads(real.read_text())) == target_cfg
+
+
+def test_the_gpu_bench_arguments_parse_and_plan_the_rows_the_header_names():
+    """The GPU branch's bench arguments are parsed here (a typo there would cost a GPU session), and
+    the drafters' weights they name travel with the tree."""
+    import shlex
+
+    text = SCRIPT.read_text()
+    gpu_branch = text[text.index("--size smollm2"):]
+    arrays = {name: shlex.split(body.replace("\\\n", " "))
+              for name, body in re.findall(r"(DRAFTS|BENCH|ROOF)=\(([^)]*)\)", gpu_branch)}
+    args = bench.parse_args(["--target", "random-target"] + arrays["DRAFTS"] + arrays["BENCH"] + ["--no-plots"])
+    plan = bench.plan(args, gpu=True)
+    assert plan["drafters"] == ["eagle", "eagle-tree", "draft", "ngram"] and plan["tree_budgets"] == [32]
+    assert plan["groups"] == [("greedy", 1), ("greedy", 16)] and plan["rounds"] >= 6
+    assert (ROOT / args.draft / "config.json").is_file() and (ROOT / args.eagle / "config.json").is_file()
+    assert args.dtype == "bfloat16" and "--tokens" in arrays["ROOF"]
 
 
 def test_a_users_pair_is_benched_without_the_shipped_head(tiny_llama, tiny_llama_draft, tmp_path, capsys):

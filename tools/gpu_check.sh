@@ -49,7 +49,8 @@ for arg in "$@"; do
         --dry-run) DRY=1 ;;
         --plan)
             echo "tests $TESTS_S: environment $T_ENV, kernel-tests $T_KERNEL_TESTS, graph-tests $T_GRAPH_TESTS"
-            echo "bench $BENCH_S: environment $T_ENV, random-target $T_TARGET, bench $T_BENCH, roofline $T_ROOFLINE, kernel-bench $T_KERNEL_BENCH"
+            echo "bench $BENCH_S: environment $T_ENV, random-target $T_TARGET, bench $T_BENCH, roofline $T_ROOFLINE," \
+                 "kernel-bench $T_KERNEL_BENCH"
             exit 0 ;;
         tests|bench|all) PART=$arg ;;
         *) echo "usage: tools/gpu_check.sh [--dry-run] [tests | bench | all] | --plan" >&2; exit 2 ;;
@@ -81,39 +82,41 @@ PY=${PYTHON:-$(command -v python3 || command -v python || true)}  # PYTHON: anot
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") || give_up "cannot create a temporary folder"
 trap 'rm -rf "$WORK"' EXIT
 # minispec_kernels / minispec_weights are kernels/ and weights/ (pyproject's package-dir); run from the checkout.
-mkdir -p "$WORK/shim" && ln -s "$ROOT/kernels" "$WORK/shim/minispec_kernels" && ln -s "$ROOT/weights" "$WORK/shim/minispec_weights" \
-    || give_up "cannot link the checkout's kernels/ and weights/ into $WORK/shim"
+mkdir -p "$WORK/shim" && ln -s "$ROOT/kernels" "$WORK/shim/minispec_kernels" \
+    && ln -s "$ROOT/weights" "$WORK/shim/minispec_weights" || give_up "cannot link the checkout's kernels/ and weights/ into $WORK/shim"
 export PYTHONPATH=$ROOT:$WORK/shim${PYTHONPATH:+:$PYTHONPATH}
 export TRITON_DEFAULT_FP_FUSION=1
 
 # The environment: torch first (without it nothing else can even say what is missing), then a GPU,
 # then every package the steps import. Nothing can be installed there: a missing one stops the check.
 torch=$("$PY" -c "import torch; print(int(torch.cuda.is_available()), torch.__version__)" 2>> "$LOG") \
-    || give_up "torch is missing or broken ($PY -c 'import torch' failed; see the log): the check needs the machine's own torch"
+    || give_up "torch is missing or broken ($PY -c 'import torch' failed; see the log); the check uses this machine's own torch"
 if [ "$DRY" = 0 ] && [ "${torch%% *}" != 1 ]; then
     give_up "no CUDA device: torch ${torch#* } sees none; on a CPU machine run with --dry-run"
 fi
 missing=$("$PY" -c "
 import importlib.util
-print(' '.join(m for m in ('triton', 'transformers', 'tokenizers', 'safetensors', 'einops', 'jinja2', 'numpy', 'pytest', 'hypothesis', 'tqdm')
-               if importlib.util.find_spec(m) is None))" 2>> "$LOG") || give_up "could not ask $PY which packages it has (see the log)"
+needed = ('triton', 'transformers', 'tokenizers', 'safetensors', 'einops', 'jinja2', 'numpy', 'pytest', 'hypothesis', 'tqdm')
+print(' '.join(m for m in needed if importlib.util.find_spec(m) is None))" 2>> "$LOG") \
+    || give_up "could not ask $PY which packages it has (see the log)"
 [ -z "$missing" ] || give_up "missing Python packages: $missing (nothing can be installed on the GPU machine)"
 step environment "$T_ENV" "$PY" -c "
 import importlib.util, platform, torch, triton, minispec
 print('python', platform.python_version(), 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)
 print('minispec from', minispec.__file__)
 print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')
-print('gguf', 'installed' if importlib.util.find_spec('gguf') else 'not installed (not needed: nothing here reads a .gguf file)')"
+print('gguf', 'installed' if importlib.util.find_spec('gguf') else 'not installed (not needed: nothing here reads a GGUF)')"
 
 if [ "$PART" != bench ]; then
     # 1. The kernels against their torch twins (bf16 included on a GPU; a few small cases interpreted on
     # CPU), then CUDA-graph replay against eager steps (on CPU: the static layout run eagerly).
+    PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
     if [ "$DRY" = 1 ]; then
-        TRITON_INTERPRET=1 step kernel-tests "$T_KERNEL_TESTS" "$PY" -m pytest -q -x tests/test_kernels.py -k "write_kv_scatters" -p no:cacheprovider
-        step graph-tests "$T_GRAPH_TESTS" "$PY" -m pytest -q -x tests/test_graphs.py -k "prompts_take or padding" -p no:cacheprovider
+        TRITON_INTERPRET=1 step kernel-tests "$T_KERNEL_TESTS" "${PYTEST[@]}" -x tests/test_kernels.py -k "write_kv_scatters"
+        step graph-tests "$T_GRAPH_TESTS" "${PYTEST[@]}" -x tests/test_graphs.py -k "prompts_take or padding"
     else
-        step kernel-tests "$T_KERNEL_TESTS" "$PY" -m pytest -q tests/test_kernels.py -m "slow or not slow" -p no:cacheprovider
-        step graph-tests "$T_GRAPH_TESTS" "$PY" -m pytest -q tests/test_graphs.py -p no:cacheprovider
+        step kernel-tests "$T_KERNEL_TESTS" "${PYTEST[@]}" tests/test_kernels.py -m "slow or not slow"
+        step graph-tests "$T_GRAPH_TESTS" "${PYTEST[@]}" tests/test_graphs.py
     fi
 fi
 
@@ -135,9 +138,10 @@ if [ "$PART" != tests ]; then
     fi
     # 3. The bench on it, the roofline, then the kernels' shares of the ceilings.
     if [ -f "$PAIR/target/config.json" ]; then
-        step bench "$T_BENCH" "$PY" bench.py --target "$PAIR/target" "${DRAFTS[@]}" "${BENCH[@]}" --no-plots --no-progress \
-            --json "$OUT/bench.json"
-        step roofline "$T_ROOFLINE" "$PY" tools/roofline.py --target "$PAIR/target" --json "$OUT/roofline.json" "${ROOF[@]}"
+        step bench "$T_BENCH" "$PY" bench.py --target "$PAIR/target" "${DRAFTS[@]}" "${BENCH[@]}" \
+            --no-plots --no-progress --json "$OUT/bench.json"
+        step roofline "$T_ROOFLINE" "$PY" tools/roofline.py --target "$PAIR/target" "${ROOF[@]}" \
+            --json "$OUT/roofline.json"
     else
         log "bench, roofline: not run (no target was written; see random-target above)"
         FAILED+=(bench roofline)
