@@ -27,8 +27,9 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = ROOT / "weights" / "draft-smollm2"
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-               head_dim=64, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
+               tie_word_embeddings=True)
 SIZES = {  # name -> (target's config, draft's config or None: the shipped drafters fit the target)
     "smollm2": (SMOLLM2, None),
     "1b": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -86,8 +87,8 @@ def main() -> None:
     write_model(args.out / "target", target, 0, args.device)
     if draft is not None:
         write_model(args.out / "draft", draft, 1, args.device)
-    wrote = f"{args.out / 'target'} and {args.out / 'draft'}" if draft else f"{args.out / 'target'} (drafters: the shipped ones)"
-    print(f"wrote {wrote} ({args.size})")
+    drafts = f"and {args.out / 'draft'}" if draft else "(drafters: the shipped ones)"
+    print(f"wrote {args.out / 'target'} {drafts} ({args.size})")
 
 
 if __name__ == "__main__":
