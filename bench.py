@@ -178,6 +178,16 @@ class Arm:
     runs: list[Run] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     decode_ratios: list[float] = field(default_factory=list)  # TPOT: minispec arms only
+    cuda_peak_mib: float = 0.0  # on CUDA: the most memory allocated while one of this arm's runs ran
+
+    def timed(self, prompts: list[list[int]]) -> Run:
+        """run(prompts); on CUDA also the peak allocated memory during it (the peak is reset before)."""
+        if not torch.cuda.is_available():
+            return self.run(prompts)
+        torch.cuda.reset_peak_memory_stats()
+        run = self.run(prompts)
+        self.cuda_peak_mib = max(self.cuda_peak_mib, torch.cuda.max_memory_allocated() / 2**20)
+        return run
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -455,14 +465,14 @@ def paired_rounds(baseline: Arm, arms: list[Arm], prompt_slices: list[list[list[
                 log(f"{label}: {r} of {rounds} rounds done, {per_round:.0f}s a round; "
                     f"about {left / 60:.1f} min left" + (f" ({groups_after} more groups)" if groups_after else ""))
             order = arms[r % len(arms):] + arms[: r % len(arms)] if arms else []
-            before = baseline.run(prompts)
+            before = baseline.timed(prompts)
             bar.update()
             runs = {}
             for arm in order:
                 bar.set_postfix_str(arm.name)
-                runs[arm.name] = arm.run(prompts)
+                runs[arm.name] = arm.timed(prompts)
                 bar.update()
-            after = baseline.run(prompts)
+            after = baseline.timed(prompts)
             bar.update()
             base_tok_s = (before.tokens + after.tokens) / (before.wall_s + after.wall_s)
             tpots = [r.metrics.mean_tpot_s for r in (before, after) if r.metrics is not None]
@@ -512,7 +522,9 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
     row.target_fwd_per_token = steps / max(row.tokens, 1)
     row.ttft_ms = None if total.mean_ttft_s is None else total.mean_ttft_s * 1e3
     row.tpot_ms = None if total.mean_tpot_s is None else total.mean_tpot_s * 1e3
-    row.peak_mem_mib = peak_memory_mib(device)
+    # CUDA: the peak while this row's runs ran (every arm's LLM stays alive, so it includes theirs);
+    # CPU: the process's peak RSS so far, which cannot be reset.
+    row.peak_mem_mib = arm.cuda_peak_mib if device.type == "cuda" and arm.cuda_peak_mib else peak_memory_mib(device)
     if arm.drafter != "none":
         row.acceptance, row.accepted_per_step = total.acceptance_rate, total.mean_accepted_per_step
         row.per_position = [round(x, 3) for x in total.per_position_acceptance]

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     color = not args.no_color and not args.json and "NO_COLOR" not in os.environ and sys.stdout.isatty()
     try:
         return run(args, color)
-    except (CliError, ValueError, TypeError, OSError, KVPoolExhausted, jinja2.TemplateError) as e:
+    except (CliError, ValueError, TypeError, OSError, ImportError, KVPoolExhausted, jinja2.TemplateError) as e:
         print(f"minispec: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
