@@ -62,7 +62,7 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
     graphs = use_cuda_graphs(o, models)
     engine = LLMEngine(runners[0], tokenizer, drafter, runners[1] if draft is not None else None,
                        o.num_speculative_tokens, o.max_num_seqs, o.max_num_batched_tokens, o.seed, o.enable_prefix_caching,
-                       o.speculation_by_load, o.enable_chunked_prefill)
+                       o.speculation_by_load, o.enable_chunked_prefill, o.pathwise_sampling)
     if o.static_shapes if o.static_shapes is not None else graphs:
         layers = engine.drafter.target_layers
         trees = engine.drafter.drafts_trees  # then a verification feeds the root and the tree's nodes

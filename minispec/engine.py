@@ -20,6 +20,7 @@ import torch
 
 from .drafters.base import Drafter, NoDrafter
 from .io.tokenizer import Tokenizer
+from .pathwise import PATHWISE_SAMPLING
 from .runtime.chunked_prefill import feed_chunks, plan_chunks
 from .runtime.kv_cache import KVPoolExhausted
 from .runtime.metrics import RunMetrics, StepTimes
@@ -57,6 +58,7 @@ class LLMEngine:
         prefix_caching: bool = False,
         speculation_by_load: bool = False,
         chunked_prefill: bool = False,
+        pathwise_sampling: str = "off",
     ):
         """k = num_speculative_tokens (0 without a drafter); draft_runner: the draft model's or
         EAGLE head's runner, whose pool every sequence also needs pages in; seed: requests without
@@ -67,7 +69,9 @@ class LLMEngine:
         chunked_prefill: a prompt that does not fit a step's max_num_batched_tokens is fed in chunks
         over several steps while the others decode, and the budget bounds every token a step feeds
         the target, drafts included (runtime/chunked_prefill.py); without it, the budget bounds the
-        prompt tokens a step admits (runtime/scheduler.py)."""
+        prompt tokens a step admits (runtime/scheduler.py); pathwise_sampling: which requests that do
+        not say (SamplingParams.pathwise None) sample by Gumbel-max, so that speculation cannot change
+        their tokens (pathwise.py): "off" none, "seeded" those with a seed, "on" all."""
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDrafter()
@@ -85,6 +89,9 @@ class LLMEngine:
         self.max_model_len = target.max_positions
         self.times = StepTimes()
         self.seeds = torch.Generator().manual_seed(seed) if seed is not None else None
+        if pathwise_sampling not in PATHWISE_SAMPLING:
+            raise ValueError(f"pathwise_sampling must be one of {PATHWISE_SAMPLING}, got {pathwise_sampling!r}")
+        self.pathwise_sampling = pathwise_sampling
         self._next_id = 0
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -129,8 +136,8 @@ class LLMEngine:
         """Queue several requests: all of them, or (if any is refused) none."""
         for prompt_ids, params in requests:
             self.check_request(prompt_ids, params)
-        seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.target.device,
-                         self.seed_for(params), self.eos_ids) for i, (ids, params) in enumerate(requests)]
+        seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.seed_for(params), self.eos_ids,
+                         self.pathwise_for(params)) for i, (ids, params) in enumerate(requests)]
         self._next_id += len(seqs)
         now = time.perf_counter()
         for seq in seqs:
@@ -143,6 +150,12 @@ class LLMEngine:
         if params.seed is not None:
             return params.seed
         return int(torch.randint(0, 2**62, (), generator=self.seeds).item())
+
+    def pathwise_for(self, params: SamplingParams) -> bool:
+        """The request's own choice, else the engine's pathwise_sampling."""
+        if params.pathwise is not None:
+            return params.pathwise
+        return self.pathwise_sampling == "on" or (self.pathwise_sampling == "seeded" and params.seed is not None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

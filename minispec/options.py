@@ -22,6 +22,7 @@ from .io.eagle_checkpoint import is_eagle_checkpoint
 from .io.tokenizer import Tokenizer
 from .model.eagle import EagleModel
 from .model.llama import Transformer
+from .pathwise import PATHWISE_SAMPLING
 
 DRAFT_ONLY = ("int4",)  # quantizations that only a draft model takes (fast/int4.py)
 Model = str | Path | tuple[Transformer, Tokenizer]
@@ -49,7 +50,11 @@ class EngineOptions:
     Both exact, as any draft is. row_invariant=True (CPU): each row of the target computed alike in
     any batch, greedy speculative == plain bit for bit (fast/row_invariant.py; built models in place).
     ngram_max / ngram_min (3 / 1): the n-gram drafter's window, or a lookup's longest match (ngram_max).
-    seed: requests without their own seed draw from a generator seeded with it. Serving (runtime/):
+    seed: requests without their own seed draw from a generator seeded with it. pathwise_sampling:
+    which requests that do not say (SamplingParams.pathwise) sample by Gumbel-max keyed by (seed,
+    position), so that the drafter, k and speculation by load cannot change their tokens
+    (pathwise.py): "off" (default) none, "seeded" those with a seed, "on" all; True / False are
+    "on" / "off". Serving (runtime/):
     enable_prefix_caching, speculation_by_load (a chain's k from step costs), enable_chunked_prefill.
     tokenizer: a directory with tokenizer.json to use instead of the target's. enforce_eager=True: no
     CUDA graphs. tensor_parallel_size must be 1 (one device); dtype also takes vLLM's "half", "float".
@@ -87,6 +92,7 @@ class EngineOptions:
     cuda_graphs: bool | None = None
     static_shapes: bool | None = None
     seed: int | None = None
+    pathwise_sampling: str | bool = "off"
     tokenizer: str | Path | None = None
     enforce_eager: bool = False
     verbose: bool = False
@@ -98,6 +104,11 @@ class EngineOptions:
         for name in ("row_invariant", "enable_prefix_caching", "speculation_by_load", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.pathwise_sampling, bool):
+            self.pathwise_sampling = "on" if self.pathwise_sampling else "off"
+        if self.pathwise_sampling not in PATHWISE_SAMPLING:
+            raise ValueError(f"pathwise_sampling must be one of {', '.join(PATHWISE_SAMPLING)} (or True / False), "
+                             f"got {self.pathwise_sampling!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
         self.check_device()
         self.translate_vllm()

@@ -23,7 +23,10 @@ class SamplingParams:
     stop_token_ids cannot be sampled, and stop strings do not end the request, before this many;
     stop: strings that end generation (not in the text unless include_stop_str_in_output);
     stop_token_ids: tokens that end generation (kept in token_ids, stop_reason the id);
-    seed: makes the request reproducible and independent of the batch it runs in;
+    seed: makes the request reproducible and independent of the batch it runs in (randomness.py:
+    every draw is keyed by the seed and the token's position); pathwise: sample by Gumbel-max with
+    noise keyed by (seed, position), so that speculation (drafter, k, speculation by load) cannot
+    change the tokens (pathwise.py; None: the LLM's pathwise_sampling decides);
     ignore_eos: keep generating past EOS (benchmarks); logprobs: also return, for every
     generated token, the target's `logprobs` most likely tokens and the sampled one with their
     log-probabilities under the model's raw distribution (log_softmax of the logits, before
@@ -45,6 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     seed: int | None = None
+    pathwise: bool | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     repetition_penalty: float = 1.0
@@ -96,6 +100,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.seed is not None and not (is_int(self.seed) and -(2**63) <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
+        if self.pathwise is not None and not isinstance(self.pathwise, bool):
+            raise ValueError(f"pathwise must be True, False or None (the LLM's pathwise_sampling), got {self.pathwise!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
@@ -230,27 +236,15 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.amax(-1).isfinite()
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row, row i from generators[i] (None: no draw, for a row the caller
-    drops). probs: [N, V] -> tokens [N] int64.
-
-    Inverse CDF with one fp64 uniform per row: the first token whose cumulative mass exceeds
-    u * total. Zero-probability tokens are never drawn (the CDF is flat there), a one-hot row
-    always yields its token, and a request's draws depend only on its own generator (batch
-    invariance). fp64 keeps u * total strictly below the total, so no index falls off the end.
-    Rows must be distributions (callers drop non-finite logits first: see `finite_rows`); should
-    one not be, the clamp still keeps the id inside the vocabulary.
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row by inverse CDF: probs [N, V], u [N] fp64 uniforms in (0, 1) (the
+    request's keyed draws, randomness.py) -> tokens [N] int64, the first token whose cumulative
+    mass exceeds u * total. Zero-probability tokens are never drawn (the CDF is flat there), a
+    one-hot row always yields its token, and a row's token depends on its own row and uniform
+    only (batch invariance). fp64 keeps u * total strictly below the total, so no index falls off
+    the end. Rows must be distributions (callers drop non-finite logits first: see `finite_rows`);
+    should one not be, the clamp still keeps the id inside the vocabulary.
     """
-    u = uniforms(generators, 1, probs.device)  # [N, 1] fp64
     cdf = probs.double().cumsum(-1)  # [N, V]
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)  # [N]
-
-
-def uniforms(generators: list[torch.Generator | None], n: int, device: torch.device | str) -> torch.Tensor:
-    """[len(generators), n] fp64 uniforms in [0, 1), row i drawn from generators[i] only (zeros,
-    drawing nothing, where it is None: a row whose result the caller drops)."""
-    if not generators:
-        return torch.empty(0, n, dtype=torch.float64, device=device)
-    draws = [torch.zeros(n, dtype=torch.float64) if g is None else torch.rand(n, generator=g, dtype=torch.float64, device=g.device)
-             for g in generators]
-    return torch.stack(draws).to(device)
+    threshold = u.to(device=probs.device, dtype=torch.float64)[:, None] * cdf[:, -1:]  # [N, 1]
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)  # [N]

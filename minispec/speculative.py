@@ -24,9 +24,14 @@ Temperature 0 makes both one-hot, and the same rule becomes greedy verification:
 d_i == argmax p_i, then emit argmax p at the first mismatch. Plain autoregressive decoding is this
 step with the no-op drafter (n = 0): the target samples one token from p_1.
 
-Randomness: every draw (the drafter's samples, the n acceptance uniforms, the final token) comes
-from the request's own torch.Generator, in fp64, in a fixed order, so a seeded request emits the
-same tokens whatever else is in the batch.
+Randomness: every number a request uses is keyed by its seed and the position of the token it
+decides (randomness.py): the drafter's samples, the acceptance uniforms and the final token's,
+never a stream whose place depends on what came before. So a seeded request emits the same
+tokens whatever else is in the batch, repeated, after a preemption, with prefix caching, as long
+as the drafter drafts the same tokens: a different drafter or k (speculation by load chooses k
+from timings) draws the same numbers but other drafts, and under this rule the drafts steer
+which token is emitted. A request with `pathwise` sampling (pathwise.py) is verified by its
+Gumbel-max tokens instead, and then nothing a drafter does changes its tokens.
 
 Why it is exact (one position): the emitted token x has probability
 q(x) min(1, p(x)/q(x)) + P(reject) r(x) = min(p, q)(x) + (p - q)^+(x) = p(x), since
@@ -45,6 +50,8 @@ import torch
 from .drafters.base import Drafter, Proposal, one_hot_q
 from .nonfinite import guard_nonfinite
 from .outputs import Logprob
+from .pathwise import gumbel_max
+from .randomness import Purpose, uniforms
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
@@ -126,15 +133,17 @@ def rejection_sample(
     num_draft: torch.Tensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
-    generators: list[torch.Generator],
+    accept_u: torch.Tensor,
+    token_u: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The accept/reject rule for a batch of sequences with different draft lengths.
 
     draft_tokens: [B, K] int64 (rows padded past num_draft[b]); num_draft: [B] int64 (<= K)
     draft_probs:  [B, K+1, V], q at each drafted position, ZERO rows at positions >= num_draft[b]
     target_probs: [B, K+1, V], p at each of the K+1 verified positions
+    accept_u:     [B, K] fp64, the uniform that tests draft i; token_u: [B, K+1] fp64, the uniform
+                  that draws the final token should the step end at position i (randomness.py)
     Returns (tokens [B, K+1], num_accepted [B]): row b emits tokens[b, :num_accepted[b] + 1].
-    Randomness: sequence b draws num_draft[b] uniforms, then one sample, from generators[b] only.
     """
     B, K = draft_tokens.shape
     device = target_probs.device
@@ -144,16 +153,13 @@ def rejection_sample(
     # 3a. Accept d_i when u_i < min(1, p_i(d_i) / q_i(d_i)).
     target_prob = target_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
     draft_prob = draft_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
-    u = torch.zeros(B, K, dtype=torch.float64, device=device)  # [B, K]
-    for b, (g, n) in enumerate(zip(generators, num_draft.tolist())):
-        u[b, :n] = torch.rand(n, generator=g, dtype=torch.float64, device=g.device).to(device)
-    accepted = (u < accept_probability(target_prob, draft_prob)) & drafted  # [B, K]
+    accepted = (accept_u.to(device) < accept_probability(target_prob, draft_prob)) & drafted  # [B, K]
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # [B] length of the leading accepted run
 
     # 3b. One more token at position num_accepted: from the residual after a rejection, or the
     # bonus from p_{n+1} (whose draft row is zero, so the residual is p itself).
     final_dist = residual_distribution(target_probs[rows, num_accepted], draft_probs[rows, num_accepted])  # [B, V]
-    final_token = sample(final_dist, generators)  # [B]
+    final_token = sample(final_dist, token_u.to(device)[rows, num_accepted])  # [B]
 
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
     tokens[rows, num_accepted] = final_token
@@ -161,14 +167,48 @@ def rejection_sample(
 
 
 def sample_verify(logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal) -> tuple[list[list[int]], list[int]]:
-    """Warp the flat logits [sum(n_b + 1), V] with each request's params, lay them out as
-    [B, K+1, V] next to the draft's q (one-hot at each drafted token where the proposal has no
-    probs) and apply `rejection_sample`. Returns (tokens per sequence, num_accepted per sequence)."""
-    device, draft_lists, draft_probs = logits.device, proposal.tokens, proposal.probs
-    num_draft = [len(d) for d in draft_lists]
-    params = [s.params for s, n in zip(seqs, num_draft) for _ in range(n + 1)]
+    """Warp the flat logits [sum(n_b + 1), V] with each request's params, then verify each
+    request by its rule: `standard_verify` (the rejection rule), or, for pathwise requests,
+    accept while the draft is the target's Gumbel-max token (pathwise.py). Returns (tokens per
+    sequence, num_accepted per sequence)."""
+    draft_lists = proposal.tokens
+    params = [s.params for s, d in zip(seqs, draft_lists) for _ in range(len(d) + 1)]
     flat_target_probs = warp_probs(logits, params)  # [sum(n_b + 1), V]
+    rows, start = [], 0  # each sequence's rows of the flat logits
+    for d in draft_lists:
+        rows.append(range(start, start + len(d) + 1))
+        start += len(d) + 1
+    pathwise = [b for b, s in enumerate(seqs) if s.pathwise]
+    standard = [b for b, s in enumerate(seqs) if not s.pathwise]
+    tokens, num_accepted = [None] * len(seqs), [0] * len(seqs)
+    if pathwise:
+        picked = [r for b in pathwise for r in rows[b]]
+        positions = [len(seqs[b]) + j for b in pathwise for j in range(len(rows[b]))]
+        best = gumbel_max(flat_target_probs[picked], [seqs[b].key for b in pathwise for _ in rows[b]], positions)
+        verdicts = zip(*greedy_verify(None, [draft_lists[b] for b in pathwise], best.tolist()))
+        for b, (t, n) in zip(pathwise, verdicts):
+            tokens[b], num_accepted[b] = t, n
+    if standard:
+        target_probs, draft_probs = flat_target_probs, proposal.probs
+        if pathwise:  # (a mixed batch: the standard requests' rows)
+            target_probs = flat_target_probs[[r for b in standard for r in rows[b]]]
+            draft_probs = None if draft_probs is None else draft_probs[torch.tensor(standard, device=draft_probs.device)]
+        verdicts = zip(*standard_verify(target_probs, [seqs[b] for b in standard], [draft_lists[b] for b in standard],
+                                        draft_probs))
+        for b, (t, n) in zip(standard, verdicts):
+            tokens[b], num_accepted[b] = t, n
+    return tokens, num_accepted
 
+
+def standard_verify(flat_target_probs: torch.Tensor, seqs: list[Sequence], draft_lists: list[list[int]],
+                    draft_probs: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
+    """Lay p [sum(n_b + 1), V] out as [B, K+1, V] next to the draft's q (one-hot at each drafted
+    token where the proposal has no probs) and apply `rejection_sample` with each request's keyed
+    uniforms: draft i (at position len(s) + i) is tested by U(ACCEPT, keyed by the step too, whose
+    drafts may reach a position again in a later step), the final token drawn by U(TOKEN) of the
+    position where the step ends. Returns (tokens per sequence, num_accepted per sequence)."""
+    device = flat_target_probs.device
+    num_draft = [len(d) for d in draft_lists]
     K, V = max(num_draft), flat_target_probs.shape[-1]
     B = len(seqs)
     target_probs = flat_target_probs.new_zeros(B, K + 1, V)  # [B, K+1, V]
@@ -184,23 +224,24 @@ def sample_verify(logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal
             draft_probs[b, : len(d)] = one_hot_q(d, V, device)
     else:
         draft_probs = draft_probs[:, : K + 1].to(device)
+    keys = [s.key for s in seqs for _ in range(K + 1)]
+    positions = [len(s) + i for s in seqs for i in range(K + 1)]
+    steps = [len(s) for s in seqs for _ in range(K + 1)]
+    accept_u = uniforms(keys, positions, Purpose.ACCEPT, device, steps).view(B, K + 1)[:, :K]  # [B, K]
+    token_u = uniforms(keys, positions, Purpose.TOKEN, device).view(B, K + 1)  # [B, K+1]
     tokens, num_accepted = rejection_sample(
-        draft_tokens,
-        torch.tensor(num_draft, device=device),
-        draft_probs,
-        target_probs,
-        [s.generator for s in seqs],
-    )
+        draft_tokens, torch.tensor(num_draft, device=device), draft_probs, target_probs, accept_u, token_u)
     return tokens.tolist(), num_accepted.tolist()
 
 
-def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]], best: list[int] | None = None
+def greedy_verify(logits: torch.Tensor | None, draft_lists: list[list[int]], best: list[int] | None = None
                   ) -> tuple[list[list[int]], list[int]]:
     """The accept/reject rule at temperature 0, where p and q are one-hot: accept d_i while it is
     the target's argmax at position i, then emit the argmax at the first mismatch (or the bonus
     argmax after n accepted drafts). One argmax over the flat logits [sum(n_b + 1), V]; no
     softmax, one-hot or sampling (it equals `rejection_sample` on the warped one-hot rows, and
-    draws no random numbers). `best`: that argmax, when the caller already has it on the host.
+    draws no random numbers). `best`: that argmax, when the caller already has it on the host
+    (pathwise verification passes its Gumbel-max tokens: the same walk, pathwise.py).
     Returns (tokens per sequence, num_accepted per sequence)."""
     if best is None:
         best = logits.argmax(-1).tolist()  # [sum(n_b + 1)]: the lowest id among tied maxima, as warp_probs

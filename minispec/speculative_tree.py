@@ -34,10 +34,15 @@ Greedy (temperature 0): p_v is one-hot at the target's argmax, so the walk follo
 equal to it and emits the argmax where there is none: the longest root-to-leaf path the target
 agrees with, then the target's own token. No random number is drawn.
 
-Randomness: per sequence N fp64 uniforms (node i's test uses the i-th) and then the final
-sample, all from the request's own generator: a seeded request's output does not depend on
-what else is in the batch. Penalties and min_tokens apply to p at every node with the path
-before it (as speculative.py's chain); the draft's tree ignores them (any tree is exact).
+Randomness: keyed by the request's seed and positions (randomness.py): the test of the j-th
+child (in drafted order) of the node at a position uses U(BRANCH, that position, the step, j),
+the final token U(TOKEN) of its own position, as the chain's: a seeded request's output does not
+depend on what else is in the batch. Penalties and min_tokens apply to p at every node with the
+path before it (as speculative.py's chain); the draft's tree ignores them (any tree is exact).
+
+Pathwise requests (pathwise.py) walk as greedy ones do, with the target's Gumbel-max token at
+each row in place of its argmax: a node is accepted iff it is the token plain pathwise decoding
+emits at its position after its path, so the walk emits plain decoding's tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ import torch
 
 from .drafters.base import Drafter
 from .drafters.tree import DraftTree
+from .pathwise import gumbel_max
+from .randomness import Purpose, uniform, uniforms
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner, TreeFeed
 from .runtime.sequence import Sequence
@@ -140,9 +147,38 @@ def accept_tree(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTre
         walks = [greedy_walk(t, best[o:], finite_host[o:]) for t, o in zip(trees, offsets)]
         finals = [best[offsets[b] + 1 + path[-1] if path else offsets[b]] for b, (path, _, _) in enumerate(walks)]
     else:
-        walks, finals = sample_walks(logits, seqs, trees, offsets, finite_rows(logits).tolist())
+        walks, finals = [None] * len(seqs), [None] * len(seqs)
+        finite = finite_rows(logits).tolist()
+        standard = [b for b, s in enumerate(seqs) if not s.pathwise]
+        pathwise = [b for b, s in enumerate(seqs) if s.pathwise]
+        for rule, chosen in ((sample_walks, standard), (pathwise_walks, pathwise)):
+            if chosen:
+                rows = [r for b in chosen for r in range(offsets[b], offsets[b + 1])]
+                local = [0]
+                for b in chosen:
+                    local.append(local[-1] + offsets[b + 1] - offsets[b])
+                some = logits if len(chosen) == len(seqs) else logits[torch.tensor(rows, device=logits.device)]
+                got, got_finals = rule(some, [seqs[b] for b in chosen], [trees[b] for b in chosen], local,
+                                       [finite[r] for r in rows])
+                for b, w, f in zip(chosen, got, got_finals):
+                    walks[b], finals[b] = w, f
     failures = {b: len(seqs[b]) + len(path) for b, (path, _, broken) in enumerate(walks) if broken}  # token positions
     return [w[0] for w in walks], finals, failures
+
+
+def pathwise_walks(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTree], offsets: list[int],
+                   finite: list[bool]) -> tuple[list[tuple[list[int], list[int], bool]], list[int]]:
+    """The walks of pathwise requests: `greedy_walk` on each row's Gumbel-max token (the root's row
+    decides position len(s), node i's row len(s) + depth(i); every node at one depth shares that
+    position's noise). One host copy; rows that are not finite are zeroed (a walk stops there)."""
+    params = [s.params for s, t in zip(seqs, trees) for _ in range(len(t) + 1)]
+    probs = warp_rows(logits, list(range(len(params))), params, finite)  # [R, V]
+    keys = [s.key for s, t in zip(seqs, trees) for _ in range(len(t) + 1)]
+    positions = [len(s) + d for s, t in zip(seqs, trees) for d in [0] + t.depths()]
+    best = gumbel_max(probs, keys, positions).tolist()  # [R]
+    walks = [greedy_walk(t, best[o:], finite[o:]) for t, o in zip(trees, offsets)]
+    finals = [best[offsets[b] + 1 + path[-1] if path else offsets[b]] for b, (path, _, _) in enumerate(walks)]
+    return walks, finals
 
 
 def greedy_walk(tree: DraftTree, best: list[int], finite: list[int]) -> tuple[list[int], list[int], bool]:
@@ -182,7 +218,7 @@ def sample_walks(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTr
         totals[row] = total
     walks, final_rows, node_base = [], [], 0
     for b, (s, t) in enumerate(zip(seqs, trees)):
-        u = torch.rand(len(t), generator=s.generator, dtype=torch.float64, device=s.generator.device).tolist() if len(t) else []
+        u = [uniform(s.key, len(s) - 1 + depth, Purpose.BRANCH, len(s), rank) for depth, rank in zip(t.depths(), sibling_ranks(t))]
         walk = walk_one(t, node_p[node_base : node_base + len(t)], totals[offsets[b] : offsets[b + 1]], u,
                         finite[offsets[b] : offsets[b + 1]])
         node_base += len(t)
@@ -198,8 +234,18 @@ def sample_walks(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTr
         if rejected:
             residual[b, torch.tensor(rejected, device=device)] = 0.0
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final_probs)
-    finals = sample(residual, [None if broken else s.generator for s, (_, _, broken) in zip(seqs, walks)]).tolist()
+    ends = [len(s) + len(path) for s, (path, _, _) in zip(seqs, walks)]  # the final token's position
+    finals = sample(residual, uniforms([s.key for s in seqs], ends, Purpose.TOKEN, device)).tolist()
     return walks, finals
+
+
+def sibling_ranks(tree: DraftTree) -> list[int]:
+    """Each node's place among its parent's children, in drafted order (0 for the first)."""
+    ranks = [0] * len(tree)
+    for children in tree.children():
+        for rank, node in enumerate(children):
+            ranks[node] = rank
+    return ranks
 
 
 def warp_rows(logits: torch.Tensor, rows: list[int], params: list, finite: list[bool]) -> torch.Tensor:

@@ -356,9 +356,9 @@ def test_greedy_verify_equals_rejection_sample_on_one_hot_rows(data):
             draft[b, i, t] = 1.0
             draft_tokens[b, i] = t
         row += len(d) + 1
-    gens = [torch.Generator().manual_seed(b) for b in range(B)]
+    accept_u, token_u = torch.rand(B, K, dtype=torch.float64), torch.rand(B, K + 1, dtype=torch.float64)  # (one-hot: unused)
     expected, expected_accepted = rejection_sample(draft_tokens, torch.tensor([len(d) for d in draft_lists]),
-                                                   draft, target, gens)
+                                                   draft, target, accept_u, token_u)
     assert num_accepted == expected_accepted.tolist()
     assert tokens == [expected[b, : n + 1].tolist() for b, n in enumerate(num_accepted)]
 

@@ -408,7 +408,7 @@ def test_non_finite_rows_past_the_first_rejection_change_nothing(temperature):
     from minispec.speculative import speculative_step
 
     def run(best: int):
-        seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16, "cpu")
+        seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16)
         target = ScriptedTarget(vocab=32, best=best, nan_after_draft=True)
         verdicts = speculative_step([seq], target, ProposeAlways([9, 9, 9]), 3,
                                     lambda s, t: s.append(t, [], None), StepTimes())

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from minispec import sampling
 from minispec.drafters.base import AutoregressiveDrafter
+from minispec.randomness import Purpose, request_key, uniform, uniforms
 from minispec.sampling import SamplingParams, penalize, sample, warp_probs
 from minispec.speculative import accept_probability, rejection_sample, residual_distribution
 from test_speculative_statistical import ALPHA, pooled_chi_square
@@ -248,8 +249,20 @@ def test_penalties_at_every_drafted_position_keep_the_step_exact(seeds, vocab, k
 # --- rejection_sample: the batched rule ----------------------------------------------------------
 
 
-def generators(seeds) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(s) for s in seeds]
+def draws(seeds, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uniforms of a batch with up to K drafts, row b's from seed b: (accept_u [B, K], token_u
+    [B, K+1]) fp64, as speculative.standard_verify keys them (randomness.py) for a sequence of
+    length 3: accept_u[b, i] tests draft i, token_u[b, j] draws the final token at row j."""
+    keys = [request_key(s) for s in seeds]
+    accept = [[uniform(key, 3 + i, Purpose.ACCEPT, 3) for i in range(K)] for key in keys]
+    token = [[uniform(key, 3 + j, Purpose.TOKEN) for j in range(K + 1)] for key in keys]
+    return (torch.tensor(accept, dtype=torch.float64).view(len(keys), K),
+            torch.tensor(token, dtype=torch.float64).view(len(keys), K + 1))
+
+
+def keyed(seeds) -> torch.Tensor:
+    """One TOKEN uniform per seed at position 0: [len(seeds)] fp64 (randomness.py)."""
+    return uniforms([request_key(s) for s in seeds], [0] * len(seeds), Purpose.TOKEN, "cpu")
 
 
 @st.composite
@@ -271,15 +284,15 @@ def batches(draw, one_hot_draft: bool = False, vocab: int | None = None):
     return tokens, num_draft, draft, target, seeds
 
 
-def replay_row(tokens, n, draft, target, g: torch.Generator) -> tuple[list[int], int]:
-    """The documented rule for one row, draw by draw: n fp64 uniforms decide d_1..d_n (accept
-    while u_i < a_i), then ONE fp64 uniform picks, by inverse CDF, the residual / bonus token."""
-    u = torch.rand(n, generator=g, dtype=torch.float64)
+def replay_row(tokens, n, draft, target, accept_u, token_u) -> tuple[list[int], int]:
+    """The documented rule for one row, draw by draw: uniforms accept_u[:n] decide d_1..d_n (accept
+    while u_i < a_i), then token_u at the first rejected (or bonus) row picks, by inverse CDF, the
+    residual / bonus token."""
     accepted = 0
-    while accepted < n and u[accepted] < accept_probability(target[accepted, tokens[accepted]], draft[accepted, tokens[accepted]]):
+    while accepted < n and accept_u[accepted] < accept_probability(target[accepted, tokens[accepted]], draft[accepted, tokens[accepted]]):
         accepted += 1
     final = residual_distribution(target[accepted], draft[accepted])
-    v = torch.rand(1, generator=g, dtype=torch.float64).item()
+    v = token_u[accepted].item()
     cdf = final.cumsum(-1)
     last = int((cdf <= v * cdf[-1]).sum())
     return tokens[:accepted].tolist() + [last], accepted
@@ -289,13 +302,14 @@ def replay_row(tokens, n, draft, target, g: torch.Generator) -> tuple[list[int],
 @given(st.data())
 def test_rejection_sample_follows_the_rule_draw_by_draw(data):
     """Every row b: accept while u < min(1, p/q), then one token from the residual (or the bonus
-    from p_{n+1}), with exactly num_draft[b] + 1 draws from generators[b]; model q or one-hot
-    (n-gram) q."""
+    from p_{n+1}), with the row's own uniforms (accept_u[b, i] for draft i, token_u[b, j] for the
+    final token at row j); model q or one-hot (n-gram) q."""
     tokens, num_draft, draft, target, seeds = data.draw(batches(one_hot_draft=data.draw(st.booleans())))
-    out, num_accepted = rejection_sample(tokens, num_draft, draft, target, generators(seeds))
-    for b, g in enumerate(generators(seeds)):
+    accept_u, token_u = draws(seeds, tokens.shape[1])
+    out, num_accepted = rejection_sample(tokens, num_draft, draft, target, accept_u, token_u)
+    for b in range(len(seeds)):
         n = int(num_draft[b])
-        expected, accepted = replay_row(tokens[b, :n], n, draft[b], target[b], g)
+        expected, accepted = replay_row(tokens[b, :n], n, draft[b], target[b], accept_u[b], token_u[b])
         assert int(num_accepted[b]) == accepted
         assert out[b, : accepted + 1].tolist() == expected
 
@@ -316,7 +330,7 @@ def test_greedy_accepts_while_equal_then_emits_the_argmax(data):
     target = torch.nn.functional.one_hot(argmax, vocab).double()  # [B, K+1, V]
     draft = torch.nn.functional.one_hot(tokens, vocab).double() * (torch.arange(K) < num_draft[:, None])[..., None]
     draft = torch.cat([draft, torch.zeros(B, 1, vocab, dtype=torch.float64)], dim=1)  # [B, K+1, V]
-    out, num_accepted = rejection_sample(tokens, num_draft, draft, target, generators(range(B)))
+    out, num_accepted = rejection_sample(tokens, num_draft, draft, target, *draws(range(B), K))
     for b in range(B):
         n, run = int(num_draft[b]), 0
         while run < n and tokens[b, run] == argmax[b, run]:
@@ -335,7 +349,7 @@ def test_all_accepted_emits_the_bonus_from_the_next_position():
         target[b, n] = torch.nn.functional.one_hot(torch.tensor(b), vocab).double()  # p_{n+1}: one-hot at b
     tokens = target[:, :K].argmax(-1)  # [B, K]
     draft = target.clone() * (torch.arange(K + 1) < num_draft[:, None])[..., None]  # q = p where drafted
-    out, num_accepted = rejection_sample(tokens, num_draft, draft, target, generators(range(4)))
+    out, num_accepted = rejection_sample(tokens, num_draft, draft, target, *draws(range(4), K))
     assert num_accepted.tolist() == num_draft.tolist()
     for b, n in enumerate(num_draft.tolist()):
         assert out[b, : n + 1].tolist() == tokens[b, :n].tolist() + [b]
@@ -344,34 +358,34 @@ def test_all_accepted_emits_the_bonus_from_the_next_position():
 @FIXED
 @given(batches(), st.data())
 def test_a_rows_result_does_not_depend_on_the_other_rows(batch, data):
-    """Row b alone (its own K, no padding) and inside the batch give the same tokens and leave its
-    generator in the same state: randomness is consumed per request."""
+    """Row b alone (its own K, no padding) and inside the batch give the same tokens: a row reads
+    its own uniforms only (keyed by its seed and positions, randomness.py), whatever is padded."""
     tokens, num_draft, draft, target, seeds = batch
     b = data.draw(st.integers(0, len(seeds) - 1))
-    batch_gens = generators(seeds)
-    out, num_accepted = rejection_sample(tokens, num_draft, draft, target, batch_gens)
+    accept_u, token_u = draws(seeds, tokens.shape[1])
+    out, num_accepted = rejection_sample(tokens, num_draft, draft, target, accept_u, token_u)
     n = int(num_draft[b])
-    alone_gen = generators([seeds[b]])
+    alone_accept, alone_token = draws([seeds[b]], n)
     alone, alone_accepted = rejection_sample(
-        tokens[b : b + 1, :n], num_draft[b : b + 1], draft[b : b + 1, : n + 1], target[b : b + 1, : n + 1], alone_gen
-    )
+        tokens[b : b + 1, :n], num_draft[b : b + 1], draft[b : b + 1, : n + 1], target[b : b + 1, : n + 1],
+        alone_accept, alone_token)
     accepted = int(num_accepted[b])
     assert int(alone_accepted[0]) == accepted
     assert alone[0, : accepted + 1].tolist() == out[b, : accepted + 1].tolist()
-    assert torch.equal(alone_gen[0].get_state(), batch_gens[b].get_state())
 
 
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["model_q", "ngram_q"])
 def test_rejection_sample_empirically_emits_p(one_hot_draft):
-    """20k rows, each its own generator, the same (p, q): the first emitted token follows p_1
-    (chi-square p > ALPHA), and a shifted law is rejected (power)."""
+    """20k rows, each its own seed's keyed uniforms, the same (p, q): the first emitted token
+    follows p_1 (chi-square p > ALPHA), and a shifted law is rejected (power)."""
     rows, vocab = 20000, 5
     target = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
     q = torch.tensor([0.1, 0.1, 0.5, 0.0, 0.3], dtype=torch.float64)
-    draws = sample(q.expand(rows, -1), generators(range(10**6, 10**6 + rows)))  # d_1 ~ q, one per row
-    draft = torch.nn.functional.one_hot(draws, vocab).double() if one_hot_draft else q.expand(rows, -1)
+    drafted = sample(q.expand(rows, -1), keyed(range(10**6, 10**6 + rows)))  # d_1 ~ q, one per row
+    draft = torch.nn.functional.one_hot(drafted, vocab).double() if one_hot_draft else q.expand(rows, -1)
     draft = torch.stack([draft, torch.zeros_like(draft)], dim=1)  # [rows, 2, V]
-    out, _ = rejection_sample(draws[:, None], torch.ones(rows, dtype=torch.int64), draft, target.expand(rows, 2, -1), generators(range(rows)))
+    out, _ = rejection_sample(drafted[:, None], torch.ones(rows, dtype=torch.int64), draft, target.expand(rows, 2, -1),
+                              *draws(range(rows), 1))
     counts = torch.bincount(out[:, 0], minlength=vocab)
     assert pooled_chi_square(counts, target)[0] > ALPHA
     shifted = target + torch.tensor([-0.02, 0.02, 0, 0, 0], dtype=torch.float64)
@@ -470,10 +484,11 @@ def test_greedy_is_one_hot_at_the_argmax_whatever_top_k_top_p():
 
 
 def test_sample_draws_from_the_row_distribution():
-    """40k rows, one generator each: chi-square p > ALPHA for the true law, p < ALPHA for a law off
-    by 0.01 in total variation (power); zero-probability tokens never come out."""
+    """80k rows, one seed's keyed uniform each: chi-square p > ALPHA for the true law, p < ALPHA
+    for a law off by 0.01 in total variation (power; at 40k rows such a shift is not always seen
+    at ALPHA); zero-probability tokens never come out."""
     probs = torch.tensor([0.3, 0.0, 0.25, 0.2, 0.15, 0.07, 0.03, 0.0])
-    counts = torch.bincount(sample(probs.expand(40000, -1), generators(range(40000))), minlength=8)
+    counts = torch.bincount(sample(probs.expand(80000, -1), keyed(range(80000))), minlength=8)
     assert counts[probs == 0].sum() == 0
     assert pooled_chi_square(counts, probs)[0] > ALPHA
     assert pooled_chi_square(counts, probs + torch.tensor([-0.01, 0, 0.01, 0, 0, 0, 0, 0]))[0] < ALPHA
@@ -483,10 +498,10 @@ def test_sample_draws_from_the_row_distribution():
 @given(st.lists(distributions(6), min_size=1, max_size=6), st.lists(st.integers(0, 2**32), min_size=6, max_size=6))
 def test_sample_is_per_row_reproducible_and_one_hot_rows_are_certain(rows, seeds):
     probs = torch.stack(rows)
-    batch = sample(probs, generators(seeds[: len(rows)]))
+    batch = sample(probs, keyed(seeds[: len(rows)]))
     for i, row in enumerate(rows):
         assert row[batch[i]] > 0
-        assert sample(row[None], generators([seeds[i]])).item() == batch[i].item()
+        assert sample(row[None], keyed([seeds[i]])).item() == batch[i].item()
         if row.max() == 1:
             assert batch[i].item() == row.argmax().item()
 
@@ -551,23 +566,25 @@ class ScriptedDraft(AutoregressiveDrafter):
 def test_a_draft_reports_the_q_it_drew_from(params):
     """The implementation's drafting, replayed: draft j is drawn from q_j = warp(penalize(the draft's
     logits lifted to the target's vocabulary, history = tokens so far + drafts 0..j-1)) with the
-    request's own generator, and the q reported for position j is that q_j (zero outside the
+    request's DRAFT uniform at its position (keyed by the step too: randomness.py), and the q
+    reported for position j is that q_j (zero outside the
     draft vocabulary). The exactness identities elsewhere build p and q themselves; this pins the
     code that makes q."""
     from minispec.runtime.sequence import Sequence
 
     V, draft_ids, k = 12, [0, 2, 3, 5, 7, 8, 11], 4
     drafter = ScriptedDraft(V, draft_ids)
-    seq = Sequence(0, [3, 5, 3, 8], params, 16, "cpu", eos_ids=[11])
+    seq = Sequence(0, [3, 5, 3, 8], params, 16, eos_ids=[11])
     proposal = drafter.propose([seq], [k])
-    g = torch.Generator().manual_seed(params.seed)
     drafted = []
     for j in range(k):
         full = torch.full((1, V), float("-inf"))
         full[0, draft_ids] = drafter.logits_after(seq.tokens + drafted)
         q = warp_probs(penalize(full, [seq.penalty_row(drafted)]), [params])[0]  # [V]
-        torch.testing.assert_close(proposal.probs[0, j], q.to(proposal.probs.dtype), rtol=0, atol=1e-7)
+        # (a few fp32 ulps apart: the draft's softmax sums its 7 columns, this one all 12)
+        torch.testing.assert_close(proposal.probs[0, j], q.to(proposal.probs.dtype), rtol=0, atol=3e-7)
         cdf = q.double().cumsum(-1)
-        drafted.append(int(torch.searchsorted(cdf, torch.rand(1, generator=g, dtype=torch.float64) * cdf[-1:], right=True)))
+        u = uniform(seq.key, len(seq) + j, Purpose.DRAFT, len(seq))
+        drafted.append(int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64) * cdf[-1:], right=True)))
     assert proposal.tokens[0] == drafted
     assert not proposal.probs[0, k].any()  # the bonus position has no q

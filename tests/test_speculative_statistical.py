@@ -401,7 +401,7 @@ def samples_unquantized_reports_int4(monkeypatch, unquantized: Transformer):
     monkeypatch.setattr(ModelDrafter, "next_forward", next_forward)
     monkeypatch.setattr(minispec.drafters.base, "warp_probs", warp)
     monkeypatch.setattr(minispec.drafters.base, "sample",
-                        lambda probs, generators: sample(warp_probs(stash["logits"], stash["params"]), generators))
+                        lambda probs, u: sample(warp_probs(stash["logits"], stash["params"]), u))
 
 
 def test_statistic_rejects_a_draft_that_samples_unquantized_and_reports_int4_q(int4_models, monkeypatch):
@@ -458,11 +458,11 @@ def bonus_off_by_one(monkeypatch):
     """(c) when all n drafts are accepted, draw the bonus from p_n instead of p_{n+1}."""
     original = minispec.speculative.rejection_sample
 
-    def broken(draft_tokens, num_draft, draft_probs, target_probs, generators):
+    def broken(draft_tokens, num_draft, draft_probs, target_probs, accept_u, token_u):
         target_probs = target_probs.clone()
         rows = torch.nonzero(num_draft > 0).squeeze(-1)
         target_probs[rows, num_draft[rows]] = target_probs[rows, num_draft[rows] - 1]
-        return original(draft_tokens, num_draft, draft_probs, target_probs, generators)
+        return original(draft_tokens, num_draft, draft_probs, target_probs, accept_u, token_u)
 
     monkeypatch.setattr(minispec.speculative, "rejection_sample", broken)
 
@@ -483,7 +483,7 @@ def reports_another_q(module):
             return warp_probs(logits, _untempered(params))
 
         monkeypatch.setattr(module, "warp_probs", warp)
-        monkeypatch.setattr(module, "sample", lambda probs, generators: sample(tempered["q"], generators))
+        monkeypatch.setattr(module, "sample", lambda probs, u: sample(tempered["q"], u))
 
     mutant.__name__ = "reports_another_q"
     return mutant
@@ -492,8 +492,8 @@ def reports_another_q(module):
 def eagle_ignores_d2t(monkeypatch):
     """(e) the reduced vocabulary's map ignored for the proposed token: draft id i is proposed as
     target id i while q is reported at i + d2t[i] (the reported EAGLE bug class)."""
-    def sample_draft_id(probs, generators):
-        target_ids = sample(probs, generators)
+    def sample_draft_id(probs, u):
+        target_ids = sample(probs, u)
         return torch.searchsorted(EAGLE_VOCAB.to(target_ids.device), target_ids)
 
     monkeypatch.setattr(minispec.drafters.base, "sample", sample_draft_id)

@@ -39,6 +39,7 @@ import minispec.speculative_tree
 from minispec import LLM, SamplingParams
 from minispec.drafters.base import Drafter
 from minispec.drafters.tree import DraftTree
+from minispec.randomness import Purpose, request_key, uniform
 from minispec.runtime.layout import tree_layout
 from minispec.runtime.runner import Feed, TreeFeed
 from minispec.sampling import warp_probs
@@ -256,12 +257,13 @@ def test_wrong_rules_fail_the_same_enumeration():
 
 @pytest.mark.parametrize("seed", range(8))
 def test_sample_walks_follows_the_rule_draw_by_draw(seed):
-    """The batched sampled walk against the rule written out here: node c is tested with the c-th
-    of len(tree) uniforms of its request's generator, u_c < p_parent(token_c) / (the parent's mass
-    left after the siblings rejected before it; 0 for a token already rejected there), then one
-    more uniform draws the final token from the residual of the row where the walk ended; each
-    request's draws come from its own generator only. (The enumeration above checks walk_one's
-    law; this checks that sample_walks feeds it the right uniforms and rows.)"""
+    """The batched sampled walk against the rule written out here: node c, the j-th child of its
+    parent, is tested with its request's keyed uniform U(BRANCH, its position, the step, j)
+    (randomness.py), u_c < p_parent(token_c) / (the parent's mass left after the siblings rejected
+    before it; 0 for a token already rejected there), then U(TOKEN) of the final position draws
+    the final token from the residual of the row where the walk ended; each request's draws are
+    keyed by its own seed only. (The enumeration above checks walk_one's law; this checks that
+    sample_walks feeds it the right uniforms and rows.)"""
     from minispec.runtime.sequence import Sequence
     from minispec.speculative_tree import sample_walks
 
@@ -277,11 +279,12 @@ def test_sample_walks_follows_the_rule_draw_by_draw(seed):
     for t in trees:
         offsets.append(offsets[-1] + len(t) + 1)
     logits = 2.0 * torch.randn(offsets[-1], V, generator=gen)
-    seqs = [Sequence(b, [1, 2], dataclasses.replace(p, seed=100 * seed + b), 16, "cpu") for b, p in enumerate(params)]
+    seqs = [Sequence(b, [1, 2], dataclasses.replace(p, seed=100 * seed + b), 16) for b, p in enumerate(params)]
     walks, finals = sample_walks(logits, seqs, trees, offsets, [True] * offsets[-1])
     for b, (t, p) in enumerate(zip(trees, params)):
-        g = torch.Generator().manual_seed(100 * seed + b)
-        u = torch.rand(len(t), generator=g, dtype=torch.float64).tolist()
+        key, L = request_key(100 * seed + b), 2  # the sequence [1, 2]: its tree's children decide position 2 on
+        rank = [[c for c, q in enumerate(t.parents) if q == t.parents[i]].index(i) for i in range(len(t))]
+        u = [uniform(key, L - 1 + d, Purpose.BRANCH, L, r) for d, r in zip(t.depths(), rank)]
         probs = warp_probs(logits[offsets[b] : offsets[b + 1]], [p] * (len(t) + 1)).double()  # row 0 the root's
         path, node = [], -1
         while True:
@@ -301,7 +304,8 @@ def test_sample_walks_follows_the_rule_draw_by_draw(seed):
         residual[rejected] = 0.0
         residual = residual if residual.sum() > 0 else row
         cdf = residual.cumsum(-1)
-        final = int(torch.searchsorted(cdf, torch.rand(1, generator=g, dtype=torch.float64) * cdf[-1:], right=True))
+        u_final = torch.tensor([uniform(key, L + len(path), Purpose.TOKEN)], dtype=torch.float64)
+        final = int(torch.searchsorted(cdf, u_final * cdf[-1:], right=True))
         assert (walks[b][0], walks[b][1], finals[b]) == (path, rejected, final), b
 
 
@@ -723,7 +727,7 @@ def test_non_finite_node_rows_the_walk_never_reaches_change_nothing(temperature)
     from minispec.speculative_tree import tree_step
 
     def run(best: int):
-        seq = Sequence(0, [1, 2, 3], SP(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16, "cpu")
+        seq = Sequence(0, [1, 2, 3], SP(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16)
         target = ScriptedTarget(vocab=32, best=best, nan_after_draft=True)
         target.cache.copy_slots = lambda src, dst: None  # no K/V here (and no path moves: 9 is node 0)
         verdicts = tree_step([seq], target, FixedTree(), 3, lambda s, t: s.append(t, [], None), StepTimes())

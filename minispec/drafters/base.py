@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..pathwise import gumbel_max
+from ..randomness import Purpose, uniforms
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from ..sampling import finite_rows, penalize, sample, warp_probs
@@ -93,13 +95,13 @@ class NoDrafter(Drafter):
 class AutoregressiveDrafter(Drafter):
     """A model that drafts one token per forward: the first forward catches up on what the draft
     has not seen, each later one feeds the token just drafted. Subclasses give the forwards; this
-    loop samples each token from the request's warped q with the request's own generator.
+    loop samples each token from the request's warped q with the request's keyed randomness.
 
     With a confidence threshold it drafts adaptively: a sequence stops after a token the drafter
     itself gave probability < threshold (softmax at temperature 1), so k is only an upper bound
     (the dynamic draft length of HF's assisted generation). Exactness is unaffected: the decision
     to stop depends only on what was already drafted (so does stopping at a row whose logits are
-    not finite, drawing no random number for it: a broken draft lowers acceptance, never exactness).
+    not finite: a broken draft lowers acceptance, never exactness).
     """
 
     runner: ModelRunner
@@ -141,7 +143,7 @@ class AutoregressiveDrafter(Drafter):
         logits, carry = self.first_forward(seqs, active)  # [len(active), V_d]
         for i in range(K):
             logits = self.penalized(logits, [seqs[b] for b in active], [proposal.tokens[b] for b in active])
-            ids, usable, confident, q = self.draw(seqs, active, logits, greedy)
+            ids, usable, confident, q = self.draw(seqs, active, logits, greedy, i)
             for row, (b, t) in enumerate(zip(active, ids)):
                 if usable[row]:
                     proposal.tokens[b].append(t)
@@ -169,17 +171,18 @@ class AutoregressiveDrafter(Drafter):
         full[:, self.draft_ids] = logits
         return penalize(full, rows)[:, self.draft_ids]
 
-    def draw(self, seqs: list[Sequence], active: list[int], logits: torch.Tensor, greedy: bool
+    def draw(self, seqs: list[Sequence], active: list[int], logits: torch.Tensor, greedy: bool, depth: int
              ) -> tuple[list[int], list[bool], list[bool], torch.Tensor | None]:
-        """One draft token per active row from logits [n, V_d]: (target ids, usable rows, rows
-        confident enough to go on, q [n, V_d] or None when greedy), with one host copy."""
-        logits, ok = drop_nonfinite(logits)  # [n, V_d], [n]
+        """One draft token per active row from logits [n, V_d], the draft at position len(s) + depth:
+        (target ids, usable rows, rows confident enough to go on, q [n, V_d] or None when greedy),
+        with one host copy. Each request draws by its rule (`draw_from`)."""
+        logits, ok = drop_nonfinite(logits)  # [n, V_d], [n]; an unusable row's token is dropped
         q = None
         if greedy:
             drawn = logits.argmax(-1)  # [n]
-        else:  # unusable rows draw no random number, so the host needs `ok` before sampling
+        else:
             q = warp_probs(logits, [seqs[b].params for b in active])  # [n, V_d]
-            drawn = sample(q, [seqs[b].generator if u else None for b, u in zip(active, ok.tolist())])  # [n]
+            drawn = draw_from(q, [seqs[b] for b in active], depth, self.draft_ids)  # [n]
         confident = None
         if self.confidence_threshold is not None:
             own = logits.float().softmax(-1).gather(-1, drawn[:, None]).squeeze(-1)  # [n]
@@ -188,6 +191,20 @@ class AutoregressiveDrafter(Drafter):
         host = torch.stack([ids, ok.long()] + ([confident.long()] if confident is not None else [])).tolist()
         confident_rows = [bool(x) for x in host[2]] if confident is not None else [True] * len(host[0])
         return host[0], [bool(x) for x in host[1]], confident_rows, q
+
+
+def draw_from(q: torch.Tensor, seqs: list[Sequence], depth: int, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """Row r's draft from q [n, V_d] (column j is target id draft_ids[j]; None: j itself), at
+    position len(seqs[r]) + depth: by inverse CDF with the request's DRAFT uniform there (keyed by
+    the step as well: randomness.py), or, for a pathwise request, by Gumbel-max with the target's
+    own noise at that position (pathwise.py). Returns [n] int64 column indices."""
+    drawn = sample(q, uniforms([s.key for s in seqs], [len(s) + depth for s in seqs], Purpose.DRAFT, q.device,
+                               [len(s) for s in seqs]))  # [n]
+    pathwise = [r for r, s in enumerate(seqs) if s.pathwise]
+    if pathwise:
+        rows = torch.tensor(pathwise, device=q.device)
+        drawn[rows] = gumbel_max(q[rows], [seqs[r].key for r in pathwise], [len(seqs[r]) + depth for r in pathwise], draft_ids)
+    return drawn
 
 
 def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,8 +72,8 @@ class EagleDrafter(AutoregressiveDrafter):
         there, and the draft's context allows n tokens; else 0. Never in a new sequence's first
         step (the one that emits its first token): its prefill brings the features, and where a
         prompt came in chunks (runtime/chunked_prefill.py) and they are there already, drafting
-        anyway would draw other random numbers than the same request fed whole (seeded outputs
-        would depend on the server's token budget)."""
+        anyway would draft where the same request fed whole does not, and under the standard rule
+        a draft steers what is sampled (seeded outputs would depend on the server's token budget)."""
         pending = s.draft_state
         ready = (bool(s.output_ids) and pending is not None and pending.start == s.draft_table.num_cached
                  and pending.end == len(s) - 1 and pending.end > pending.start and len(s) - 2 + n <= self.runner.max_positions)

@@ -13,8 +13,8 @@ half-way.
 
 When a pool runs dry, the most recently admitted sequence is preempted: its pages are freed and
 it goes back to the front of the queue, to be recomputed from its tokens when pages free up (its
-output so far is kept, and its random generator carries on, so the preemption does not change
-what it samples). Its drafter's state (`seq.draft_state`) goes with its pages: it described
+output so far is kept, and its random numbers are keyed by position, randomness.py, so the
+preemption does not change what it samples). Its drafter's state (`seq.draft_state`) goes with its pages: it described
 them, and the pages the sequence gets back (recomputed, or shared from the prefix cache up to
 its newest token) are others. A step that preempted admits nobody new, so freed pages go to the
 survivors instead of to a newcomer that would be preempted again next step. The oldest running

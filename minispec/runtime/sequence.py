@@ -1,5 +1,6 @@
-"""A request in flight: its tokens, its own random generator, its KV block tables in the target's
-and the draft's pools, its stop conditions, and its speculative-decoding counters.
+"""A request in flight: its tokens, the key of its random draws (randomness.py) and its sampling
+rule, its KV block tables in the target's and the draft's pools, its stop conditions, and its
+speculative-decoding counters.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import enum
 import torch
 
 from ..outputs import Logprob
+from ..randomness import request_key
 from ..sampling import SamplingParams
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .kv_cache import BlockTable
@@ -22,10 +24,11 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, page_size: int, device,
-                 seed: int | None = None, eos_ids: list[int] = ()):
-        """seed: the generator's (params.seed, else this, else drawn from torch's global generator);
-        eos_ids: the model's end tokens (what min_tokens keeps from being sampled too early)."""
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, page_size: int,
+                 seed: int | None = None, eos_ids: list[int] = (), pathwise: bool = False):
+        """seed: what its draws are keyed by (params.seed, else this, else drawn from torch's global
+        generator, once); eos_ids: the model's end tokens (what min_tokens keeps from being sampled
+        too early); pathwise: its sampling rule is Gumbel-max (pathwise.py; the engine decides)."""
         self.eos_ids = list(eos_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -35,7 +38,9 @@ class Sequence:
             seed = params.seed
         elif seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seed = seed
+        self.key = request_key(seed)  # every random number it uses is keyed by this and a position
+        self.pathwise = pathwise
         self.target_table = BlockTable(page_size)  # K/V of this sequence in the target's pool
         self.draft_table = BlockTable(page_size)  # ... and in the draft model's (or EAGLE head's) pool
         # A drafter's own per-sequence data (the EAGLE drafter: pending target features); None on
