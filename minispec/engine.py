@@ -235,7 +235,8 @@ class LLMEngine:
 
 def prefix_cache(runners: list[tuple[ModelRunner, str]], drafter: Drafter) -> PrefixCache:
     """The prefix cache over the engine's pools: an EAGLE head's K/V at a position also depend on
-    the next token (lookahead 1), the target's and a draft model's on the tokens up to it."""
+    the next token (lookahead 1), the target's and a draft model's on the tokens up to it; with
+    such a head a hit leaves the two newest tokens to feed (its features: runtime/prefix_cache.py)."""
     pools = []
     for runner, which in runners:
         if not isinstance(runner.cache.allocator, CachingAllocator):
@@ -244,4 +245,4 @@ def prefix_cache(runners: list[tuple[ModelRunner, str]], drafter: Drafter) -> Pr
     sizes = {runner.cache.page_size for runner, _ in runners}
     if len(sizes) != 1:
         raise ValueError(f"prefix caching needs one page size in every pool, got {sorted(sizes)}")
-    return PrefixCache(pools, sizes.pop())
+    return PrefixCache(pools, sizes.pop(), 2 if drafter.target_layers else 1)

@@ -352,29 +352,33 @@ RETRY_DRAFTERS = {**DRAFTERS, "eagle-lookup": DRAFTERS["lookup"]}  # lookup in f
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("drafter", list(RETRY_DRAFTERS))
+@pytest.mark.parametrize("drafter,seed", [(d, None) for d in RETRY_DRAFTERS] + [(d, 11) for d in ("draft", "eagle", "eagle-lookup",
+                                                                                                  "eagle-tree")])
 @pytest.mark.parametrize("page_size", [1, 2])
 def test_a_preempted_retry_readmitted_onto_its_twins_pages_finishes(tiny_llama, tiny_llama_draft, tiny_llama_eagle,
-                                                                    drafter, page_size, monkeypatch):
+                                                                    drafter, seed, page_size, monkeypatch):
     """Client retries: one prompt four times, greedy, in pools of about 40 small pages, too few
     for all four, with prefix caching (`minispec serve`'s default). A preempted copy comes back
-    to find its twins' pages cached up to its newest token, so nothing of it is fed again before
-    its step. What its drafter knew about the pages it lost must go with them: an EAGLE head's
+    to find its twins' pages cached up to its newest token (the two newest with an EAGLE head:
+    it drafts from the features of the position before), so nothing more of it is fed before its
+    step. What its drafter knew about the pages it lost must go with them: an EAGLE head's
     pending features, if kept over the preemption, send its rollback below the shared pages
     ("would cut into a registered page"), failing every request of the step. Every copy
-    finishes, with the tokens of a run without caching or preemption."""
+    finishes, with the tokens of a run without caching or preemption. Seeded (the standard rule
+    at T = 0.8, every copy with seed 11) too: a head readmitted with no features to draft from
+    skipped a draft, and a skipped draft changes what the standard rule samples."""
     target = load_checkpoint(tiny_llama, dtype="float32")
     draft, options = draft_for(drafter, tiny_llama_draft, tiny_llama_eagle), RETRY_DRAFTERS[drafter]
     prompt = torch.randint(2, target[0].cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(3)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0 if seed is None else 0.8, max_tokens=24, ignore_eos=True, seed=seed)
     alone = LLM(target, draft_model=draft, row_invariant=True, kv_cache_gib=0.02, page_size=page_size, **options)
     expected = alone.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
     attach, onto_twin = PrefixCache.attach, []
 
-    def recording(cache, seq):  # readmissions that find cached pages up to the newest token
+    def recording(cache, seq):  # readmissions that find cached pages up to the newest token(s)
         hit = attach(cache, seq)
-        if seq.num_preemptions and hit == len(seq) - 1:
+        if seq.num_preemptions and hit == len(seq) - cache.min_fed:
             onto_twin.append(seq.request_id)
         return hit
 

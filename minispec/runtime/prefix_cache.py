@@ -16,6 +16,11 @@ covers whole pages below the sequence's first uncached position (at least its ne
 so it gets its logits), writes go past that position, and a rollback truncates to the sequence's
 committed length, which is past every page it shares.
 
+With a drafter that reads the target's features (an EAGLE head) at least the two newest tokens
+are fed: the head drafts from the target's features of the position before the newest, and a
+preempted sequence readmitted onto pages cached up to its newest token would otherwise have none
+and skip a draft, which under the standard rule changes what a seeded request samples.
+
 Pages. `CachingAllocator` counts the block tables holding each page. At 0 a registered page is
 kept, evictable, least recently used first; allocation takes a free page first and evicts only
 when none is left, so the cache holds what the running sequences leave free.
@@ -172,19 +177,21 @@ class PrefixCache:
     registers the pages a step filled with committed K/V. Counts tokens looked up and found
     (vLLM's `prefix_cache_queries` / `prefix_cache_hits`)."""
 
-    def __init__(self, pools: list[tuple[str, CachingAllocator, int]], page_size: int):
-        """pools: ("target" | "draft", its allocator, its lookahead)."""
+    def __init__(self, pools: list[tuple[str, CachingAllocator, int]], page_size: int, min_fed: int = 1):
+        """pools: ("target" | "draft", its allocator, its lookahead); min_fed: the newest tokens a
+        hit always leaves to feed (2 with a drafter that reads the target's features)."""
         self.pools = pools
         self.page_size = page_size
+        self.min_fed = min_fed
         self.queries = 0
         self.hits = 0
 
     def attach(self, seq) -> int:
         """Share the longest run of cached pages that every pool has for seq's tokens, leaving at
-        least the newest token to feed; seq's tables must be empty. Returns the tokens found (the
-        caller counts them, and len(seq) queried, once the sequence is admitted)."""
+        least the min_fed newest tokens to feed; seq's tables must be empty. Returns the tokens
+        found (the caller counts them, and len(seq) queried, once the sequence is admitted)."""
         tokens, P = seq.tokens, self.page_size
-        usable = (len(tokens) - 1) // P
+        usable = max(0, len(tokens) - self.min_fed) // P
         keys = [page_keys(tokens, P, min(usable, (len(tokens) - lookahead) // P), lookahead) for _, _, lookahead in self.pools]
         found = [allocator.lookup(k) for (_, allocator, _), k in zip(self.pools, keys)]
         hit = min(len(pages) for pages in found)
