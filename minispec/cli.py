@@ -132,7 +132,8 @@ def check_args(args) -> tuple[Path, str, SamplingParams, dict]:
         on = {name: args.command in commands if getattr(args, name) is None else getattr(args, name)  # (unset: on for these)
               for name, commands in (("enable_prefix_caching", ("serve", "chat")), ("speculation_by_load", ("serve",)),
                                      ("enable_chunked_prefill", ("serve",)))}
-        options.update(on, max_num_batched_tokens=args.max_num_batched_tokens or (512 if on["enable_chunked_prefill"] else 8192))
+        options.update(on, max_num_batched_tokens=args.max_num_batched_tokens or (512 if on["enable_chunked_prefill"] else 8192),
+                       pathwise_sampling=args.pathwise_sampling or ("seeded" if args.command == "serve" else "off"))
         EngineOptions(model=str(target), **options)  # validates every option without loading anything
     except ValueError as e:
         raise flagged(e) from None

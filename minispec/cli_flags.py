@@ -12,7 +12,7 @@ FLAGS = {"num_speculative_tokens": "-k", "prompt_lookup_min": "--lookup-min", "d
          "seed": "--seed", "repetition_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
          "frequency_penalty": "--frequency-penalty", "stop": "--stop", "dtype": "--dtype", "quantization": "--quantization",
          "draft_quantization": "--draft-quantization", "draft_vocab_size": "--draft-vocab-size",
-         "draft_tree_budget": "--tree-budget", "draft_tree_top_k": "--tree-top-k"}
+         "draft_tree_budget": "--tree-budget", "draft_tree_top_k": "--tree-top-k", "pathwise_sampling": "--pathwise-sampling"}
 
 
 def add_model_arguments(m) -> None:
@@ -40,6 +40,9 @@ def add_model_arguments(m) -> None:
     m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="share prompt prefixes' K/V (default: serve, chat)")
     m.add_argument("--speculation-by-load", action=argparse.BooleanOptionalAction, help="each step's k from measured costs (default: serve)")
     m.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, help="long prompts a chunk a step (default: serve)")
+    m.add_argument("--pathwise-sampling", choices=["off", "seeded", "on"],
+                   help="which requests sample by Gumbel-max keyed by (seed, position), so that speculation cannot change "
+                        "their tokens: none, seeded ones (default: serve), all (default: off)")
     m.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens a step feeds the target at most, drafts included (512, with chunked prefill); "
                         "without chunks, the prompt tokens a step admits (8192)")

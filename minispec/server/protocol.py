@@ -16,7 +16,7 @@ from ..sampling import SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-          "user", "include_stop_str_in_output"}
+          "user", "include_stop_str_in_output", "pathwise"}
 COMPLETION = COMMON | {"prompt", "logprobs"}
 CHAT = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt"}
 NO_OP = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""), "user": None, "logit_bias": (None, {}),
@@ -90,7 +90,8 @@ def sampling(body: dict, max_tokens_key: str, logprobs: int | None, context: int
             frequency_penalty=number(body, "frequency_penalty", float, 0.0, -2, 2),
             repetition_penalty=number(body, "repetition_penalty", float, 1.0, 0.01, 10),
             stop_token_ids=body.get("stop_token_ids") or [], ignore_eos=flag(body, "ignore_eos"),
-            include_stop_str_in_output=flag(body, "include_stop_str_in_output"), logprobs=logprobs)
+            include_stop_str_in_output=flag(body, "include_stop_str_in_output"), logprobs=logprobs,
+            pathwise=flag(body, "pathwise", None))
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(str(e), field) from None
