@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import torch
 
-from .randomness import Key, gumbel
+from .randomness import Key, noise
+from .sampling import SamplingParams, warp_probs
 
 PATHWISE_SAMPLING = ("off", "seeded", "on")  # the LLM's choices for requests that do not say: none, seeded ones, all
 
@@ -57,8 +58,45 @@ def gumbel_max(probs: torch.Tensor, keys: list[Key], positions: list[int], token
                ) -> torch.Tensor:
     """Row r's Gumbel-max token: argmax_j (log probs[r, j] + G_{positions[r]}(token_ids[j])) with
     the noise of keys[r]. probs: [N, M] (a draft's columns, or the vocabulary); token_ids: [M] the
-    token id of each column (None: column j is token j). Returns [N] int64 column indices."""
+    token id of each column (None: column j is token j). Returns [N] int64 column indices.
+
+    With G = -log(-log u), log p + G = -log((-log u) / p) decreases with (-log u) / p, so the
+    argmax is that of log(u) / p (the exponential race of the module docstring): one logarithm
+    per token instead of three, the same token. A token with p = 0 never wins (-inf), so where
+    top-k / top-p leave few tokens the noise is made for those only (one host copy to count
+    them): the same token, for the cost of the tokens kept."""
     if token_ids is None:
         token_ids = torch.arange(probs.shape[-1], device=probs.device)
-    noise = gumbel(keys, positions, token_ids)  # [N, M] fp64
-    return (probs.double().log() + noise).argmax(-1)  # [N]
+    kept = int((probs > 0).sum(-1).max())
+    if kept * SPARSE <= probs.shape[-1]:
+        values, columns = probs.topk(kept, dim=-1)  # [N, kept]: every kept token (and zeros where a row keeps fewer)
+        race = noise(keys, positions, token_ids[columns]).log_().div_(values.double())  # [N, kept] fp64
+        return columns.gather(-1, race.argmax(-1, keepdim=True)).squeeze(-1)  # [N]
+    race = noise(keys, positions, token_ids).log_()  # [N, M] fp64, log u < 0
+    return race.div_(probs.double()).argmax(-1)  # [N]
+
+
+SPARSE = 8  # noise for the kept tokens only when they are at most 1/SPARSE of the columns (topk costs more above)
+
+
+def verify(logits: torch.Tensor, params: list[SamplingParams], keys: list[Key], lengths: list[int],
+           draft_lists: list[list[int]], first_rows: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Chain verification: sequence b's row j of the flat logits [R, V] (row first_rows[b] + j),
+    warped with params[b], gives the target's token at position lengths[b] + j; accept drafts
+    while they equal it, then emit it. Row j is looked at only once drafts 1..j were accepted, so
+    rows are warped and their noise made depth by depth, for the rows reached: as many as the
+    tokens the step emits. Returns (tokens, num_accepted) per sequence, as speculative.greedy_verify."""
+    accepted, finals, alive = [0] * len(keys), [0] * len(keys), list(range(len(keys)))
+    while alive:
+        rows = torch.tensor([first_rows[b] + accepted[b] for b in alive], device=logits.device)
+        probs = warp_probs(logits[rows], [params[b] for b in alive])  # [A, V]
+        best = gumbel_max(probs, [keys[b] for b in alive], [lengths[b] + accepted[b] for b in alive])  # [A]
+        still = []
+        for b, token in zip(alive, best.tolist()):
+            if accepted[b] < len(draft_lists[b]) and draft_lists[b][accepted[b]] == token:
+                accepted[b] += 1
+                still.append(b)
+            else:
+                finals[b] = token
+        alive = still
+    return [d[:n] + [f] for d, n, f in zip(draft_lists, accepted, finals)], accepted

@@ -26,7 +26,7 @@ not a cryptographic one; tests/test_randomness.py checks uniformity and independ
 Per row the lanes are computed on the host (a few Python integer operations); one number per row
 (the standard rule's draws) is finished there too and sent as one fp64 tensor. The Gumbel noise
 of pathwise sampling needs a number per token of the vocabulary, so its last mix runs on the
-device, vectorized over the vocabulary (`gumbel`).
+device, vectorized over the vocabulary (`noise`).
 
 One step, one use. A uniform that one step consulted must not be consulted again by a later
 step: the later step's k (speculation by load) is chosen from timings and draft lengths that
@@ -60,12 +60,17 @@ class Purpose(enum.IntEnum):
 
 
 def mix(x):
-    """A bijection of [0, 2^32), for a Python int or an int64 tensor of values in [0, 2^32)."""
+    """A bijection of [0, 2^32), for a Python int or an int64 tensor of values in [0, 2^32). (A
+    tensor is copied by the first line and updated in place after it: the vocabulary-wide noise
+    makes large temporaries.)"""
     x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & MASK32
-    return x ^ (x >> 15)
+    x *= 0x21F0AAAD
+    x &= MASK32
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x &= MASK32
+    x ^= x >> 15
+    return x
 
 
 def request_key(seed: int) -> Key:
@@ -93,9 +98,11 @@ def spread(index):
 def finish(lane_a, lane_b, spread_index):
     """52 random bits m -> u = (m + 1/2) / 2^52, exact in fp64 and strictly inside (0, 1) (so
     log u and log(-log u) are finite). Ints or int64 tensors (then an fp64 tensor)."""
-    bits = (mix(lane_a ^ spread_index) << 20) | (mix(lane_b ^ spread_index) >> 12)  # [0, 2^52)
+    bits = mix(lane_a ^ spread_index)
+    bits <<= 20
+    bits |= mix(lane_b ^ spread_index) >> 12  # [0, 2^52)
     if isinstance(bits, torch.Tensor):
-        return (bits.double() + 0.5) * 2.0**-52
+        return bits.double().add_(0.5).mul_(2.0**-52)
     return (bits + 0.5) * 2.0**-52
 
 
@@ -113,12 +120,12 @@ def uniforms(keys: list[Key], positions: list[int], purpose: Purpose, device: to
     return torch.tensor(values, dtype=torch.float64, device=device)
 
 
-def gumbel(keys: list[Key], positions: list[int], token_ids: torch.Tensor) -> torch.Tensor:
-    """Pathwise noise G[r, j] = -log(-log U(keys[r], positions[r], NOISE, index=token_ids[j])):
-    standard Gumbel, independent across tokens and positions. token_ids: [M] int64 (the vocabulary,
-    or a draft's columns as target ids) on the device the noise is wanted on. Returns [N, M] fp64."""
-    device = token_ids.device
+def noise(keys: list[Key], positions: list[int], token_ids: torch.Tensor) -> torch.Tensor:
+    """Pathwise sampling's uniforms u[r, j] = U(keys[r], positions[r], NOISE, index=token_ids[j])
+    (its Gumbel noise is -log(-log u)), independent across tokens and positions. token_ids: int64
+    token ids, [M] for every row (the vocabulary, a draft's columns) or [N, M] per row, on the
+    device the noise is wanted on. Returns [N, M] fp64 in (0, 1)."""
     lanes = torch.tensor([row_lanes(k, p, Purpose.NOISE) for k, p in zip(keys, positions)], dtype=torch.int64,
-                         device=device).view(-1, 2)  # [N, 2]
-    u = finish(lanes[:, :1], lanes[:, 1:], spread(token_ids[None, :]))  # [N, M] fp64 in (0, 1)
-    return -torch.log(-torch.log(u))
+                         device=token_ids.device).view(-1, 2)  # [N, 2]
+    ids = token_ids if token_ids.dim() == 2 else token_ids[None, :]  # [N or 1, M]
+    return finish(lanes[:, :1], lanes[:, 1:], spread(ids))  # [N, M]

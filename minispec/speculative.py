@@ -50,7 +50,7 @@ import torch
 from .drafters.base import Drafter, Proposal, one_hot_q
 from .nonfinite import guard_nonfinite
 from .outputs import Logprob
-from .pathwise import gumbel_max
+from .pathwise import verify as pathwise_verify
 from .randomness import Purpose, uniforms
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
@@ -167,35 +167,32 @@ def rejection_sample(
 
 
 def sample_verify(logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal) -> tuple[list[list[int]], list[int]]:
-    """Warp the flat logits [sum(n_b + 1), V] with each request's params, then verify each
-    request by its rule: `standard_verify` (the rejection rule), or, for pathwise requests,
-    accept while the draft is the target's Gumbel-max token (pathwise.py). Returns (tokens per
-    sequence, num_accepted per sequence)."""
+    """Verify each request by its rule on the flat logits [sum(n_b + 1), V]: `standard_verify`
+    (the rejection rule) on the warped rows, or, for pathwise requests, accept while the draft is
+    the target's Gumbel-max token (pathwise.verify, which warps the rows it reaches). Returns
+    (tokens per sequence, num_accepted per sequence)."""
     draft_lists = proposal.tokens
-    params = [s.params for s, d in zip(seqs, draft_lists) for _ in range(len(d) + 1)]
-    flat_target_probs = warp_probs(logits, params)  # [sum(n_b + 1), V]
-    rows, start = [], 0  # each sequence's rows of the flat logits
+    firsts = [0]  # each sequence's first row of the flat logits
     for d in draft_lists:
-        rows.append(range(start, start + len(d) + 1))
-        start += len(d) + 1
+        firsts.append(firsts[-1] + len(d) + 1)
     pathwise = [b for b, s in enumerate(seqs) if s.pathwise]
     standard = [b for b, s in enumerate(seqs) if not s.pathwise]
     tokens, num_accepted = [None] * len(seqs), [0] * len(seqs)
     if pathwise:
-        picked = [r for b in pathwise for r in rows[b]]
-        positions = [len(seqs[b]) + j for b in pathwise for j in range(len(rows[b]))]
-        best = gumbel_max(flat_target_probs[picked], [seqs[b].key for b in pathwise for _ in rows[b]], positions)
-        verdicts = zip(*greedy_verify(None, [draft_lists[b] for b in pathwise], best.tolist()))
-        for b, (t, n) in zip(pathwise, verdicts):
+        verdicts = pathwise_verify(logits, [seqs[b].params for b in pathwise], [seqs[b].key for b in pathwise],
+                                   [len(seqs[b]) for b in pathwise], [draft_lists[b] for b in pathwise],
+                                   [firsts[b] for b in pathwise])
+        for b, t, n in zip(pathwise, *verdicts):
             tokens[b], num_accepted[b] = t, n
     if standard:
-        target_probs, draft_probs = flat_target_probs, proposal.probs
+        draft_probs = proposal.probs
         if pathwise:  # (a mixed batch: the standard requests' rows)
-            target_probs = flat_target_probs[[r for b in standard for r in rows[b]]]
+            logits = logits[[r for b in standard for r in range(firsts[b], firsts[b + 1])]]
             draft_probs = None if draft_probs is None else draft_probs[torch.tensor(standard, device=draft_probs.device)]
-        verdicts = zip(*standard_verify(target_probs, [seqs[b] for b in standard], [draft_lists[b] for b in standard],
-                                        draft_probs))
-        for b, (t, n) in zip(standard, verdicts):
+        params = [seqs[b].params for b in standard for _ in range(len(draft_lists[b]) + 1)]
+        verdicts = standard_verify(warp_probs(logits, params), [seqs[b] for b in standard], [draft_lists[b] for b in standard],
+                                   draft_probs)
+        for b, t, n in zip(standard, *verdicts):
             tokens[b], num_accepted[b] = t, n
     return tokens, num_accepted
 
@@ -234,14 +231,13 @@ def standard_verify(flat_target_probs: torch.Tensor, seqs: list[Sequence], draft
     return tokens.tolist(), num_accepted.tolist()
 
 
-def greedy_verify(logits: torch.Tensor | None, draft_lists: list[list[int]], best: list[int] | None = None
+def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]], best: list[int] | None = None
                   ) -> tuple[list[list[int]], list[int]]:
     """The accept/reject rule at temperature 0, where p and q are one-hot: accept d_i while it is
     the target's argmax at position i, then emit the argmax at the first mismatch (or the bonus
     argmax after n accepted drafts). One argmax over the flat logits [sum(n_b + 1), V]; no
     softmax, one-hot or sampling (it equals `rejection_sample` on the warped one-hot rows, and
-    draws no random numbers). `best`: that argmax, when the caller already has it on the host
-    (pathwise verification passes its Gumbel-max tokens: the same walk, pathwise.py).
+    draws no random numbers). `best`: that argmax, when the caller already has it on the host.
     Returns (tokens per sequence, num_accepted per sequence)."""
     if best is None:
         best = logits.argmax(-1).tolist()  # [sum(n_b + 1)]: the lowest id among tied maxima, as warp_probs

@@ -168,17 +168,33 @@ def accept_tree(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTre
 
 def pathwise_walks(logits: torch.Tensor, seqs: list[Sequence], trees: list[DraftTree], offsets: list[int],
                    finite: list[bool]) -> tuple[list[tuple[list[int], list[int], bool]], list[int]]:
-    """The walks of pathwise requests: `greedy_walk` on each row's Gumbel-max token (the root's row
-    decides position len(s), node i's row len(s) + depth(i); every node at one depth shares that
-    position's noise). One host copy; rows that are not finite are zeroed (a walk stops there)."""
-    params = [s.params for s, t in zip(seqs, trees) for _ in range(len(t) + 1)]
-    probs = warp_rows(logits, list(range(len(params))), params, finite)  # [R, V]
-    keys = [s.key for s, t in zip(seqs, trees) for _ in range(len(t) + 1)]
-    positions = [len(s) + d for s, t in zip(seqs, trees) for d in [0] + t.depths()]
-    best = gumbel_max(probs, keys, positions).tolist()  # [R]
-    walks = [greedy_walk(t, best[o:], finite[o:]) for t, o in zip(trees, offsets)]
-    finals = [best[offsets[b] + 1 + path[-1] if path else offsets[b]] for b, (path, _, _) in enumerate(walks)]
-    return walks, finals
+    """The walks of pathwise requests, depth by depth: at each sequence's current node (the root
+    first) warp its row and take the target's Gumbel-max token for the next position; move to the
+    child with that token, or end with it. Only the rows a walk reaches are warped and given noise
+    (as many as the tokens emitted); a walk that reaches a non-finite row stops there, broken."""
+    children = [t.children() for t in trees]
+    node, paths, finals, broken = [-1] * len(seqs), [[] for _ in seqs], [0] * len(seqs), [False] * len(seqs)
+    alive = list(range(len(seqs)))
+    while alive:
+        for b in alive:
+            broken[b] = not finite[offsets[b] + 1 + node[b]]  # (the root's row: offsets[b], node -1)
+        alive = [b for b in alive if not broken[b]]
+        if not alive:
+            break
+        rows = torch.tensor([offsets[b] + 1 + node[b] for b in alive], device=logits.device)
+        probs = warp_probs(logits[rows], [seqs[b].params for b in alive])  # [A, V]
+        best = gumbel_max(probs, [seqs[b].key for b in alive], [len(seqs[b]) + len(paths[b]) for b in alive])
+        still = []
+        for b, token in zip(alive, best.tolist()):
+            child = next((c for c in children[b][node[b] + 1] if trees[b].tokens[c] == token), None)
+            if child is None:
+                finals[b] = token
+            else:
+                paths[b].append(child)
+                node[b] = child
+                still.append(b)
+        alive = still
+    return [(path, [], bad) for path, bad in zip(paths, broken)], finals
 
 
 def greedy_walk(tree: DraftTree, best: list[int], finite: list[int]) -> tuple[list[int], list[int], bool]:

@@ -30,8 +30,9 @@ import minispec.pathwise
 import minispec.speculative
 from minispec import LLM, SamplingParams, load_checkpoint
 from minispec.io.eagle_checkpoint import load_eagle
-from minispec.randomness import gumbel
+from minispec.randomness import noise, request_key
 from minispec.runtime.speculation_by_load import SpeculationByLoad
+from minispec.sampling import warp_probs
 from test_prefix_cache import kv_gib_for
 from test_speculative_statistical import (ALPHA, LOOKUP_MIN, PROMPT, exact_distribution, models,  # noqa: F401
                                           pooled_chi_square, sample_counts)
@@ -187,6 +188,25 @@ def test_repeated_seeded_calls_with_speculation_by_load_return_the_same_tokens(p
 # --- the law, and planted bugs ------------------------------------------------------------------
 
 
+def test_gumbel_max_draws_p_and_its_kept_tokens_shortcut_changes_nothing(monkeypatch):
+    """40k keys, one row p with zeros (a top-k's): Gumbel-max tokens follow p (chi-square
+    p > ALPHA), never a zero; noise made for the kept tokens only gives the same tokens as noise
+    for every column, and the draft's columns (token ids) key the noise, not the column index."""
+    probs = torch.tensor([0.3, 0.0, 0.25, 0.2, 0.15, 0.07, 0.03, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    keys, n = [request_key(s) for s in range(40000)], 40000
+    sparse = minispec.pathwise.gumbel_max(probs.expand(n, -1), keys, [7] * n)  # 6 of 16 kept: the shortcut
+    monkeypatch.setattr(minispec.pathwise, "SPARSE", 1000)
+    dense = minispec.pathwise.gumbel_max(probs.expand(n, -1), keys, [7] * n)
+    assert torch.equal(sparse, dense)
+    counts = torch.bincount(dense, minlength=16)
+    assert counts[probs == 0].sum() == 0 and pooled_chi_square(counts, probs)[0] > ALPHA
+    columns = torch.tensor([4, 2, 9])  # a reduced vocabulary: column j is token columns[j]
+    picked = minispec.pathwise.gumbel_max(probs[[4, 2, 9]].expand(8, -1), keys[:8], [7] * 8, columns)
+    full = torch.zeros(16)
+    full[columns] = probs[[4, 2, 9]]
+    assert columns[picked].tolist() == minispec.pathwise.gumbel_max(full.expand(8, -1), keys[:8], [7] * 8).tolist()
+
+
 def pathwise_p_value(models, drafter: str, k: int, params: SamplingParams, m: int, **options) -> tuple[float, LLM]:
     """test_speculative_statistical.p_value with every request pathwise (LLM pathwise_sampling="on")."""
     name, lookup = drafter.removesuffix("+lookup"), LOOKUP_MIN if drafter.endswith("+lookup") else None
@@ -223,20 +243,26 @@ def test_pathwise_speculation_samples_the_target_law(models, drafter, k, params,
 
 def noise_reused_across_positions(monkeypatch):
     """(a) every position draws the noise of position 0."""
-    monkeypatch.setattr(minispec.pathwise, "gumbel", lambda keys, positions, ids: gumbel(keys, [0] * len(positions), ids))
+    monkeypatch.setattr(minispec.pathwise, "noise", lambda keys, positions, ids: noise(keys, [0] * len(positions), ids))
 
 
 def noise_keyed_by_step(monkeypatch):
-    """(b) noise keyed by the step (its first position) instead of each row's position: a
-    verification's rows share one noise (plain decoding and the drafter, one position per call
-    per request, are unaffected)."""
-    def by_step(keys, positions, ids):
-        first = {}
-        for key, p in zip(keys, positions):
-            first[key] = min(first.get(key, p), p)
-        return gumbel(keys, [first[key] for key in keys], ids)
+    """(b) noise keyed by the step (the position of its first new token) instead of each row's
+    position: a verification's rows share one noise (plain decoding, one position a step, is
+    unaffected)."""
+    original = minispec.pathwise.verify
 
-    monkeypatch.setattr(minispec.pathwise, "gumbel", by_step)
+    def by_step(logits, params, keys, lengths, draft_lists, first_rows):
+        def step_noise(keys_, positions, ids):  # every row of sequence b: the noise of lengths[b]
+            return noise(keys_, [lengths[keys.index(k)] for k in keys_], ids)
+
+        monkeypatch.setattr(minispec.pathwise, "noise", step_noise)
+        try:
+            return original(logits, params, keys, lengths, draft_lists, first_rows)
+        finally:
+            monkeypatch.setattr(minispec.pathwise, "noise", noise)
+
+    monkeypatch.setattr(minispec.speculative, "pathwise_verify", by_step)
 
 
 def verifier_trusts_the_drafters_noise(monkeypatch):
@@ -244,27 +270,26 @@ def verifier_trusts_the_drafters_noise(monkeypatch):
     target's choice under that noise; the verifier accepts a draft equal to the target's
     Gumbel-max under the DRAFTER's noise, and emits the target's own at the first mismatch."""
     other = lambda positions: [p + 1000 for p in positions]  # noqa: E731
-    draw, stash = minispec.drafters.base.gumbel_max, {}
+    gumbel_max = minispec.pathwise.gumbel_max
     monkeypatch.setattr(minispec.drafters.base, "gumbel_max",
-                        lambda probs, keys, positions, ids=None: draw(probs, keys, other(positions), ids))
+                        lambda probs, keys, positions, ids=None: gumbel_max(probs, keys, other(positions), ids))
 
-    def target_choice(probs, keys, positions, ids=None):
-        stash["reported"] = draw(probs, keys, other(positions), ids).tolist()
-        return draw(probs, keys, positions, ids)
-
-    def verify(logits, draft_lists, best=None):
-        tokens, num_accepted, row = [], [], 0
-        for drafts in draft_lists:
+    def trusting(logits, params, keys, lengths, draft_lists, first_rows):
+        tokens, num_accepted = [], []
+        for b, drafts in enumerate(draft_lists):
+            rows = logits[first_rows[b] : first_rows[b] + len(drafts) + 1]
+            probs = warp_probs(rows, [params[b]] * len(rows))
+            positions = [lengths[b] + j for j in range(len(rows))]
+            reported = gumbel_max(probs, [keys[b]] * len(rows), other(positions)).tolist()
+            own = gumbel_max(probs, [keys[b]] * len(rows), positions).tolist()
             n = 0
-            while n < len(drafts) and drafts[n] == stash["reported"][row + n]:
+            while n < len(drafts) and drafts[n] == reported[n]:
                 n += 1
-            tokens.append(drafts[:n] + [best[row + n]])
+            tokens.append(drafts[:n] + [own[n]])
             num_accepted.append(n)
-            row += len(drafts) + 1
         return tokens, num_accepted
 
-    monkeypatch.setattr(minispec.speculative, "gumbel_max", target_choice)
-    monkeypatch.setattr(minispec.speculative, "greedy_verify", verify)
+    monkeypatch.setattr(minispec.speculative, "pathwise_verify", trusting)
 
 
 MUTANTS = [noise_reused_across_positions, noise_keyed_by_step, verifier_trusts_the_drafters_noise]
