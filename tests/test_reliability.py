@@ -432,8 +432,8 @@ def nan_draft(path):
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_a_nan_draft_only_lowers_acceptance(tiny_llama, tiny_llama_draft, temperature):
     """Sampled requests used to crash (the draft sampled id == vocab_size). Now the broken draft
-    proposes nothing and draws no random number: the output is plain decoding's, token for token
-    (seeded)."""
+    proposes nothing (its draws, keyed by position, take nothing from later ones): the output is
+    plain decoding's, token for token (seeded)."""
     plain = LLM(model=tiny_llama, kv_cache_gib=0.01)
     llm = LLM(model=tiny_llama, draft_model=nan_draft(tiny_llama_draft), num_speculative_tokens=3, kv_cache_gib=0.01)
     params = [SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True, seed=i) for i in range(3)]
