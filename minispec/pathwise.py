@@ -41,7 +41,9 @@ probability p(d) under either rule: nothing. A sampling drafter's d = argmax(log
 with probability sum_x 1 / sum_y max(p(y)/p(x), q(y)/q(x)) >= (1 - TV) / (1 + TV), TV the total
 variation between p and q (the P-MinHash bound), where the standard rule accepts with probability
 1 - TV exactly, the most any coupling can: e.g. TV = 0.2 gives >= 0.67 against 0.8. The cost is
-the price of the verifier not reading q.
+the price of the verifier not reading q. And compute: noise over the vocabulary for every token
+decided (the drafts, and the verification's rows a step reaches, depth by depth), or over the
+tokens top-k / top-p keep (`gumbel_max`); docs/results.md has its cost on a CPU.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ Randomness: every number a request uses is keyed by its seed and the position of
 decides (randomness.py): the drafter's samples, the acceptance uniforms and the final token's,
 never a stream whose place depends on what came before. So a seeded request emits the same
 tokens whatever else is in the batch, repeated, after a preemption, with prefix caching, as long
-as the drafter drafts the same tokens: a different drafter or k (speculation by load chooses k
-from timings) draws the same numbers but other drafts, and under this rule the drafts steer
-which token is emitted. A request with `pathwise` sampling (pathwise.py) is verified by its
+as the drafter and k are the same: another drafter or k (speculation by load chooses k from
+timings) drafts other tokens in other steps, and under this rule the drafts steer which token is
+emitted (never its law). A request with `pathwise` sampling (pathwise.py) is verified by its
 Gumbel-max tokens instead, and then nothing a drafter does changes its tokens.
 
 Why it is exact (one position): the emitted token x has probability
