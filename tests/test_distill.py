@@ -277,7 +277,7 @@ def test_asking_for_more_self_prompts_extends_the_file_as_one_run_would_have_wri
 
     def prompts_for(n: int, name: str, temperature: float = 1.0) -> tuple[list[dict], dict]:
         args = SimpleNamespace(prompts_dir=SCRIPTS.parent / "weights" / "prompts", rebuild_prompts=False, num_generate=0,
-                               self_prompts_file=tmp_path / name, num_self_prompts=n, answers_per_prompt=1, seed=3,
+                               self_prompts_file=tmp_path / name, num_self_prompts=n, answers_per_prompt=1, seed=11,
                                generator="minispec", gen_batch_size=1, kv_cache_gib=0.05, self_prompt_tokens=40,
                                self_prompt_temperature=temperature, target=None, device="cpu")
         _, _, _, info = corpus.load_prompts(args, draft)
