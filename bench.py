@@ -597,6 +597,33 @@ def check_divergences(model, prompts, divergences, tolerance: float) -> tuple[li
     return ties, mismatches
 
 
+PATHWISE_DRAFTERS = ("eagle", "eagle-tree+lookup", "draft", "ngram")  # the rows repeated pathwise, where planned
+
+
+def pathwise_arms(target, draft, specs: list[tuple], params, batch: int, args, device, warmup: list[int]) -> list[Arm]:
+    """Plain decoding, then the first planned row of each of PATHWISE_DRAFTERS, with pathwise
+    sampling (SamplingParams.pathwise): the same sampled law, and tokens that speculation cannot
+    change. Empty with --pathwise off or when no such row is planned."""
+    chosen = [next(spec for spec in specs if spec[0] == d) for d in PATHWISE_DRAFTERS if any(spec[0] == d for spec in specs)]
+    if args.pathwise == "off" or not chosen:
+        return []
+    pathwise = dataclasses.replace(params, pathwise=True)
+    arms = [minispec_arm(target, draft, d, k, pathwise, batch, args, device, warmup, budget=n)
+            for d, k, n in [("none", 0, None)] + chosen]
+    for arm in arms:
+        arm.name = f"pathwise {arm.name}"
+    return arms
+
+
+def pathwise_line(divergences: set[tuple], prompts: list[list[int]]) -> str:
+    """What the pathwise rows' check found: each speculative row's tokens against plain pathwise decoding's."""
+    line = "sampled pathwise rows vs pathwise autoregressive: "
+    if not divergences:
+        return line + "identical, token for token"
+    index = {tuple(x): i for i, x in enumerate(prompts)}
+    return line + "DIFFERED for prompts " + ", ".join(sorted({f"{index[pr]} (token {j})" for _, _, pr, j, *_ in divergences}))
+
+
 def correctness_line(ties: list, mismatches: list, dtype: torch.dtype) -> str:
     line = "correctness: greedy speculative output vs greedy autoregressive: "
     if mismatches:
@@ -846,6 +873,10 @@ def parse_args(argv=None):
                     help=f"seconds for the paired rounds of all groups together: a slow machine runs fewer rounds (at least "
                          f"{MIN_ROUNDS}), never for longer (default: {CPU_TIME_BUDGET_S} on the default CPU run; none with "
                          "--rounds, --quick, --full or on GPU)")
+    ap.add_argument("--pathwise", choices=["on", "off"], default="on",
+                    help="sampled groups: also plain decoding and the eagle chain and eagle tree+lookup rows with pathwise "
+                         "sampling (Gumbel-max keyed by seed and position, minispec/pathwise.py), whose outputs must be "
+                         "plain pathwise decoding's token for token")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV budget of each LLM built (target and draft together)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers / vLLM")
     ap.add_argument("--no-plots", action="store_true")
@@ -998,6 +1029,7 @@ def main(argv=None) -> dict:
     quantized_divergences: set[tuple] = set()
     peer_rows: list[Row] = []
     rounds_run: dict[tuple[str, int], int] = {}
+    pathwise_divergences: set[tuple] = set()
     for group, (mode, bs) in enumerate(p["groups"]):
         params = modes[mode]
         # Round r's prompts: bs consecutive prompts, wrapping around a short prompt file.
@@ -1012,6 +1044,8 @@ def main(argv=None) -> dict:
         q_arms = [minispec_arm(*quantized, d, k, params, bs, args, device, prompts[0], args.quantization, budget=n)
                   for d, k, n in [("none", 0, None)] + specs] if quantized else []
         arms += q_arms
+        pathwise = pathwise_arms(target, draft, specs, params, bs, args, device, prompts[0]) if mode == "sampled" else []
+        arms += pathwise
         if invariant:  # what row invariance costs, in the same rounds: plain decoding on the fast path
             for arm in [baseline] + arms:
                 invariant_arm(arm, target[0], True)
@@ -1034,6 +1068,8 @@ def main(argv=None) -> dict:
         q_step_s = step_time(q_arms[0]) if q_arms else None
         rows.append(summarize(baseline, mode, bs, base_step_s, device, dtype))
         rows += [summarize(arm, mode, bs, q_step_s if arm.weights else base_step_s, device, dtype) for arm in arms]
+        if pathwise:  # pathwise speculation emits plain pathwise sampling's tokens: token for token
+            pathwise_divergences |= {(mode, bs) + d for d in greedy_divergences(pathwise[0], pathwise[1:], slices)}
         if mode == "greedy":  # each speculative arm against plain decoding with the same weights
             divergences |= greedy_divergences(baseline, [a for a in arms if not a.weights and a.drafter != "none"], slices)
             if q_arms:
@@ -1048,6 +1084,9 @@ def main(argv=None) -> dict:
     ties, mismatches = check_divergences(target[0], prompts, indexed, -1.0 if invariant else TIE_TOLERANCE[dtype])
     failed = bool(mismatches) and invariant
     correctness = correctness_line(ties, mismatches, dtype) if "greedy" in p["modes"] else "correctness: (greedy mode not run)"
+    if any(m == "sampled" for m, _ in p["groups"]) and args.pathwise != "off":
+        correctness += "; " + pathwise_line(pathwise_divergences, prompts)
+        failed |= bool(pathwise_divergences) and invariant  # (without row invariance a rounding tie may part them)
     if quantized and "greedy" in p["modes"]:
         # A quantized model is batch-invariant bit for bit (fast/int8.py, model/invariant_attention.py): no ties allowed.
         indexed = {(index[pr], j, a, b, prefix) for pr, j, a, b, prefix in quantized_divergences}

@@ -7,6 +7,7 @@ fp32, and up to rounding ties (the target rates both tokens within the dtype's t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -123,6 +124,37 @@ def test_drafters_option_benches_the_chosen_drafters_only(tiny_llama, tiny_llama
     )
     check_result(result, {"greedy"}, {1}, {"ngram"})
     check_plots(result, tmp_path / "plots")
+
+
+def test_sampled_groups_repeat_rows_pathwise_and_check_them_token_for_token(tiny_llama, tiny_llama_draft, tmp_path,
+                                                                            monkeypatch):
+    """Sampled: plain decoding and the planned drafters' first rows again with pathwise sampling, in
+    the same rounds; the correctness line says whether each pathwise row's tokens are plain pathwise
+    decoding's, token for token (row-invariant target: bit for bit, else the bench fails). A
+    pathwise row that parted (planted: its tokens changed) is named and fails the bench."""
+    argv = ["--no-progress", "--no-peers", "--no-plots", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
+            "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--dtype", "float32", "--drafters", "draft,ngram",
+            "--ks", "3", "--modes", "sampled", "--batch-sizes", "1", "--rounds", "6", "--max-tokens", "8"]
+    result = bench.main(argv)
+    names = [r["name"] for r in result["rows"]]
+    assert {"pathwise autoregressive", "pathwise draft k=3", "pathwise ngram k=4"} <= set(names)
+    assert result["correctness"].endswith("sampled pathwise rows vs pathwise autoregressive: identical, token for token")
+    assert not result["failed"]
+    assert "pathwise" not in " ".join(r["name"] for r in bench.main(argv + ["--pathwise", "off"])["rows"])
+
+    inner = bench.minispec_arm
+
+    def planted(*args, **kwargs):  # the pathwise n-gram row's tokens shifted by one: a path that parted
+        arm = inner(*args, **kwargs)
+        if args[2] == "ngram" and args[4].pathwise:
+            run = arm.run
+            arm.run = lambda prompts: dataclasses.replace(r := run(prompts), outputs=[[t + 1 for t in o] for o in r.outputs])
+        return arm
+
+    monkeypatch.setattr(bench, "minispec_arm", planted)
+    broken = bench.main(argv)
+    assert "sampled pathwise rows vs pathwise autoregressive: DIFFERED for prompts" in broken["correctness"]
+    assert broken["failed"]
 
 
 def test_quantization_option_adds_int8_rows_in_the_same_rounds(tiny_llama, tiny_llama_draft, tmp_path):
