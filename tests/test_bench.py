@@ -44,7 +44,10 @@ def check_result(result: dict, modes: set[str], batches: set[int], drafters: set
         for bs in batches:
             group = [r for r in ours if r["mode"] == mode and r["batch"] == bs]
             assert group[0]["drafter"] == "none" and group[0]["name"] == "autoregressive"
-            assert {r["drafter"] for r in group[1:]} == drafters
+            assert {r["drafter"] for r in group[1:] if not r["name"].startswith("pathwise ")} == drafters
+            pathwise = {r["drafter"] for r in group if r["name"].startswith("pathwise ")}  # sampled: these again, pathwise
+            expected = {"none"} | (set(bench.PATHWISE_DRAFTERS) & drafters) if mode == "sampled" else set()
+            assert pathwise == (expected if expected != {"none"} else set())
     rounds = result["plan"]["rounds"]
     for r in ours:
         assert r["rounds"] == rounds and len(r["ratios"]) == rounds
@@ -53,16 +56,18 @@ def check_result(result: dict, modes: set[str], batches: set[int], drafters: set
         assert min(r["ratios"]) <= low <= r["speedup"] <= high <= max(r["ratios"])
         assert r["distinguishable"] == (not low <= 1.0 <= high)
         assert r["verify_cost"] > 0 and r["draft_s"] >= 0 and r["target_s"] > 0 and r["other_s"] >= 0
-        if r["drafter"] == "none":
+        if r["name"] == "autoregressive":
             assert r["ratios"] == [1.0] * rounds and r["verify_cost"] == pytest.approx(1.0)
-        else:
+        elif r["drafter"] != "none":  # (pathwise plain decoding: a ratio of its own, no drafts)
             assert 0 <= r["acceptance"] <= 1 and r["draft_cost"] is not None and r["draft_cost"] >= 0, r["name"]
             assert 1 <= r["accepted_per_step"] <= r["k"] + 1
             assert r["target_fwd_per_token"] <= 1
             assert len(r["per_position"]) <= r["k"] and all(0 <= x <= 1 for x in r["per_position"])
     assert result["greedy_mismatches"] == []
     if exact:
-        assert result["correctness"].endswith("identical") and result["greedy_rounding_ties"] == []
+        greedy = result["correctness"].split("; ")[0]  # (then the pathwise rows' line, in sampled groups)
+        assert greedy.endswith("identical") and result["greedy_rounding_ties"] == []
+        assert "DIFFERED" not in result["correctness"]
     else:
         assert result["correctness"].startswith("correctness: greedy speculative output vs greedy autoregressive: identical")
 
