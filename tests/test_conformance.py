@@ -31,7 +31,7 @@ from minispec.outputs import CompletionOutput, Logprob, RequestOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-from test_reliability import GREEDY, PROMPTS, idle_and_whole, interrupt_at, sampled, spec  # noqa: E402,F401  (one definition of each)
+from test_reliability import GREEDY, PROMPTS, generate_interrupted, idle_and_whole, sampled, spec  # noqa: E402,F401  (one definition of each)
 
 
 # --- 1. streamed text ---------------------------------------------------------------------------
@@ -110,12 +110,7 @@ def test_an_interrupt_inside_a_step_fails_every_request_in_flight_and_nothing_el
 
     owner = {"drafter": spec.engine.drafter, "target": spec.engine.target, "engine": spec.engine,
              "target_table": BlockTable}[where]
-    undo = interrupt_at(owner, name, call)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            spec.generate(PROMPTS[2:], sampled(2))
-    finally:
-        undo()
+    generate_interrupted(spec, PROMPTS[2:], sampled(2), owner, name, call)
     rest = list(other)
     finals = [e for e in [first] + rest if e.finished]
     assert {e.index for e in finals} <= {0, 1}

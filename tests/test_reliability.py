@@ -54,6 +54,17 @@ def interrupt_at(obj, name: str, call: int):
     return (lambda: setattr(obj, name, original)) if had else (lambda: delattr(obj, name))
 
 
+def generate_interrupted(llm: LLM, prompts, params, obj, name: str, call: int) -> None:
+    """llm.generate(prompts, params) with obj.name raising KeyboardInterrupt on its `call`-th call
+    (interrupt_at, undone after): the interrupt must reach the caller."""
+    undo = interrupt_at(obj, name, call)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params)
+    finally:
+        undo()
+
+
 def idle_and_whole(llm: LLM) -> bool:
     """Nothing queued or running, and every page of every pool free."""
     return not llm.engine.has_unfinished() and all(
@@ -257,12 +268,7 @@ def test_an_interrupted_admission_leaks_no_cached_page(cached):
     pages' reference counts were raised before the block table held them, so aborting the request
     did not release them (a probe found 8 pages held by an idle engine after 79 interrupts)."""
     expected = [o.token_ids for o in cached.generate(CACHED_PROMPTS, GREEDY)]
-    undo = interrupt_at(cached.engine.runners[0][0].cache.allocator, "share", 2)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            cached.generate(CACHED_PROMPTS, GREEDY)
-    finally:
-        undo()
+    generate_interrupted(cached, CACHED_PROMPTS, GREEDY, cached.engine.runners[0][0].cache.allocator, "share", 2)
     assert no_page_held(cached)
     assert [o.token_ids for o in cached.generate(CACHED_PROMPTS, GREEDY)] == expected
 

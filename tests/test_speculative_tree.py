@@ -685,19 +685,14 @@ def test_tree_mask_in_kernel_and_twin_matches_a_float64_masked_softmax(data, pag
 def test_an_interrupted_tree_step_ends_every_request_and_leaves_the_llm_usable(tiny_llama, tiny_llama_eagle, where):
     """A KeyboardInterrupt at any point of a tree step: every request ends with "error", every page
     of both pools is free, and the next call equals an uninterrupted one."""
-    from test_reliability import PROMPTS, idle_and_whole, interrupt_at
+    from test_reliability import PROMPTS, generate_interrupted, idle_and_whole
 
     llm = LLM(model=str(tiny_llama), draft_model=str(tiny_llama_eagle), num_speculative_tokens=3, draft_tree_budget=6,
               draft_tree_top_k=3, kv_cache_gib=0.01, dtype="float32")
     params = SP(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3)
     clean = [o.token_ids for o in llm.generate(PROMPTS, params)]
     owner = llm.engine.drafter if where[0] == "drafter" else minispec.speculative_tree
-    undo = interrupt_at(owner, where[1], 3)  # the third call: mid-answer, after the head's first trees
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS, params)
-    finally:
-        undo()
+    generate_interrupted(llm, PROMPTS, params, owner, where[1], 3)  # the third call: mid-answer, after the head's first trees
     assert idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == clean
 
