@@ -615,12 +615,12 @@ def pathwise_arms(target, draft, specs: list[tuple], params, batch: int, args, d
     return arms
 
 
-def pathwise_line(divergences: set[tuple], prompts: list[list[int]]) -> str:
-    """What the pathwise rows' check found: each speculative row's tokens against plain pathwise decoding's."""
+def pathwise_line(divergences: set[tuple], index: dict[tuple, int]) -> str:
+    """What the pathwise rows' check found: each speculative row's tokens against plain pathwise
+    decoding's. index: a prompt's number by its tokens."""
     line = "sampled pathwise rows vs pathwise autoregressive: "
     if not divergences:
         return line + "identical, token for token"
-    index = {tuple(x): i for i, x in enumerate(prompts)}
     return line + "DIFFERED for prompts " + ", ".join(sorted({f"{index[pr]} (token {j})" for _, _, pr, j, *_ in divergences}))
 
 
@@ -1085,7 +1085,7 @@ def main(argv=None) -> dict:
     failed = bool(mismatches) and invariant
     correctness = correctness_line(ties, mismatches, dtype) if "greedy" in p["modes"] else "correctness: (greedy mode not run)"
     if any(m == "sampled" for m, _ in p["groups"]) and args.pathwise != "off":
-        correctness += "; " + pathwise_line(pathwise_divergences, prompts)
+        correctness += "; " + pathwise_line(pathwise_divergences, index)
         failed |= bool(pathwise_divergences) and invariant  # (without row invariance a rounding tie may part them)
     if quantized and "greedy" in p["modes"]:
         # A quantized model is batch-invariant bit for bit (fast/int8.py, model/invariant_attention.py): no ties allowed.
