@@ -160,7 +160,38 @@ def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[in
     return out
 
 
-def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+@dataclass
+class WarpParams:
+    """The warp's per-row parameters as device tensors [N], and the two facts about them the host
+    knows without asking the device (a GPU step must not wait for it: runtime/transfers.py)."""
+
+    temperature: torch.Tensor  # [N] fp64, 1 on greedy rows (used in the logits' dtype)
+    top_k: torch.Tensor  # [N] int64 in 1..V (V: no top-k)
+    top_p: torch.Tensor  # [N] fp64 in (0, 1] (used in the logits' dtype)
+    greedy: torch.Tensor  # [N] bool
+    truncates: bool  # some row has a top-k or a top-p
+    any_greedy: bool
+
+    @staticmethod
+    def arrays(params: list[SamplingParams], vocab_size: int) -> dict[str, list]:
+        """Each row's parameters as host lists (for `of`, or for a step's upload)."""
+        return {"temperature": [p.temperature if not p.greedy else 1.0 for p in params],
+                "top_k": [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                "top_p": [p.top_p for p in params], "greedy": [p.greedy for p in params]}
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
+           sent: dict[str, torch.Tensor] | None = None) -> "WarpParams":
+        """From `arrays`: already on the device in `sent` (an upload's tensors), else copied now."""
+        if sent is None:
+            dtypes = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64, "greedy": torch.bool}
+            sent = {name: torch.tensor(a, dtype=dtypes[name], device=device)
+                    for name, a in cls.arrays(params, vocab_size).items()}
+        return cls(sent["temperature"], sent["top_k"], sent["top_p"], sent["greedy"],
+                   any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params), any(p.greedy for p in params))
+
+
+def warp_probs(logits: torch.Tensor, params: list[SamplingParams] | WarpParams) -> torch.Tensor:
     """logits: [N, V] fp32, one row per entry of `params` -> probabilities [N, V].
 
     Greedy rows become one-hot at the argmax (the lowest id among tied maxima). Others:
@@ -171,18 +202,17 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     token order or sort stability; top-k may therefore keep more than k tokens when they tie.
     """
     N, V = logits.shape
-    device = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=device)  # [N]
-    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype, device=device)  # [N]
-    logits = logits / temp[:, None]  # [N, V]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=device)  # [N]
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)  # [N]
-    if bool((top_k < V).any()) or bool((top_p < 1).any()):
-        # The cut-off is found among the most likely CANDIDATES[0] tokens (a partial sort: a full
-        # sort of a large vocabulary costs far more than a top-64); rows whose cut-off may
-        # lie beyond them are redone with the next count, the last time over the whole
-        # vocabulary, so the result is the same whichever count decides.
-        counts = [c for c in CANDIDATES if c < V] + [V]
+    if not isinstance(params, WarpParams):
+        params = WarpParams.of(params, V, logits.device)
+    logits = logits / params.temperature.to(logits.dtype)[:, None]  # [N, V]
+    top_k, top_p = params.top_k, params.top_p.to(logits.dtype)  # [N], [N]
+    if params.truncates:
+        # On a GPU the cut-off is found in one full sort. On a CPU a full sort of a large
+        # vocabulary costs far more than a top-64: the cut-off is looked for among the most likely
+        # CANDIDATES[0] tokens first, and rows whose cut-off may lie beyond them are redone with the
+        # next count, the last time over the whole vocabulary, so the result is the same whichever
+        # count decides (the check is a host sync, free on a CPU).
+        counts = ([c for c in CANDIDATES if c < V] if logits.device.type == "cpu" else []) + [V]
         cutoff, decided = truncation_cutoff(logits, top_k, top_p, counts[0])  # [N, 1], [N]
         for count in counts[1:]:
             if bool(decided.all()):
@@ -191,9 +221,9 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
             cutoff[redo], decided[redo] = truncation_cutoff(logits[redo], top_k[redo], top_p[redo], count)
         logits = logits.masked_fill(logits < cutoff, float("-inf"))
     probs = logits.softmax(dim=-1)  # [N, V]
-    if bool(greedy.any()):
+    if params.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [N, V]
-        probs = torch.where(greedy[:, None], one_hot, probs)
+        probs = torch.where(params.greedy[:, None], one_hot, probs)
     return probs
 
 
@@ -217,7 +247,7 @@ def truncation_cutoff(
     kth = kth.masked_fill((top_k >= V)[:, None], float("-inf"))
     candidates = candidates.masked_fill(candidates < kth, float("-inf"))
     # top-p over the top-k survivors: normalised by all of them (beyond the candidates too).
-    survivors = logits if bool((top_k >= V).all()) else logits.masked_fill(logits < kth, float("-inf"))  # [N, V]
+    survivors = logits.masked_fill(logits < kth, float("-inf"))  # [N, V] (kth is -inf where top_k = V)
     log_norm = survivors.logsumexp(-1, keepdim=True)  # [N, 1]
     probs = (candidates - log_norm).exp()  # [N, C]
     mass_before = probs.cumsum(-1) - probs  # [N, C]

@@ -44,6 +44,7 @@ Notation: we never write bare p/q in code; `target_probs` and `draft_probs` name
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -51,11 +52,12 @@ from .drafters.base import Drafter, Proposal, one_hot_q
 from .nonfinite import guard_nonfinite
 from .outputs import Logprob
 from .pathwise import verify as pathwise_verify
-from .randomness import Purpose, uniforms
+from .randomness import Purpose, uniform, uniforms
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
-from .sampling import penalize, sample, warp_probs
+from .runtime.transfers import Upload
+from .sampling import WarpParams, finite_rows, penalize, sample, warp_probs
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
@@ -78,20 +80,13 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
         feeds = [Feed(s.target_table, s.tokens[s.target_table.num_cached :] + d, len(d) + 1)
                  for s, d in zip(seqs, proposal.tokens)]
         starts = [s.target_table.num_cached for s in seqs]
-        logits, hidden = verify_forward(target, feeds, drafter.target_layers)
-        top = top_logprobs(logits, seqs, [len(d) for d in proposal.tokens])  # of the raw logits, as vLLM's
-        logits = penalized(logits, seqs, proposal.tokens)  # penalties and min_tokens, position by position
-        greedy = all(s.params.greedy for s in seqs)
-        logits, proposal, failures, best = guard_nonfinite(logits, proposal, seqs, greedy)
 
-        # 3. Accept / reject.
-        if greedy:
-            tokens, num_accepted = greedy_verify(logits, proposal.tokens, best)
-        else:
-            tokens, num_accepted = sample_verify(logits, seqs, proposal)
-    num_drafted = [len(d) for d in proposal.tokens]
-    failed = {b: pos for b, pos in failures.items() if num_accepted[b] == num_drafted[b]}  # the final token's row is broken
-    emit_accepted(seqs, tokens, num_accepted, num_drafted, top, failed, emit)
+        # 3. Accept / reject: on the device, with one upload and one download, unless a request
+        # needs a rule that reads the tokens on the host (penalties, logprobs, pathwise sampling).
+        verify = verify_on_host if any(needs_host(s) for s in seqs) else verify_on_device
+        verdict, hidden = verify(target, feeds, seqs, proposal, drafter.target_layers)
+    emit_accepted(seqs, verdict.tokens, verdict.num_accepted, [len(d) for d in verdict.drafts], verdict.top,
+                  verdict.failed, emit)
 
     # 4. Roll back: keep the K/V of accepted tokens (the newest token is fed next step); the
     # drafter keeps the target's features of those same positions and forgets the rest.
@@ -100,7 +95,119 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     if hidden is not None:
         drafter.observe(seqs, starts, [len(f.tokens) for f in feeds], hidden)
     drafter.rollback(seqs)
-    return [(d, n, len(d)) for d, n in zip(proposal.tokens, num_accepted)]
+    return [(d, n, len(d)) for d, n in zip(verdict.drafts, verdict.num_accepted)]
+
+
+@dataclass
+class Verdict:
+    """What verification decided, per sequence b: drafts[b], the drafts verified (a proposal cut at
+    a non-finite target row keeps those before it); tokens[b], its accepted drafts then the final
+    token; num_accepted[b]; failed: {b: the position of its non-finite row} for sequences whose
+    final token would come from that row (nonfinite.py); top: requested logprobs per b, or None."""
+
+    drafts: list[list[int]]
+    tokens: list[list[int]]
+    num_accepted: list[int]
+    failed: dict[int, int]
+    top: list
+
+
+def needs_host(seq: Sequence) -> bool:
+    """Whether seq's verification needs the host in the middle: penalties and min_tokens read its
+    tokens, logprobs come back as dicts, pathwise verification goes depth by depth."""
+    return seq.params.adjusts_logits or seq.params.logprobs is not None or seq.pathwise
+
+
+def verify_on_device(target: ModelRunner, feeds: list[Feed], seqs: list[Sequence], proposal: Proposal,
+                     layers: tuple[int, ...]) -> tuple[Verdict, torch.Tensor | None]:
+    """Verification with no host round-trip: what the rule needs besides the logits (the draft
+    tokens, each row's warp parameters, the keyed uniforms: randomness.py) rides up with the
+    forward's metadata in ONE upload, `accept_on_device` decides, and ONE download brings the
+    verdict back (runtime/transfers.py). Returns (the verdict, the target's features or None)."""
+    num_draft = [len(d) for d in proposal.tokens]
+    B, K, V = len(seqs), max(num_draft), target.vocab_size
+    greedy = all(s.params.greedy for s in seqs)
+    upload = Upload()
+    first, rows = 0, []
+    for n in num_draft:  # sequence b's row i of the flat logits; past its drafts its last row again
+        rows.append([first + min(i, n) for i in range(K + 1)])
+        first += n + 1
+    upload.add("verify_rows", rows)  # [B, K+1]
+    upload.add("draft_tokens", [d + [0] * (K - len(d)) for d in proposal.tokens])  # [B, K]
+    upload.add("num_draft", num_draft)  # [B]
+    if not greedy:
+        for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(K + 1)], V).items():
+            upload.add("warp_" + name, values, torch.bool if name == "greedy" else
+                       torch.int64 if name == "top_k" else torch.float64)
+        upload.add("accept_u", [[uniform(s.key, len(s) + i, Purpose.ACCEPT, len(s)) for i in range(K)] for s in seqs],
+                   torch.float64)  # [B, K]
+        upload.add("token_u", [[uniform(s.key, len(s) + i, Purpose.TOKEN) for i in range(K + 1)] for s in seqs],
+                   torch.float64)  # [B, K+1]
+    logits, hidden = verify_forward(target, feeds, layers, upload)
+    sent = upload.device
+    warp = None if greedy else WarpParams.of([s.params for s in seqs for _ in range(K + 1)], V, logits.device,
+                                             {name[5:]: t for name, t in sent.items() if name.startswith("warp_")})
+    tokens, num_accepted, cut = accept_on_device(logits, sent, proposal.probs, warp)
+    tokens, num_accepted, cut = target.staging.download([tokens, num_accepted, cut])
+    drafts = [d[: c[0]] for d, c in zip(proposal.tokens, cut)]
+    failed = {b: len(s) + c[0] for b, (s, c, n) in enumerate(zip(seqs, cut, num_accepted))
+              if c[0] <= num_draft[b] and n[0] == c[0]}
+    return Verdict(drafts, tokens, [n[0] for n in num_accepted], failed, [None] * B), hidden
+
+
+def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], draft_probs: torch.Tensor | None,
+                     warp: WarpParams | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule of step 3 on the device, for B sequences of up to K drafts.
+
+    logits: [R, V] the flat verification rows; sent: verify_rows [B, K+1] (sequence b's row of
+    position i), draft_tokens [B, K], num_draft [B], and unless greedy accept_u [B, K] and token_u
+    [B, K+1]; draft_probs: [B, K+1, V] q, or None where q is one-hot; warp: each row's warp (None:
+    every request is greedy: accept while the draft is the argmax, emit the argmax).
+    A sequence's first non-finite row ends its verification there (nonfinite.py): its drafts from
+    that row on are dropped and the row is zeroed, so the rule stays in range.
+    Returns tokens [B, K+1] (row b emits tokens[b, :num_accepted[b] + 1]), num_accepted [B] and
+    cut [B]: the first non-finite row, K+1 where there is none."""
+    rows, draft_tokens = sent["verify_rows"], sent["draft_tokens"]  # [B, K+1], [B, K]
+    B, K = draft_tokens.shape
+    finite = finite_rows(logits)[rows]  # [B, K+1]
+    cut = finite.long().cumprod(-1).sum(-1)  # [B]
+    num_draft = torch.minimum(sent["num_draft"], cut)  # [B]
+    target_logits = torch.where(finite[..., None], logits[rows], 0.0)  # [B, K+1, V]
+    drafted = torch.arange(K, device=logits.device)[None, :] < num_draft[:, None]  # [B, K]
+    if warp is None:  # greedy verification: no warp, no random numbers
+        best = target_logits.argmax(-1)  # [B, K+1]
+        num_accepted = ((best[:, :K] == draft_tokens) & drafted).long().cumprod(-1).sum(-1)  # [B]
+        tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
+        tokens.scatter_(1, num_accepted[:, None], best.gather(1, num_accepted[:, None]))
+        return tokens, num_accepted, cut
+    V = logits.shape[-1]
+    target_probs = warp_probs(target_logits.flatten(0, 1), warp).view(B, K + 1, V)  # [B, K+1, V]
+    kept = torch.cat([drafted, drafted.new_zeros(B, 1)], dim=1)[..., None]  # [B, K+1, 1]
+    if draft_probs is None:  # q is one-hot at each drafted token
+        draft_probs = torch.zeros_like(target_probs)
+        draft_probs[:, :K].scatter_(-1, draft_tokens[..., None], 1.0)
+    draft_probs = draft_probs[:, : K + 1].to(target_probs.device) * kept  # [B, K+1, V], zero past the drafts
+    tokens, num_accepted = rejection_sample(draft_tokens, num_draft, draft_probs, target_probs, sent["accept_u"],
+                                            sent["token_u"])
+    return tokens, num_accepted, cut
+
+
+def verify_on_host(target: ModelRunner, feeds: list[Feed], seqs: list[Sequence], proposal: Proposal,
+                   layers: tuple[int, ...]) -> tuple[Verdict, torch.Tensor | None]:
+    """Verification with the options that read tokens on the host: logprobs of the raw logits
+    (as vLLM's), penalties and min_tokens position by position, non-finite rows (nonfinite.py),
+    then greedy verification, the rejection rule or pathwise verification (`sample_verify`)."""
+    logits, hidden = verify_forward(target, feeds, layers)
+    top = top_logprobs(logits, seqs, [len(d) for d in proposal.tokens])  # of the raw logits, as vLLM's
+    logits = penalized(logits, seqs, proposal.tokens)  # penalties and min_tokens, position by position
+    greedy = all(s.params.greedy for s in seqs)
+    logits, proposal, failures, best = guard_nonfinite(logits, proposal, seqs, greedy)
+    if greedy:
+        tokens, num_accepted = greedy_verify(logits, proposal.tokens, best)
+    else:
+        tokens, num_accepted = sample_verify(logits, seqs, proposal)
+    failed = {b: pos for b, pos in failures.items() if num_accepted[b] == len(proposal.tokens[b])}  # the final token's row is broken
+    return Verdict(proposal.tokens, tokens, num_accepted, failed, top), hidden
 
 
 # --- 3. The accept / reject rule ----------------------------------------------------------------
@@ -264,12 +371,14 @@ def penalized(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]
     return penalize(logits, [s.penalty_row(d[:j]) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)])
 
 
-def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ...], upload: Upload | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's forward: logits [sum(num_logits), V], and the inputs of `layers` at every fed
-    position [sum(fed), len(layers) * H] when a drafter reads them (else None)."""
+    position [sum(fed), len(layers) * H] when a drafter reads them (else None). upload: what the
+    step sends up with the forward's metadata (runtime/transfers.py)."""
     if layers:
-        return target.forward(feeds, hidden_layers=layers)
-    return target.forward(feeds), None
+        return target.forward(feeds, upload, hidden_layers=layers)
+    return target.forward(feeds, upload), None
 
 
 def emit_accepted(seqs: list[Sequence], tokens: list[list[int]], num_accepted: list[int], num_drafted: list[int],

@@ -385,12 +385,17 @@ class ScriptedTarget:
 
     def __init__(self, vocab: int, best: int, nan_after_draft: bool):
         from minispec.runtime.kv_cache import PageAllocator
+        from minispec.runtime.transfers import Staging
 
         self.vocab, self.best, self.nan_after_draft = vocab, best, nan_after_draft
+        self.vocab_size = vocab
         self.device = torch.device("cpu")
         self.cache = type("Cache", (), {"allocator": PageAllocator(64)})()
+        self.staging = Staging(self.device)
 
-    def forward(self, feeds, **kwargs):
+    def forward(self, feeds, upload=None, **kwargs):
+        if upload is not None:  # what the step sends with the forward's metadata
+            self.staging.send(upload)
         rows = []
         for f in feeds:
             f.table.num_cached += len(f.tokens)

@@ -48,7 +48,7 @@ from minispec.drafters.reduced_vocab import reduce_vocab
 from minispec.fast.int4 import cpu_int4_available, quantize_int4_model
 from minispec.fast.int8 import quantize_model
 from minispec.model.eagle import init_eagle
-from minispec.sampling import penalize, sample, warp_probs
+from minispec.sampling import WarpParams, penalize, sample, warp_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
 
@@ -440,7 +440,9 @@ MUTANT_M = {"near": 3, "eagle": 4, "near+lookup": 3}  # tokens per request: an E
 # takes one more to draft both positions. (drafter, 2, MUTANT_PARAMS, m) is in CASES: the real code passes it
 
 
-def _untempered(params: list[SamplingParams]) -> list[SamplingParams]:
+def _untempered(params: list[SamplingParams] | WarpParams) -> list[SamplingParams] | WarpParams:
+    if isinstance(params, WarpParams):  # (the step's device verification passes its rows' tensors)
+        return dataclasses.replace(params, temperature=torch.ones_like(params.temperature))
     return [p if p.greedy else dataclasses.replace(p, temperature=1.0) for p in params]
 
 

@@ -20,6 +20,7 @@ from ..model.metadata import BatchMetadata
 from .kv_cache import BlockTable, KVCache
 from .layout import logit_rows, token_layout, tree_layout
 from .static_shapes import StaticShapes
+from .transfers import Staging, Upload
 
 
 @dataclass
@@ -52,10 +53,12 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
         self.max_positions = model.cfg.max_position_embeddings
+        self.vocab_size = model.cfg.vocab_size  # the width of its logits
         self.static: StaticShapes | None = None  # set by `use_static_shapes`
         # Forwards run so far by path: a replayed CUDA graph, the static layout run eagerly, or the
         # dynamic path (prompts, and steps that admit a new request; what graphs cannot cover).
         self.forward_counts = {"graph": 0, "static": 0, "dynamic": 0}
+        self.staging = Staging(self.device)  # every forward's metadata goes up in one copy (transfers.py)
 
     def use_static_shapes(self, query_len: int, max_batch: int, cuda_graphs: bool = False, trees: bool = False,
                           **model_args) -> None:
@@ -71,9 +74,11 @@ class ModelRunner:
         """Make sure `table` has pages for positions < num_tokens (raises KVPoolExhausted)."""
         table.reserve(num_tokens, self.cache.allocator)
 
-    def forward(self, feeds: list[Feed], **model_args) -> torch.Tensor | tuple:
+    def forward(self, feeds: list[Feed], upload: Upload | None = None, **model_args) -> torch.Tensor | tuple:
         """Run one forward over all feeds. Returns fp32 logits [sum(num_logits), vocab], in feed order
         (the model's whole return value when `model_args` ask it for more: they are passed on).
+        upload: host arrays the caller wants on the device too; they travel in the forward's one
+        upload (transfers.py) and are in upload.device afterwards.
 
         Pages missing for the new positions are allocated here (KVPoolExhausted if none are
         free; the scheduler reserves them beforehand so that a step never fails half-way)."""
@@ -86,16 +91,17 @@ class ModelRunner:
             if n == 0 or not 0 < f.num_logits <= n:
                 raise ValueError(f"bad feed: {n} tokens, {f.num_logits} logits")
             f.table.reserve(start + n, allocator)
+        upload = upload if upload is not None else Upload()
         if self.static is not None and self.static.fits(feeds):  # decode / verification / draft steps
-            out = self.static.forward(feeds, **model_args)
+            out = self.static.forward(feeds, upload=upload, **model_args)
         else:
-            out = self._forward(feeds, cached, q_lens, model_args)
+            out = self._forward(feeds, cached, q_lens, upload, model_args)
             self.forward_counts["dynamic"] += 1
         for f, n in zip(feeds, q_lens):
             f.table.num_cached += n
         return out
 
-    def _forward(self, feeds: list[Feed], cached: list[int], q_lens: list[int], model_args: dict):
+    def _forward(self, feeds: list[Feed], cached: list[int], q_lens: list[int], upload: Upload, model_args: dict):
         """The dynamic-shape forward: metadata sized to exactly these feeds."""
         ps = self.cache.page_size
         # Host-side assembly in numpy (small arrays: far cheaper per op than torch tensors).
@@ -111,23 +117,29 @@ class ModelRunner:
         starts, positions, slots = token_layout(q_lens_np, cached_np, block_tables, ps)  # [B+1], [T], [T]
         input_ids = np.fromiter(itertools.chain.from_iterable(f.tokens for f in feeds), np.int64, starts[-1])  # [T]
 
-        dev = self.device
         tree = tree_layout(feeds, seq_lens, starts, positions) if any(f.tree is not None for f in feeds) else None
-
-        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(a).to(device=dev, dtype=dtype)
-
+        upload.add("input_ids", input_ids)  # [T]
+        upload.add("positions", positions)  # [T]
+        upload.add("query_start_loc", starts, torch.int32)  # [B+1]
+        upload.add("seq_lens", seq_lens, torch.int32)  # [B]
+        upload.add("slot_mapping", slots)  # [T] pool slot = page * page_size + offset
+        upload.add("block_tables", block_tables, torch.int32)  # [B, max_pages]
+        upload.add("logits_indices", logit_rows(feeds, starts))  # [N]
+        if tree is not None:
+            upload.add("tree_start", tree[0], torch.int32)  # [B]
+            upload.add("tree_bits", tree[1])  # [T]
+        sent = self.staging.send(upload)
         meta = BatchMetadata(
-            positions=to_dev(positions, torch.int64),  # [T]
-            query_start_loc=to_dev(starts, torch.int32),  # [B+1]
-            seq_lens=to_dev(seq_lens, torch.int32),  # [B]
+            positions=sent["positions"],
+            query_start_loc=sent["query_start_loc"],
+            seq_lens=sent["seq_lens"],
             max_query_len=max(q_lens),
             max_seq_len=int(seq_lens.max()),
-            slot_mapping=to_dev(slots, torch.int64),  # [T] pool slot = page * page_size + offset
-            block_tables=to_dev(block_tables, torch.int32),  # [B, max_pages]
-            logits_indices=torch.tensor(logit_rows(feeds, starts), dtype=torch.int64, device=dev),  # [N]
+            slot_mapping=sent["slot_mapping"],
+            block_tables=sent["block_tables"],
+            logits_indices=sent["logits_indices"],
             is_prefill=not any(cached) and tree is None,
         )
         if tree is not None:
-            meta.tree_start, meta.tree_bits = to_dev(tree[0], torch.int32), to_dev(tree[1], torch.int64)  # [B], [T]
-        return self.model(to_dev(input_ids, torch.int64), meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
+            meta.tree_start, meta.tree_bits = sent["tree_start"], sent["tree_bits"]
+        return self.model(sent["input_ids"], meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...

@@ -36,6 +36,7 @@ import torch
 
 from ..model.metadata import BatchMetadata
 from .layout import logit_rows, token_layout, tree_layout
+from .transfers import Upload
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -95,8 +96,10 @@ class StaticShapes:
             self.buckets[size] = Bucket(size, self.query_len, torch.zeros(T, dtype=torch.int64, device=dev), meta)
         return self.buckets[size]
 
-    def fill(self, bucket: Bucket, feeds) -> tuple[list[int], list[int]]:
-        """Write the feeds into the bucket's buffers. Returns (logit rows, rows of every fed token)."""
+    def fill(self, bucket: Bucket, feeds, upload: Upload | None = None) -> tuple[torch.Tensor, int]:
+        """Write the feeds into the bucket's buffers: the host lays them out, one upload carries
+        them (with whatever else the caller put in `upload`: transfers.py), device copies put them
+        in place. Returns (logit rows [N] on the device, how many rows the feeds' tokens fill)."""
         cache, ps = self.runner.cache, self.runner.cache.page_size
         B, Q = bucket.batch, bucket.query_len
         q_lens = np.zeros(2 * B, dtype=np.int64)
@@ -113,19 +116,27 @@ class StaticShapes:
         ids = np.zeros(B * Q, dtype=np.int64)
         ids[: starts[len(feeds)]] = [t for f in feeds for t in f.tokens]
         m = bucket.meta
-        buffers = [(bucket.input_ids, ids), (m.query_start_loc, starts), (m.seq_lens, cached + q_lens),
-                   (m.slot_mapping, slots), (m.block_tables, tables)]
+        arrays = {"static_input_ids": (bucket.input_ids, ids), "static_query_start_loc": (m.query_start_loc, starts),
+                  "static_seq_lens": (m.seq_lens, cached + q_lens), "static_slot_mapping": (m.slot_mapping, slots),
+                  "static_block_tables": (m.block_tables, tables)}
         if self.trees:  # (writes the nodes' positions into positions first)
-            buffers += zip((m.tree_start, m.tree_bits), tree_layout(feeds, cached + q_lens, starts, positions))
-        for buf, array in buffers + [(m.positions, positions)]:
-            buf.copy_(torch.from_numpy(array.astype(np.int64 if buf.dtype == torch.int64 else np.int32)))
+            tree_start, tree_bits = tree_layout(feeds, cached + q_lens, starts, positions)
+            arrays.update(static_tree_start=(m.tree_start, tree_start), static_tree_bits=(m.tree_bits, tree_bits))
+        arrays["static_positions"] = (m.positions, positions)
+        upload = upload if upload is not None else Upload()
+        for name, (buf, array) in arrays.items():
+            upload.add(name, array, buf.dtype)
+        upload.add("static_logit_rows", logit_rows(feeds, starts))
+        sent = self.runner.staging.send(upload)
+        for name, (buf, _) in arrays.items():
+            buf.copy_(sent[name])  # (device to device)
         m.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
-        return logit_rows(feeds, starts), list(range(int(starts[len(feeds)])))
+        return sent["static_logit_rows"], int(starts[len(feeds)])
 
-    def forward(self, feeds, **model_args):
+    def forward(self, feeds, upload: Upload | None = None, **model_args):
         """The runner's forward for feeds that fit a bucket; returns what the dynamic path returns."""
         bucket = self.bucket(len(feeds))
-        logit_rows, fed_rows = self.fill(bucket, feeds)
+        rows, fed = self.fill(bucket, feeds, upload)
         if bucket.graph is not None and model_args == self.graph_args:
             bucket.graph.replay()
             out = bucket.output
@@ -133,9 +144,8 @@ class StaticShapes:
         else:
             out = self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **model_args)
             self.runner.forward_counts["static"] += 1
-        rows = torch.tensor(logit_rows, device=self.runner.device)
         if isinstance(out, tuple):  # (logits over every row, hidden states of every row)
-            return out[0][rows], out[1][torch.tensor(fed_rows, device=self.runner.device)]
+            return out[0][rows], out[1][:fed]
         return out[rows]
 
     def capture(self, model_args: dict | None = None) -> None:
