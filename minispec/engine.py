@@ -176,6 +176,7 @@ class LLMEngine:
                 feed_chunks(seqs, chunks, self.target, self.drafter, self.times)
                 seqs = [s for i, s in enumerate(seqs) if i not in chunks]
                 if not seqs:
+                    self.times.settle()
                     return []
         before = [len(s.output_ids) for s in seqs]
         self.catch_up(seqs)
@@ -183,6 +184,7 @@ class LLMEngine:
         fed, spent = sum(len(s) - s.target_table.num_cached for s in seqs), (self.times.target_s, self.times.draft_s)
         feeds_prompt = self.times.feeds_prompt(seqs)  # (decided before the step caches anything)
         verdicts = step(seqs, self.target, self.drafter, k, self._emit, self.times)
+        self.times.settle()  # (CUDA: the step's device times, known now that its tokens are on the host)
         if feeds_prompt:
             self.times.draft_prefill_s += self.times.draft_s - spent[1]
             self.times.prefill_drafted += sum(n for _, _, n in verdicts)

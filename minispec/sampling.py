@@ -212,7 +212,7 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams] | WarpParams) 
         # CANDIDATES[0] tokens first, and rows whose cut-off may lie beyond them are redone with the
         # next count, the last time over the whole vocabulary, so the result is the same whichever
         # count decides (the check is a host sync, free on a CPU).
-        counts = ([c for c in CANDIDATES if c < V] if logits.device.type == "cpu" else []) + [V]
+        counts = ([c for c in CANDIDATES if c < V] if logits.device.type in PARTIAL_SORT_ON else []) + [V]
         cutoff, decided = truncation_cutoff(logits, top_k, top_p, counts[0])  # [N, 1], [N]
         for count in counts[1:]:
             if bool(decided.all()):
@@ -228,6 +228,7 @@ def warp_probs(logits: torch.Tensor, params: list[SamplingParams] | WarpParams) 
 
 
 CANDIDATES = (64, 1024)  # tokens sorted first, then next, when looking for the top-k / top-p cut-off
+PARTIAL_SORT_ON = ("cpu",)  # device types that look among CANDIDATES first (elsewhere: one full sort, no host check)
 
 
 def truncation_cutoff(
@@ -254,7 +255,7 @@ def truncation_cutoff(
     # The cut-off is the last surviving token whose preceding mass is < top_p (top_p = 1 keeps
     # them all: rounding must not drop a tail); keep all at least as likely.
     kept = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & (candidates > float("-inf"))  # [N, C]
-    kept[:, 0] = True  # the most likely token always survives (a top_p that is 0 in fp32 keeps just it)
+    kept[:, 0].fill_(True)  # the most likely token always survives (a top_p that is 0 in fp32 keeps just it)
     cutoff = candidates.gather(-1, kept.sum(-1, keepdim=True) - 1)  # [N, 1]
     decided = known_kth & ~kept[:, -1] if num_candidates < V else torch.ones_like(known_kth)
     return cutoff, decided

@@ -183,6 +183,7 @@ class StepTimes:
     prefill_steps: int = 0
     draft_prefill_s: float = 0.0
     prefill_drafted: int = 0
+    pending: list = field(default_factory=list, repr=False, compare=False)  # CUDA blocks not yet added (`settle`)
 
     @staticmethod
     def feeds_prompt(seqs: list) -> bool:
@@ -200,12 +201,27 @@ class StepTimes:
 
     @contextmanager
     def timing(self, part: str, device: torch.device, also: str | None = None):
-        """Add the block's wall time to `part` ("draft_s" or "target_s"), and to `also` if given;
-        on CUDA the device's queued work is waited for first, so the time is the work's, not its
-        launch's."""
-        start = time.perf_counter()
-        yield
+        """Add the block's time to `part` ("draft_s" or "target_s"), and to `also` if given. On a
+        CPU: its wall time. On CUDA: the device time between two events recorded around it, added
+        by `settle` once the step has waited for its results anyway (waiting here would stall
+        the device between drafting and verification)."""
+        names = (part, also) if also else (part,)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        for name in (part, also) if also else (part,):
-            setattr(self, name, getattr(self, name) + time.perf_counter() - start)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.pending.append((names, start, end))
+            return
+        start_s = time.perf_counter()
+        yield
+        for name in names:
+            setattr(self, name, getattr(self, name) + time.perf_counter() - start_s)
+
+    def settle(self) -> None:
+        """Add the CUDA blocks timed so far (see `timing`; their events are done by now)."""
+        for names, start, end in self.pending:
+            end.synchronize()
+            for name in names:
+                setattr(self, name, getattr(self, name) + start.elapsed_time(end) / 1e3)
+        self.pending.clear()

@@ -1,0 +1,134 @@
+"""A speculative step's host <-> device traffic (runtime/transfers.py): one upload, one download.
+
+On a GPU every transfer inside a step is a wait: the host stops until the device catches up, and
+the device idles while the host prepares what comes next. So a step sends everything it knows in
+advance in one upload and brings its verdict back in one download.
+
+On a CPU there is no device to wait for, so the test counts what WOULD be a transfer on a GPU:
+  * host data becoming a tensor: aten `lift_fresh` (torch.tensor, torch.from_numpy, indexing or
+    assigning with a Python list all go through it);
+  * a tensor read on the host: aten `_local_scalar_dense` (item, bool, int, float), and
+    Tensor.tolist / Tensor.numpy, which dispatch nothing and are wrapped here;
+except inside runtime/transfers.py, whose `Staging` counts its own uploads and downloads, and
+inside Triton's interpreter (it stands for the GPU's kernels). The model runs on the Triton
+backend with static shapes, the path a GPU runs (the torch backend's CPU twin plans attention on
+the host from the metadata, which is a CPU choice).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minispec import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXEMPT = ("runtime/transfers.py", "triton/runtime/interpreter.py", "triton/language")
+
+
+def exempt_caller() -> bool:
+    """Whether the current call comes from the staging code or from a Triton kernel's interpreter."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if any(part in name for part in EXEMPT):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def ours(frame) -> str:
+    """The innermost caller in minispec or its kernels (what a failure message should name)."""
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/minispec/" in name or "/kernels/" in name:
+            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
+
+
+class TransferCounter(TorchDispatchMode):
+    """Counts host -> device ("up") and device -> host ("down") traffic outside the staging code."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.counts = {"up": 0, "down": 0}
+        self.where: list[str] = []
+        for method in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, method)
+
+            def wrapped(tensor, *args, _original=original, _method=method, **kwargs):
+                self.count("down", _method)
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, method, wrapped)
+
+    def count(self, direction: str, what: str) -> None:
+        if not exempt_caller():
+            self.counts[direction] += 1
+            self.where.append(f"{direction} {what} at {ours(sys._getframe(2))}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.count("up", str(func))
+        elif func is torch.ops.aten._local_scalar_dense.default:
+            self.count("down", str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def staged(llm: LLM) -> tuple[int, int]:
+    runners = [runner for runner, _ in llm.engine.runners]
+    return sum(r.staging.uploads for r in runners), sum(r.staging.downloads for r in runners)
+
+
+def step_transfers(llm: LLM, params: list[SamplingParams], monkeypatch, steps: int = 3) -> list[dict]:
+    """Per engine step after warm-up (every request has emitted its first token): the staging's
+    uploads and downloads, and the other transfers the counter saw (with where they happened)."""
+    engine = llm.engine
+    for i, p in enumerate(params):
+        engine.add_request(llm.tokenizer.encode(f"the quick brown fox {i} jumps"), p)
+    while any(not s.output_ids for s in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()
+    engine.step()  # (a drafter that reads the target's features drafts from the second step on)
+    out = []
+    for _ in range(steps):
+        before = staged(llm)
+        with TransferCounter(monkeypatch) as counter:
+            engine.step()
+        after = staged(llm)
+        out.append({"uploads": after[0] - before[0], "downloads": after[1] - before[1], **counter.counts,
+                    "where": counter.where})
+    return out
+
+
+GREEDY = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=12, ignore_eos=True, seed=i) for i in range(2)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_a_step_makes_one_upload_and_one_download(tiny_llama, drafter, params, monkeypatch):
+    """Plain decoding and the n-gram drafter (whose drafts are the host's): a step after warm-up
+    sends one upload and brings one download, and nothing else crosses."""
+    monkeypatch.setattr("minispec.sampling.PARTIAL_SORT_ON", ())  # the GPU's full sort (a CPU checks on the host)
+    args = {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3)}[drafter]
+    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="triton", static_shapes=True, **args)
+    for step in step_transfers(llm, params, monkeypatch):
+        assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
+
+
+def test_the_counter_sees_a_transfer(tiny_llama, monkeypatch):
+    """The check can fail: a step that reads one value on the host (here the penalties' host
+    path, which reads token histories) is counted."""
+    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="triton", static_shapes=True)
+    penalised = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)] * 2
+    steps = step_transfers(llm, penalised, monkeypatch, steps=1)
+    assert steps[0]["up"] + steps[0]["down"] > 0
+    with TransferCounter(monkeypatch) as counter:
+        torch.tensor([1, 2]).tolist()
+    assert counter.counts == {"up": 1, "down": 1}
+
