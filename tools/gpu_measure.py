@@ -210,9 +210,10 @@ def hf_peer(dims: dict, s: Settings, seed: int) -> dict:
     torch.set_default_dtype(s.dtype)  # built in the measured dtype, on the device
     try:
         with torch.device(s.device):
-            model = AutoModelForCausalLM.from_config(config).eval()
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
+    model = model.to(s.dtype).eval()  # (a no-op where from_config took the default dtype)
     out = {}
     for b in s.buckets:
         ids = torch.tensor(prompts(s, b, b), device=s.device)  # [b, prompt_len]
