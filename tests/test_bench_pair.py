@@ -54,3 +54,15 @@ def test_on_a_gpu_every_row_runs_there_with_a_bf16_draft(mode, full):
     assert {(s.drafter, s.k, s.budget) for s in cuda} == cpu_rows  # the same drafters and ks, in bf16
     assert len(set(cuda)) == len(cuda)  # no row twice (the CPU plan's int4 and bf16 rows become one)
 
+
+
+def test_on_a_gpu_the_pair_runs_in_bf16_with_no_cpu_peer():
+    """The pair's dtype on CUDA is bf16 whatever the CPU is (auto), and the plan names no arm the
+    CUDA run cannot build: no int4 draft (its kernel is a CPU kernel), no row invariance."""
+    from bench_pair import pair_dtype
+
+    assert pair_dtype("auto", CUDA) == torch.bfloat16
+    assert pair_dtype("float32", CUDA) == torch.float32
+    for mode in ("greedy", "sampled"):
+        for spec in plan_arms(mode, CUDA, full=True, reduced=True, **KNOBS):
+            assert spec.draft in ("dense", None) and not spec.invariant and spec.label in ("bfloat16", "")

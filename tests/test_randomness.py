@@ -114,3 +114,17 @@ def test_gumbel_noise_is_standard_gumbel():
 def test_lanes_start_apart():
     assert LANES[0] != LANES[1]
     assert row_lanes(request_key(5), 3, Purpose.TOKEN)[0] != row_lanes(request_key(5), 3, Purpose.TOKEN)[1]
+
+
+def test_every_draw_lands_on_the_device_asked_for():
+    """A batch mixing requests with their own seed and requests drawing from the engine's seed has
+    one key per row, so `uniforms` builds all its rows in one tensor on the device asked for (once
+    it stacked CPU zeros with CUDA draws); `noise` follows its token ids' device. The meta device
+    stands in for a GPU: any row made elsewhere would fail to join it, or land on the CPU."""
+    keys = [request_key(7), request_key(2**63 + 5), request_key(0)]
+    for purpose in Purpose:
+        drawn = uniforms(keys, [3, 4, 5], purpose, "meta", steps=[3, 3, 3], indices=[0, 1, 2])
+        assert drawn.device.type == "meta" and drawn.shape == (3,) and drawn.dtype == torch.float64
+    assert uniforms(keys, [3, 4, 5], Purpose.TOKEN, "cpu").device.type == "cpu"
+    ids = torch.arange(6, device="meta")
+    assert noise(keys, [1, 2, 3], ids).device.type == "meta" and noise(keys, [1, 2, 3], ids).shape == (3, 6)

@@ -17,19 +17,27 @@
 # Time: 15 minutes of GPU time in all, start-up (1-2 minutes) included; 600 s at most a command.
 # Two commands, each step under its own timeout (--plan prints the sums), most valuable first:
 #   run(command="bash tools/gpu_check.sh tests", timeout_s=300)   # 1. kernels vs twins, CUDA graphs
-#   run(command="bash tools/gpu_check.sh bench", timeout_s=420)   # 2. bench, roofline, kernel bench
+#   run(command="bash tools/gpu_check.sh bench", timeout_s=420)   # 2. measurement, then bench
 # Worst case 2 + 5 + 7 = 14 minutes; a part that finishes early leaves time to rerun the other.
 #
 # Part "tests": the environment; tests/test_kernels.py (bf16 included) and tests/test_graphs.py
-# (CUDA-graph replay against eager) on the GPU. Part "bench": the random target; bench.py on it
-# with the shipped drafters (CUDA graphs on, bf16; plain vs the EAGLE head, a tree of 32 nodes,
-# the draft model and n-gram, greedy, batch 1 and 16, 64-token answers, 6 paired rounds, with
-# transformers as peers and greedy identity checked); tools/roofline.py (the batch-1 TPOT against
-# the speed of light and the launch-bound estimate, eager steps under continuous batching);
-# `bench.py --kernels`. Results: $OUT/gpu_check.log (every step's output), bench.json,
-# roofline.json; the random target lives in a temporary folder, never under $OUT (what is there
-# comes back). A failing step is reported and the others still run; the exit status is 1 if any
-# failed, 2 if the machine cannot run the check at all.
+# (CUDA-graph replay against eager) on the GPU. Part "bench": tools/gpu_measure.py (step costs of
+# minispec's own runner, KV cache and CUDA graphs at real shapes built on the GPU from seeds:
+# SmolLM2-135M, a Qwen2.5-1.5B target with a 0.5B draft, an 8B target with an EAGLE-3-shaped head;
+# decode and k+1 verification, drafted tokens, bandwidth against the measured copy ceiling,
+# transformers' generate as the peer; each drafter's speedup predicted with the step model from
+# the acceptance measured on CPU; a pair whose acceptance epsilon controls, predicted against
+# measured); then bench.py on a random target of SmolLM2-135M-Instruct's shape with the shipped
+# drafters (CUDA graphs on, bf16; plain vs the EAGLE head, the draft model and n-gram, greedy, batch 1
+# and 16, 32-token answers, 6 paired rounds, transformers as peer, greedy identity checked), which
+# runs bench.py itself on CUDA end to end. The measurement replaced tools/roofline.py and
+# `bench.py --kernels` here: it measures the copy ceiling and each decode step's share of it at four
+# shapes, where the roofline did at one, and the attention kernels' timings alone matter less than
+# whole steps (both tools still run by hand). Results: $OUT/gpu_check.log (every step's output),
+# gpu_measure.md (the tables for docs/results.md and the README), gpu_measure.json, bench.json; the
+# random target lives in a temporary folder, never under $OUT (what is there comes back). A failing
+# step is reported and the others still run; the exit status is 1 if any failed, 2 if the machine
+# cannot run the check at all.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -38,9 +46,9 @@ ROOT=$PWD
 # add up to at most its command's timeout_s above less 30 s for the checks between them
 # (tests/test_gpu_check.py checks the sums against the two commands and the 15 minutes).
 T_ENV=30 T_KERNEL_TESTS=150 T_GRAPH_TESTS=90
-T_TARGET=30 T_BENCH=180 T_ROOFLINE=60 T_KERNEL_BENCH=75
+T_MEASURE=210 T_TARGET=30 T_BENCH=120
 TESTS_S=$((T_ENV + T_KERNEL_TESTS + T_GRAPH_TESTS))
-BENCH_S=$((T_ENV + T_TARGET + T_BENCH + T_ROOFLINE + T_KERNEL_BENCH))
+BENCH_S=$((T_ENV + T_MEASURE + T_TARGET + T_BENCH))
 
 DRY=0
 PART=all
@@ -49,8 +57,7 @@ for arg in "$@"; do
         --dry-run) DRY=1 ;;
         --plan)
             echo "tests $TESTS_S: environment $T_ENV, kernel-tests $T_KERNEL_TESTS, graph-tests $T_GRAPH_TESTS"
-            echo "bench $BENCH_S: environment $T_ENV, random-target $T_TARGET, bench $T_BENCH, roofline $T_ROOFLINE," \
-                 "kernel-bench $T_KERNEL_BENCH"
+            echo "bench $BENCH_S: environment $T_ENV, measure $T_MEASURE, random-target $T_TARGET, bench $T_BENCH"
             exit 0 ;;
         tests|bench|all) PART=$arg ;;
         *) echo "usage: tools/gpu_check.sh [--dry-run] [tests | bench | all] | --plan" >&2; exit 2 ;;
@@ -121,32 +128,31 @@ if [ "$PART" != bench ]; then
 fi
 
 if [ "$PART" != tests ]; then
-    # 2. The target: SmolLM2-135M-Instruct's shape with random weights (the real one cannot travel), with
-    # the shipped drafters; on CPU a tiny random pair.
+    # 2. The measurement (most valuable first: it starts no section past its budget, a minute before
+    # its timeout, and writes what it has after each); on CPU every section at tiny sizes.
+    MEASURE=(--out "$OUT" --budget-s $((T_MEASURE * SLACK - 60)))
+    [ "$DRY" = 1 ] && MEASURE+=(--tiny)
+    step measure "$T_MEASURE" "$PY" tools/gpu_measure.py "${MEASURE[@]}"
+    # 3. The bench on a target of SmolLM2-135M-Instruct's shape with random weights (the real one
+    # cannot travel), with the shipped drafters; on CPU a tiny random pair.
     PAIR=$WORK/pair
     if [ "$DRY" = 1 ]; then
         step random-target "$T_TARGET" "$PY" tools/random_pair.py "$PAIR" --size tiny --device cpu
         DRAFTS=(--draft "$PAIR/draft")
         BENCH=(--quick --dtype float32 --row-invariant off --no-peers --drafters draft,ngram --rounds 6 --max-tokens 6)
-        ROOF=(--tokens 4 --requests 6)
     else
         step random-target "$T_TARGET" "$PY" tools/random_pair.py "$PAIR" --size smollm2 --device cuda
         DRAFTS=(--draft weights/draft-smollm2 --eagle weights/eagle-smollm2)
-        BENCH=(--dtype bfloat16 --drafters eagle,eagle-tree,draft,ngram --ks 4 --eagle-ks 4 --tree-budgets 32
-               --tree-top-k 8 --batch-sizes 1,16 --modes greedy --rounds 6 --max-tokens 64)
-        ROOF=(--tokens 128 --requests 32)
+        BENCH=(--dtype bfloat16 --drafters eagle,draft,ngram --ks 4 --eagle-ks 4 --batch-sizes 1,16 --modes greedy
+               --rounds 6 --max-tokens 32)
     fi
-    # 3. The bench on it, the roofline, then the kernels' shares of the ceilings.
     if [ -f "$PAIR/target/config.json" ]; then
         step bench "$T_BENCH" "$PY" bench.py --target "$PAIR/target" "${DRAFTS[@]}" "${BENCH[@]}" \
             --no-plots --no-progress --json "$OUT/bench.json"
-        step roofline "$T_ROOFLINE" "$PY" tools/roofline.py --target "$PAIR/target" "${ROOF[@]}" \
-            --json "$OUT/roofline.json"
     else
-        log "bench, roofline: not run (no target was written; see random-target above)"
-        FAILED+=(bench roofline)
+        log "bench: not run (no target was written; see random-target above)"
+        FAILED+=(bench)
     fi
-    step kernel-bench "$T_KERNEL_BENCH" "$PY" bench.py --kernels
 fi
 
 if [ ${#FAILED[@]} -gt 0 ]; then log "failed: ${FAILED[*]}"; exit 1; fi
