@@ -92,9 +92,11 @@ def use_draft_static_shapes(o: EngineOptions, runner: ModelRunner, target: Trans
     variants = [{}]
     if eagle:
         cfg = runner.model.config
-        variants = [dict(hidden=RowInput(len(cfg.aux_layers) * cfg.target_hidden_size, target.dtype), project=True),
-                    dict(hidden=RowInput(cfg.layer.hidden_size, runner.model.dtype), project=False)]
-    runner.static = StaticShapes(runner, tuple(query_lens), o.max_num_seqs, trees, role="draft", carry_at_logit_rows=eagle)
+        features = RowInput(len(cfg.aux_layers) * cfg.target_hidden_size, target.dtype)  # the target's, [n, 3H]
+        variants = [dict(hidden=features, project=True),
+                    dict(hidden=RowInput(cfg.layer.hidden_size, runner.model.dtype), project=False)]  # g [n, H]
+    runner.static = StaticShapes(runner, tuple(query_lens), o.max_num_seqs, trees, role="draft",
+                                 carry_at_logit_rows=eagle)
     if graphs:
         runner.static.capture(variants)
 

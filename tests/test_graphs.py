@@ -219,3 +219,26 @@ def test_no_forward_is_dynamic_after_warm_up(tiny_llama, tiny_llama_draft, tiny_
         assert sum(1 for r, path, _ in after if r == role and path == "static") >= 3, (role, after)
     if "lookup" in drafter:
         assert llm.engine.drafter.lookup_drafts > 0 and llm.engine.drafter.model_drafts > 0
+
+
+def test_the_eagle_heads_features_come_from_persistent_per_bucket_buffers(tiny_llama, tiny_llama_eagle):
+    """A graph fixes addresses: every static forward of the EAGLE head reads its features (the
+    target's in a catch-up, projected; its own g in a tree level) from a buffer its bucket holds
+    for good, one per width; the tokens are the dynamic path's."""
+    args = dict(model=str(tiny_llama), draft_model=str(tiny_llama_eagle), num_speculative_tokens=3, draft_tree_budget=6,
+                draft_tree_top_k=2, kv_cache_gib=0.01)
+    llm = LLM(**args, static_shapes=True)
+    head = llm.engine.runners[1][0]
+    calls = []  # (metadata, features, project) of each forward of the head
+    model = head.model
+    head.model = lambda ids, meta, caches, hidden, project: calls.append((meta, hidden, project)) or model(
+        ids, meta, caches, hidden=hidden, project=project)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    buckets = {id(b.meta): b for b in head.static.buckets.values()}
+    static = [(buckets[id(meta)], hidden, project) for meta, hidden, project in calls if id(meta) in buckets]
+    assert len(static) == head.forward_counts["static"] > 0 and {project for *_, project in static} == {True, False}
+    for bucket, hidden, project in static:
+        width = 3 * 64 if project else 64  # the target's features [n, 3H], or g [n, H]
+        assert hidden is bucket.row_inputs["hidden", RowInput(width, torch.float32)]
+    assert tokens == [o.token_ids for o in LLM(**args, cuda_graphs=False).generate(PROMPTS, params)]

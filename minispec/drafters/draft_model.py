@@ -3,9 +3,10 @@ paged KV cache, drafting token by token (the loop is `AutoregressiveDrafter.prop
 
 The draft's first forward of a step catches up on the tokens it has not cached (the whole prompt
 at first, then the 1 or 2 tokens the last step accepted past its drafts); each later forward feeds
-the token it just drafted (under static shapes a long catch-up, after steps prompt lookup drafted,
-comes in bucket-sized pieces: `feed_ahead`). A prompt fed to the target in chunks (runtime/chunked_prefill.py) is fed
-to the draft in the same chunks (`feed_prompt`), so its first step catches up on its newest token.
+the token it just drafted. Under static shapes a long catch-up, after steps that prompt lookup
+drafted, comes in bucket-sized pieces first (`feed_ahead`). A prompt fed to the target in chunks
+(runtime/chunked_prefill.py) is fed to the draft in the same chunks (`feed_prompt`), so its first
+step catches up on its newest token.
 
 Its q lives on the target's vocabulary: a draft whose embedding is padded to another size (the
 same tokenizer) has its extra columns dropped and missing ones get q = 0, and a draft with a

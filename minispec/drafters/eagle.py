@@ -103,7 +103,7 @@ class EagleDrafter(AutoregressiveDrafter):
             ahead = [s for s in seqs if s.draft_table.num_cached >= len(s.prompt_ids) and s.draft_state.rows.shape[0] > Q]
             if not ahead:
                 return
-            feeds = [Feed(s.draft_table, s.tokens[s.draft_table.num_cached + 1 : s.draft_table.num_cached + 1 + Q]) for s in ahead]
+            feeds = [Feed(s.draft_table, s.tokens[s.draft_state.start + 1 : s.draft_state.start + 1 + Q]) for s in ahead]
             hidden = torch.cat([s.draft_state.rows[:Q] for s in ahead])  # [len(ahead) * Q, 3H]
             for s in ahead:
                 s.draft_state = PendingFeatures(s.draft_state.start + Q, s.draft_state.rows[Q:])

@@ -39,6 +39,7 @@ what the graph replays (tests/test_graphs.py).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,7 +103,7 @@ class StaticShapes:
         ps = runner.cache.page_size
         self.pages_per_seq = max(-(-runner.max_positions // ps), -(-self.query_len // ps))
         self.buckets: dict[tuple[int, int], Bucket] = {}  # by (batch, query_len)
-        self.pool = None  # the CUDA memory pool every graph of this runner shares (graphs replay one at a time)
+        self.pool = None  # the CUDA memory pool this runner's graphs share (they replay one at a time)
 
     @property
     def query_len(self) -> int:
@@ -184,7 +185,8 @@ class StaticShapes:
             buf = bucket.row_inputs[key]  # [B*Q, width]
             if isinstance(value, torch.Tensor):
                 if value.shape[0] != num_rows:
-                    raise ValueError(f"model argument {name!r} has {value.shape[0]} rows; the feeds have {num_rows} tokens")
+                    raise ValueError(f"model argument {name!r} has {value.shape[0]} rows; "
+                                     f"the feeds have {num_rows} tokens")
                 buf[:num_rows].copy_(value)
             bound[name] = buf
         return bound
@@ -215,16 +217,14 @@ class StaticShapes:
         sequences fill every row while capturing, writing only the scratch page. A failure raises
         a RuntimeError naming the runner and the bucket."""
         variants = [variants or {}] if not isinstance(variants, list) else variants
-        for batch in self.batches:
-            for Q in self.query_lens:
-                bucket = self.bucket(batch, Q)
-                for model_args in variants:
-                    try:
-                        bucket.graphs[variant(model_args)] = self.capture_one(bucket, model_args)
-                    except Exception as e:
-                        args = ", ".join(f"{name}={value}" for name, value in variant(model_args)) or "no model arguments"
-                        raise RuntimeError(f"CUDA graph capture failed for the {self.role} runner's bucket of batch "
-                                           f"{batch}, query length {Q} ({args}): {type(e).__name__}: {e}") from e
+        for batch, Q, model_args in itertools.product(self.batches, self.query_lens, variants):
+            bucket = self.bucket(batch, Q)
+            try:
+                bucket.graphs[variant(model_args)] = self.capture_one(bucket, model_args)
+            except Exception as e:
+                args = ", ".join(f"{name}={value}" for name, value in variant(model_args)) or "no model arguments"
+                raise RuntimeError(f"CUDA graph capture failed for the {self.role} runner's bucket of batch {batch}, "
+                                   f"query length {Q} ({args}): {type(e).__name__}: {e}") from e
 
     def capture_one(self, bucket: Bucket, model_args: dict) -> tuple[object, object]:
         """(the graph, its output) of one bucket's forward with these arguments."""
