@@ -153,6 +153,7 @@ class Row:
     peak_mem_mib: float | None = None  # not measured for peers
     note: str = ""
     weights: str = ""  # the target's (and draft's) weights: float32 | bfloat16 | float16 | int8 (see --quantization)
+    forwards: dict[str, dict[str, int]] | None = None  # per runner (target, draft), forwards by path over the rounds
 
     @property
     def distinguishable(self) -> bool:
@@ -175,6 +176,7 @@ class Arm:
     budget: int | None = None  # a draft tree's node count (eagle-tree rows)
     weights: str | None = None  # a quantization (None: the bench's dtype)
     note: Callable[[], str] | None = None  # what the row's note says after the rounds
+    forwards: Callable[[], dict[str, dict[str, int]]] | None = None  # per runner, forwards by path (graph / static / dynamic)
     runs: list[Run] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     decode_ratios: list[float] = field(default_factory=list)  # TPOT: minispec arms only
@@ -316,6 +318,12 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
     if quantization:
         name = f"{quantization} {name}"
     llm.generate(warmup, dataclasses.replace(params, max_tokens=min(4, params.max_tokens)))
+    for runner, _ in llm.engine.runners:  # count the timed rounds' forwards only
+        runner.forward_counts = dict.fromkeys(runner.forward_counts, 0)
+
+    def forwards() -> dict[str, dict[str, int]]:
+        return {role: dict(runner.forward_counts) for runner, role in llm.engine.runners}
+
     note = None
     if lookup:  # how often each half drafted, over the timed rounds
         hybrid = llm.engine.drafter
@@ -323,7 +331,7 @@ def minispec_arm(target, draft, drafter: str, k: int, params, batch: int, args, 
 
         def note() -> str:
             return f"lookup drafted {hybrid.lookup_drafts / max(hybrid.lookup_drafts + hybrid.model_drafts, 1):.0%}"
-    return Arm(name, drafter, k, run, budget=budget, weights=quantization, note=note)
+    return Arm(name, drafter, k, run, budget=budget, weights=quantization, note=note, forwards=forwards)
 
 
 def invariant_arm(arm: Arm, model, on: bool) -> Arm:
@@ -496,6 +504,7 @@ def summarize(arm: Arm, mode: str, batch: int, base_step_s: float | None, device
     base_step_s: a plain decode step's time with the row's own weights (the unit of verify / draft)."""
     row = Row(arm.name, arm.drafter, mode, batch, arm.k, arm.budget, rounds=len(arm.ratios), weights=arm.weights or dtype_name(dtype))
     row.tokens = sum(r.tokens for r in arm.runs)
+    row.forwards = arm.forwards() if arm.forwards else None
     wall = sum(r.wall_s for r in arm.runs)
     row.tok_s = row.tokens / wall if wall else 0.0
     row.ratios = [round(x, 4) for x in arm.ratios]
@@ -682,6 +691,20 @@ def print_table(rows: list[Row]) -> None:
               f"{fmt(r.tpot_ms, '.1f'):>6} {r.tok_s:>6.1f} {fmt(r.acceptance, '.2f'):>6} {fmt(r.accepted_per_step, '.2f'):>8} "
               f"{fmt(r.verify_cost, '.2f'):>6} {fmt(r.draft_cost, '.3f'):>6} {fmt(r.predicted_speedup, '.2f'):>5} "
               f"{fmt(r.peak_mem_mib, '.0f'):>8}  {r.note}")
+
+
+def print_forwards(rows: list[Row]) -> None:
+    """Each minispec row's forwards over its rounds, per runner and path: a CUDA graph replayed,
+    the static layout run eagerly (CPU, or a step no graph was captured for), or the dynamic path
+    (prompts, and feeds no static bucket holds)."""
+    counted = [r for r in rows if r.forwards]
+    if not counted:
+        return
+    width = max(len(r.name) for r in counted)
+    print("forwards by path (graph / static eager / dynamic), per runner:")
+    for r in counted:
+        paths = ", ".join(f"{role} {c['graph']}/{c['static']}/{c['dynamic']}" for role, c in r.forwards.items())
+        print(f"  {r.name:<{width}} {r.mode:<7} {r.batch:>3}  {paths}")
 
 
 def write_plots(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
@@ -1112,6 +1135,7 @@ def main(argv=None) -> dict:
     print("decode: the same median for the decode phase alone (the round's baseline TPOT / the row's; prefill left "
           "out; its interval is in --json); TPOT: ms per output token after the step that emitted a request's first")
     print_table(rows)
+    print_forwards(rows)
     verdict = speculation_verdict(rows)
     for line in verdict:
         print(line)

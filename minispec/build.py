@@ -33,6 +33,7 @@ from .options import EngineOptions
 from .runtime.kv_cache import KVCache, PageAllocator
 from .runtime.prefix_cache import CachingAllocator
 from .runtime.runner import ModelRunner
+from .runtime.static_shapes import RowInput, StaticShapes
 
 
 def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
@@ -68,15 +69,36 @@ def build_engine(o: EngineOptions) -> tuple[LLMEngine, Tokenizer]:
         trees = engine.drafter.drafts_trees  # then a verification feeds the root and the tree's nodes
         query_len = 1 + (max(o.draft_tree_budget, engine.k) if trees else engine.k)
         runners[0].use_static_shapes(query_len, o.max_num_seqs, graphs, trees, **({"hidden_layers": layers} if layers else {}))
-        if draft is not None and not isinstance(draft, EagleModel):
-            # A draft model's steps feed 1 token (2 after a fully accepted step; more after steps
-            # prompt lookup drafted, which run eagerly: static shapes fit the common case).
-            runners[1].use_static_shapes(2, o.max_num_seqs, graphs)
+        if draft is not None:
+            use_draft_static_shapes(o, runners[1], target, engine.k, trees, graphs)
     if o.verbose:
         for name, c in zip(("target", "draft"), caches):
             print(f"[minispec] {name} KV cache: {c.num_pages} pages x {o.page_size} tokens ({c.nbytes / 2**30:.3f} GiB, "
                   f"{c.num_pages * o.page_size} tokens), backend={target.backend.name}", file=sys.stderr)
     return engine, tokenizer
+
+
+def use_draft_static_shapes(o: EngineOptions, runner: ModelRunner, target: Transformer, k: int, trees: bool,
+                            graphs: bool) -> None:
+    """Static shapes for the drafter's runner, its buckets' query lengths the feeds it makes:
+    1 (a chained step), k + 1 (a catch-up on a step's accepted tokens: an EAGLE head's always,
+    a draft model's after a tree or looked-up step), 2 (a draft model's chain catches up on 1 or
+    2 tokens) and top_k (a tree level's frontier). A longer catch-up (after several looked-up
+    steps) is fed in pieces of the largest (drafters/draft_model.py, drafters/eagle.py); a prompt
+    runs dynamically. An EAGLE head's forward has two variants: the catch-up projects the target's
+    features [n, len(aux_layers) * H], a chained step or tree level reads the head's own g [n, H]."""
+    eagle = isinstance(runner.model, EagleModel)
+    query_lens = {1, k + 1} | ({o.draft_tree_top_k} if trees else set()) | (set() if eagle else {2})
+    variants = [{}]
+    if eagle:
+        cfg = runner.model.config
+        features = RowInput(len(cfg.aux_layers) * cfg.target_hidden_size, target.dtype)  # the target's, [n, 3H]
+        variants = [dict(hidden=features, project=True),
+                    dict(hidden=RowInput(cfg.layer.hidden_size, runner.model.dtype), project=False)]  # g [n, H]
+    runner.static = StaticShapes(runner, tuple(query_lens), o.max_num_seqs, trees, role="draft",
+                                 carry_at_logit_rows=eagle)
+    if graphs:
+        runner.static.capture(variants)
 
 
 def load_model(model, quantization: str | None, o: EngineOptions, device, backend: AttentionBackend,

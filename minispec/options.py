@@ -41,8 +41,8 @@ class EngineOptions:
     stops growing at a level whose likeliest node has path probability < threshold).
     prompt_lookup_min (with a draft model or EAGLE head): a sequence whose last n >= this many tokens
     occurred earlier drafts what followed them (no forward; drafters/lookup.py), the model elsewhere.
-    cuda_graphs (default: on CUDA): static-shape steps captured as CUDA graphs (a failed capture warns
-    once); static_shapes (default: cuda_graphs): that layout without graphs.
+    cuda_graphs (default: on CUDA): static-shape steps captured as CUDA graphs (a failed capture is an
+    error naming the bucket); static_shapes (default: cuda_graphs): that layout without graphs.
     quantization="int8": target and drafter with int8 weights (fast/int8.py; exact for that int8
     target); models passed built must have been loaded so (never quantized in place).
     draft_quantization="int4" (CPU): a draft model in int4 (fast/int4.py; it overrides `quantization`

@@ -118,6 +118,13 @@ def test_quick_bench_on_tiny_pair(tiny_llama, tiny_llama_draft, tiny_llama_eagle
     printed = capsys.readouterr().out
     assert "autoregressive" in printed and "95% CI" in printed and "correctness: greedy speculative output" in printed
     assert "decode" in printed and "TPOT" in printed
+    # Each minispec row's forwards by path, per runner (on CPU without static shapes: all dynamic).
+    assert "forwards by path (graph / static eager / dynamic), per runner:" in printed
+    for r in result["rows"]:
+        assert set(r["forwards"]) == ({"target"} if r["drafter"] in ("none", "ngram") else {"target", "draft"}), r["name"]
+        assert r["forwards"]["target"]["dynamic"] > 0 and r["forwards"]["target"]["graph"] == 0
+        counts = ", ".join(f"{role} {c['graph']}/{c['static']}/{c['dynamic']}" for role, c in r["forwards"].items())
+        assert re.search(rf"^  {re.escape(r['name'])} +{r['mode']} +{r['batch']}  {counts}$", printed, re.M), r["name"]
 
 
 def test_drafters_option_benches_the_chosen_drafters_only(tiny_llama, tiny_llama_draft, tmp_path):

@@ -7,7 +7,10 @@ On CPU the static layout runs eagerly; it is exactly what a CUDA graph replays o
     and with preemption;
   * steps that feed more tokens than a bucket holds (prompts) take the dynamic path;
   * the same holds with the Triton kernels (interpreter);
-  * a failed graph capture warns once and runs eagerly, with the same answers.
+  * with static_shapes=True, every model drafter (a draft model or an EAGLE head; chained, as a
+    tree, behind prompt lookup) runs every forward of every runner statically once no prompt is
+    being fed (warm-up: see test_no_forward_is_dynamic_after_warm_up);
+  * a failed graph capture is an error naming the runner and the bucket.
 """
 
 from __future__ import annotations
@@ -18,19 +21,31 @@ import pytest
 import torch
 
 from minispec import LLM, SamplingParams
+from minispec.runtime.static_shapes import RowInput, StaticShapes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = ["the quick brown fox", "hello world", "to be or not to be, that is"]
 
 
+MODEL_DRAFTERS = ["draft", "eagle", "draft-tree", "eagle-tree", "lookup+draft", "lookup+eagle"]  # every model drafter's step
+
+
 def drafter_args(name, tiny_llama_draft, tiny_llama_eagle) -> dict:
-    return {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3),
-            "draft": dict(draft_model=str(tiny_llama_draft), num_speculative_tokens=3),
-            "eagle": dict(draft_model=str(tiny_llama_eagle), num_speculative_tokens=3)}[name]
+    """A drafter by name: a draft model or an EAGLE head, chained, as a tree, or behind prompt lookup."""
+    if name in ("none", "ngram"):
+        return {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3)}[name]
+    lookup, _, model = name.rpartition("+")
+    model, _, tree = model.partition("-")
+    args = dict(draft_model=str(tiny_llama_eagle if model == "eagle" else tiny_llama_draft), num_speculative_tokens=3)
+    if tree:
+        args.update(draft_tree_budget=6, draft_tree_top_k=2)
+    if lookup:
+        args.update(prompt_lookup_min=1)
+    return args
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "draft", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "ngram"] + MODEL_DRAFTERS)
 def test_static_shapes_give_the_dynamic_paths_tokens_and_logits(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter):
     args = dict(model=str(tiny_llama), kv_cache_gib=0.01, **drafter_args(drafter, tiny_llama_draft, tiny_llama_eagle))
     dynamic, static = LLM(**args, cuda_graphs=False), LLM(**args, static_shapes=True)  # CUDA defaults to graphs
@@ -42,8 +57,8 @@ def test_static_shapes_give_the_dynamic_paths_tokens_and_logits(tiny_llama, tiny
     for x, y in zip(a, b):
         for da, db in zip(x.logprobs, y.logprobs):
             assert da.keys() == db.keys() and all(math.isclose(da[t].logprob, db[t].logprob, abs_tol=1e-4) for t in da)
-    used = static.engine.target.static.buckets
-    assert 4 in used and used[4].query_len == static.engine.target.static.query_len
+    target = static.engine.target.static
+    assert (4, target.query_len) in target.buckets
     assert static.last_metrics.num_steps == dynamic.last_metrics.num_steps
 
 
@@ -58,7 +73,7 @@ def test_static_shapes_with_preemption_and_one_sequence(tiny_llama, tiny_llama_d
     assert tight.engine.scheduler.num_preemptions > 0
     one = tight.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert one.token_ids == roomy.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
-    assert 1 in tight.engine.target.static.buckets
+    assert any(batch == 1 for batch, _ in tight.engine.target.static.buckets)
 
 
 def test_a_draft_with_a_shorter_context_and_many_slots(tiny_llama, checkpoint_factory):
@@ -96,15 +111,17 @@ def test_static_shapes_with_the_triton_kernels(tiny_llama, tiny_llama_draft):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="captures fail only where there is no CUDA")
-def test_a_failed_capture_warns_and_runs_eagerly(tiny_llama):
-    """On CPU every capture fails (no CUDA): one warning, the same answers."""
-    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    expected = llm.generate(PROMPTS, params)
-    with pytest.warns(RuntimeWarning, match="CUDA graph capture failed"):
-        llm.engine.target.use_static_shapes(1, 4, cuda_graphs=True)
-    assert llm.engine.target.static.graphs_failed
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in expected]
+def test_a_failed_capture_is_an_error_naming_the_bucket(tiny_llama, tiny_llama_eagle):
+    """On CPU every capture fails (no CUDA): an error naming the runner and the bucket (batch size,
+    query length), never a silent eager fallback (a GPU run would stay launch-bound unnoticed)."""
+    llm = LLM(model=str(tiny_llama), draft_model=str(tiny_llama_eagle), num_speculative_tokens=3, kv_cache_gib=0.01)
+    with pytest.raises(RuntimeError, match="the target runner's bucket of batch 1, query length 2") as error:
+        llm.engine.target.use_static_shapes(2, 4, cuda_graphs=True)
+    assert error.value.__cause__ is not None  # what the capture raised, kept
+    head = llm.engine.runners[1][0]
+    head.static = StaticShapes(head, (1, 4), 4, role="draft", carry_at_logit_rows=True)
+    with pytest.raises(RuntimeError, match=r"the draft runner's bucket of batch 1, query length 1 \(.*project=True"):
+        head.static.capture([dict(hidden=RowInput(3 * 64, torch.float32), project=True)])
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLM(model=str(tiny_llama), kv_cache_gib=0.01, cuda_graphs=True)
 
@@ -126,13 +143,13 @@ def test_the_padding_never_touches_a_sequences_pages(tiny_llama):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (tools/gpu_check.sh runs this)")
-@pytest.mark.parametrize("drafter", ["none", "draft", "eagle"])
+@pytest.mark.parametrize("drafter", ["none"] + MODEL_DRAFTERS)
 def test_cuda_graphs_replay_what_eager_computes(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter):
     args = dict(model=str(tiny_llama), kv_cache_gib=0.01, max_num_seqs=8,
                 **drafter_args(drafter, tiny_llama_draft, tiny_llama_eagle))
     graphs, eager = LLM(**args, cuda_graphs=True), LLM(**args, cuda_graphs=False)
-    assert not graphs.engine.target.static.graphs_failed
-    assert all(b.graph is not None for b in graphs.engine.target.static.buckets.values())
+    for runner, _ in graphs.engine.runners:  # (a failed capture raises while building)
+        assert runner.static is not None and all(b.graphs for b in runner.static.buckets.values())
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] + [
         SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=i) for i in range(2)]
     assert [o.token_ids for o in graphs.generate(PROMPTS, params)] == [o.token_ids for o in eager.generate(PROMPTS, params)]
@@ -148,10 +165,80 @@ def test_no_sequence_of_a_static_bucket_has_more_rows_than_the_launch_covers(tin
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     static = llm.engine.target.static
     assert static.buckets
-    for bucket in list(static.buckets.values()) + [static.bucket(4)]:
+    for bucket in list(static.buckets.values()) + [static.bucket(4, static.query_len)]:
         for feeds in ([], None):
             if feeds is not None:
                 static.fill(bucket, feeds)
             m = bucket.meta
             q_lens = m.query_start_loc.diff()
             assert int(q_lens.max()) <= m.max_query_len and int(m.query_start_loc[-1]) == bucket.batch * bucket.query_len
+
+
+def trace_forwards(llm) -> list[tuple[str, str, bool]]:
+    """Wrap every runner's forward to log (runner role, path taken: graph / static / dynamic,
+    whether it fed some sequence from position 0, i.e. a prompt)."""
+    log = []
+    for runner, role in llm.engine.runners:
+        def traced(feeds, _forward=runner.forward, _runner=runner, _role=role, **model_args):
+            before = dict(_runner.forward_counts)
+            from_start = any(f.table.num_cached == 0 for f in feeds)
+            out = _forward(feeds, **model_args)
+            log.append((_role, next(p for p, n in _runner.forward_counts.items() if n != before[p]), from_start))
+            return out
+        runner.forward = traced
+    return log
+
+
+REPEATING = ["one two three one two three one two", "a b a b a b a", "x y z x y z"]  # prompt lookup finds matches
+
+
+@pytest.mark.parametrize("batch", [1, 3])  # 3: a partly filled bucket of 4
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("drafter", MODEL_DRAFTERS)
+def test_no_forward_is_dynamic_after_warm_up(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter, mode, batch):
+    """With static_shapes=True, once warm-up is over no forward of any runner (the target, the
+    draft model or EAGLE head) takes the dynamic path, while static forwards go on.
+
+    Warm-up: every forward up to the last one that feeds some sequence from position 0, i.e. a
+    prompt: the target's prefill, a draft model's first catch-up, and an EAGLE head's catch-up on
+    the prompt's features, which comes in the sequence's second step (the head drafts nothing in
+    the first) or, behind prompt lookup, at the first step lookup finds nothing. After it every
+    feed is a step's: a verification of k + 1 tokens or a tree, a chained draft token, a tree
+    level's frontier, a catch-up on accepted tokens (in bucket-sized pieces after looked-up steps)."""
+    args = drafter_args(drafter, tiny_llama_draft, tiny_llama_eagle)
+    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, static_shapes=True, max_num_seqs=4, **args)
+    assert all(runner.static is not None for runner, _ in llm.engine.runners)
+    log = trace_forwards(llm)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if mode == "greedy" else
+              SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=i) for i in range(batch)]
+    llm.generate((REPEATING if "lookup" in drafter else PROMPTS)[:batch], params)
+    warm_up = max(i for i, (_, _, from_start) in enumerate(log) if from_start) + 1
+    after = log[warm_up:]
+    assert [entry for entry in after if entry[1] == "dynamic"] == []
+    for role in ("target", "draft"):
+        assert sum(1 for r, path, _ in after if r == role and path == "static") >= 3, (role, after)
+    if "lookup" in drafter:
+        assert llm.engine.drafter.lookup_drafts > 0 and llm.engine.drafter.model_drafts > 0
+
+
+def test_the_eagle_heads_features_come_from_persistent_per_bucket_buffers(tiny_llama, tiny_llama_eagle):
+    """A graph fixes addresses: every static forward of the EAGLE head reads its features (the
+    target's in a catch-up, projected; its own g in a tree level) from a buffer its bucket holds
+    for good, one per width; the tokens are the dynamic path's."""
+    args = dict(model=str(tiny_llama), draft_model=str(tiny_llama_eagle), num_speculative_tokens=3, draft_tree_budget=6,
+                draft_tree_top_k=2, kv_cache_gib=0.01)
+    llm = LLM(**args, static_shapes=True)
+    head = llm.engine.runners[1][0]
+    calls = []  # (metadata, features, project) of each forward of the head
+    model = head.model
+    head.model = lambda ids, meta, caches, hidden, project: calls.append((meta, hidden, project)) or model(
+        ids, meta, caches, hidden=hidden, project=project)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    buckets = {id(b.meta): b for b in head.static.buckets.values()}
+    static = [(buckets[id(meta)], hidden, project) for meta, hidden, project in calls if id(meta) in buckets]
+    assert len(static) == head.forward_counts["static"] > 0 and {project for *_, project in static} == {True, False}
+    for bucket, hidden, project in static:
+        width = 3 * 64 if project else 64  # the target's features [n, 3H], or g [n, H]
+        assert hidden is bucket.row_inputs["hidden", RowInput(width, torch.float32)]
+    assert tokens == [o.token_ids for o in LLM(**args, cuda_graphs=False).generate(PROMPTS, params)]

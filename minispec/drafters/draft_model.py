@@ -3,8 +3,10 @@ paged KV cache, drafting token by token (the loop is `AutoregressiveDrafter.prop
 
 The draft's first forward of a step catches up on the tokens it has not cached (the whole prompt
 at first, then the 1 or 2 tokens the last step accepted past its drafts); each later forward feeds
-the token it just drafted. A prompt fed to the target in chunks (runtime/chunked_prefill.py) is fed
-to the draft in the same chunks (`feed_prompt`), so its first step catches up on its newest token.
+the token it just drafted. Under static shapes a long catch-up, after steps that prompt lookup
+drafted, comes in bucket-sized pieces first (`feed_ahead`). A prompt fed to the target in chunks
+(runtime/chunked_prefill.py) is fed to the draft in the same chunks (`feed_prompt`), so its first
+step catches up on its newest token.
 
 Its q lives on the target's vocabulary: a draft whose embedding is padded to another size (the
 same tokenizer) has its extra columns dropped and missing ones get q = 0, and a draft with a
@@ -33,6 +35,7 @@ class ModelDrafter(AutoregressiveDrafter):
         return max(0, min(n, self.runner.max_positions - len(seq) + 1))
 
     def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, None]:
+        self.feed_ahead([seqs[b] for b in active])
         return self.logits([Feed(seqs[b].draft_table, seqs[b].tokens[seqs[b].draft_table.num_cached :]) for b in active]), None
 
     def next_forward(self, seqs: list[Sequence], active: list[int], tokens: list[list[int]], carry: None
@@ -54,6 +57,20 @@ class ModelDrafter(AutoregressiveDrafter):
         if Vd < V:
             return torch.cat([logits, logits.new_full((logits.shape[0], V - Vd), float("-inf"))], dim=-1)
         return logits
+
+    def feed_ahead(self, seqs: list[Sequence]) -> None:
+        """Under static shapes, a catch-up past the prompt that is longer than the runner's largest
+        query length (the tokens of steps that prompt lookup drafted: drafters/lookup.py) is fed
+        in pieces of that length first, so that every forward past a prompt fits a bucket. The
+        K/V are those of one forward; a prompt still goes dynamically, whole."""
+        static = self.runner.static
+        while static is not None:
+            Q, tables = static.query_len, [s.draft_table for s in seqs]
+            feeds = [Feed(t, s.tokens[t.num_cached : t.num_cached + Q]) for s, t in zip(seqs, tables)
+                     if t.num_cached >= len(s.prompt_ids) and len(s) - t.num_cached > Q]
+            if not feeds:
+                return
+            self.runner.forward(feeds)
 
     def feed_prompt(self, seqs: list[Sequence], ends: list[int]) -> None:
         """Cache the draft's K/V of each prompt up to position ends[b] (the logits are unused)."""

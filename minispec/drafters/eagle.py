@@ -10,6 +10,8 @@ their features after its last verification; the draft has cached positions < c):
   2. chained steps j = 2..k: position n+j-3 reads (g of the previous row, d_{j-1}), proposes d_j.
   3. rollback (after the target's verification): the draft forgets positions >= n-1; the next
      catch-up starts there.
+Under static shapes a catch-up longer than the runner's largest bucket (after steps that prompt
+lookup drafted, whose features wait unconsumed) is fed in bucket-sized pieces (`feed_ahead`).
 A new sequence drafts nothing in its first step: the target's prefill emits its first token and
 hands over the features of every prompt position, so the first catch-up runs over the whole
 prompt (a preempted one, recomputed, gets its features first and drafts at once: engine.py).
@@ -82,11 +84,30 @@ class EagleDrafter(AutoregressiveDrafter):
     def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Catch-up: positions draft.num_cached .. len-2, tokens x_{p+1}, the real target features
         (consumed: observe() starts anew after the verification). Returns logits [n, V_d] and g [n, H]."""
+        self.feed_ahead([seqs[b] for b in active])
         feeds = [Feed(seqs[b].draft_table, seqs[b].tokens[seqs[b].draft_table.num_cached + 1 :]) for b in active]
         hidden = torch.cat([seqs[b].draft_state.rows for b in active])  # [sum, 3H]
         for b in active:
             seqs[b].draft_state = None
         return self.runner.forward(feeds, hidden=hidden, project=True)  # [n, V_d], [n, H]
+
+    def feed_ahead(self, seqs: list[Sequence]) -> None:
+        """Under static shapes, a catch-up past the prompt that is longer than the runner's largest
+        query length (pending features of steps that prompt lookup drafted: drafters/lookup.py)
+        is fed in pieces of that length first, consuming their features, so that every forward
+        past a prompt fits a bucket. The K/V are those of one forward; a prompt's catch-up still
+        goes dynamically, whole."""
+        static = self.runner.static
+        while static is not None:
+            Q = static.query_len
+            ahead = [s for s in seqs if s.draft_table.num_cached >= len(s.prompt_ids) and s.draft_state.rows.shape[0] > Q]
+            if not ahead:
+                return
+            feeds = [Feed(s.draft_table, s.tokens[s.draft_state.start + 1 : s.draft_state.start + 1 + Q]) for s in ahead]
+            hidden = torch.cat([s.draft_state.rows[:Q] for s in ahead])  # [len(ahead) * Q, 3H]
+            for s in ahead:
+                s.draft_state = PendingFeatures(s.draft_state.start + Q, s.draft_state.rows[Q:])
+            self.runner.forward(feeds, hidden=hidden, project=True)
 
     def next_forward(self, seqs: list[Sequence], active: list[int], tokens: list[list[int]], carry: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,12 @@
 """Graph-ready steps: the same forward with static shapes, so that CUDA graphs can capture it.
 
-At batch 1 a small target is bound by kernel launches on a GPU (~30 layers x a dozen launches per
+At batch 1 a small model is bound by kernel launches on a GPU (~30 layers x a dozen launches per
 forward); a CUDA graph replays them all with one launch. A graph fixes every shape and address, so
-decode, verification and draft steps (each sequence feeds 1..Q tokens) are laid out per bucket:
+decode, verification and draft steps (each sequence feeds 1..Q tokens) are laid out per bucket,
+one bucket per (batch size B, query length Q), B from BATCH_BUCKETS and Q from the runner's
+query lengths (the feeds its steps really make: a target's k+1, a drafter's 1-token chain steps,
+its catch-up of up to k+1 tokens, a tree level's frontier); a forward takes the smallest bucket
+that holds it:
 
     rows [0, B*Q):  sequence b's n_b tokens packed from row query_start_loc[b] (as the dynamic path
                     packs them), then all padding rows, which belong to B padding sequences of at
@@ -10,26 +14,33 @@ decode, verification and draft steps (each sequence feeds 1..Q tokens) are laid 
                     one padding sequence of more rows would leave some uncomputed)
     metadata:       2B sequences (real ones, empty ones with 0 tokens, the padding ones), in
                     persistent per-bucket buffers filled in place before each forward
+    row inputs:     a model argument given per fed row (an EAGLE head's features [n, W]) is
+                    copied into a persistent per-bucket buffer [B*Q, W], one per name and width
     launch sizes:   max_query_len = Q and max_seq_len = the runner's context limit, fixed per bucket
 
 With `trees`, every bucket also carries the tree mask (tree_start [2B], tree_bits [B*Q]): a
-tree verification of a fixed node budget is a static shape too; sequences without a tree get
-tree_start = their length (no key in a tree block), so the same graph serves both.
+tree verification of a fixed node budget (or a drafter's tree level) is a static shape too;
+sequences without a tree get tree_start = their length (no key in a tree block), so the same graph
+serves both.
 
 Real sequences get exactly the metadata of the dynamic path (their rows, context lengths and block
 tables), so their logits are the dynamic path's. The padding sequence starts at position 0, owns
 only the scratch page (KVCache.scratch_page: its K/V writes land there) and its outputs are
-dropped; so do the other padding sequences. Steps that feed a sequence more than Q tokens (prompts) take the dynamic path.
+dropped; so do the other padding sequences. Steps that feed a sequence more than the largest Q
+tokens (prompts) take the dynamic path.
 
-On CUDA each bucket's forward is captured once (`capture`) and replayed; on CPU, and wherever a
-capture fails (one warning, then eager for good), the static forward runs eagerly: the same
-layout, so tests on CPU check what the graph replays (tests/test_graphs.py).
+On CUDA each bucket's forward is captured once (`capture`) per variant of the model's arguments
+(their non-tensor values and row-input widths: an EAGLE head's catch-up, which projects target
+features, and its chained steps, which do not, are two graphs) and replayed. A capture that fails
+raises, naming the runner and the bucket: a silent eager fallback would leave a GPU run launch-bound
+without saying so. On CPU the static forward runs eagerly: the same layout, so tests on CPU check
+what the graph replays (tests/test_graphs.py).
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,6 +52,15 @@ from .transfers import Upload
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+@dataclass(frozen=True)
+class RowInput:
+    """A model argument given per fed row: a tensor [rows, width] of dtype. In a capture's
+    variants it stands for the tensor (its values come with each forward)."""
+
+    width: int
+    dtype: torch.dtype
+
+
 @dataclass
 class Bucket:
     """Persistent inputs of one static shape: B sequence slots of up to Q new tokens each."""
@@ -49,24 +69,47 @@ class Bucket:
     query_len: int
     input_ids: torch.Tensor  # [B*Q] int64
     meta: BatchMetadata  # positions [B*Q], query_start_loc [2B+1], seq_lens [2B], slot_mapping [B*Q], block_tables [2B, P]
-    graph: object | None = None  # torch.cuda.CUDAGraph once captured
-    output: object | None = None  # what the captured forward returned (its buffers are rewritten by replay)
+    row_inputs: dict[tuple[str, RowInput], torch.Tensor] = field(default_factory=dict)  # [B*Q, width] each
+    # Per variant of the model's arguments (`variant`): the CUDA graph and what its captured forward
+    # returned (buffers that each replay rewrites).
+    graphs: dict[tuple, tuple[object, object]] = field(default_factory=dict)
+
+
+def variant(model_args: dict) -> tuple:
+    """What a captured graph fixes of the model's arguments: the non-tensor values, and the width
+    and dtype of each row input (a tensor, or a RowInput standing for one)."""
+    as_key = lambda v: RowInput(v.shape[-1], v.dtype) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return tuple(sorted((name, as_key(v)) for name, v in model_args.items()))
 
 
 class StaticShapes:
-    """The static-shape forward of one ModelRunner (see the module docstring)."""
+    """The static-shape forward of one ModelRunner (see the module docstring).
 
-    def __init__(self, runner, query_len: int, max_batch: int, trees: bool = False):
+    query_len: the query lengths Q of its buckets (one int or several). role: "target" or "draft"
+    (what a capture error names). carry_at_logit_rows: the model's second output (a tuple return)
+    comes at the logit rows, as an EAGLE head's g does; else at every fed row, as the target's
+    features do."""
+
+    def __init__(self, runner, query_len: int | tuple[int, ...], max_batch: int, trees: bool = False,
+                 role: str = "target", carry_at_logit_rows: bool = False):
         self.runner = runner
-        self.query_len = query_len
+        self.query_lens = sorted({query_len} if isinstance(query_len, int) else set(query_len))
+        if not self.query_lens or self.query_lens[0] < 1:
+            raise ValueError(f"static shapes need query lengths >= 1, got {query_len}")
         self.trees = trees  # buckets carry the tree mask
+        self.role = role
+        self.carry_at_logit_rows = carry_at_logit_rows
         self.batches = [b for b in BATCH_BUCKETS if b < max_batch] + [b for b in BATCH_BUCKETS if b >= max_batch][:1]
         # Block-table width: a real sequence's pages, or a padding sequence's Q rows (all on the scratch page).
         ps = runner.cache.page_size
-        self.pages_per_seq = max(-(-runner.max_positions // ps), -(-query_len // ps))
-        self.buckets: dict[int, Bucket] = {}
-        self.graph_args: dict | None = None  # the model_args the graphs were captured with
-        self.graphs_failed = False
+        self.pages_per_seq = max(-(-runner.max_positions // ps), -(-self.query_len // ps))
+        self.buckets: dict[tuple[int, int], Bucket] = {}  # by (batch, query_len)
+        self.pool = None  # the CUDA memory pool this runner's graphs share (they replay one at a time)
+
+    @property
+    def query_len(self) -> int:
+        """The largest query length: a feed of more tokens runs dynamically."""
+        return self.query_lens[-1]
 
     def fits(self, feeds) -> bool:
         """Feeds a bucket can hold: few enough, short enough, trees only with `trees`, and no key
@@ -76,15 +119,17 @@ class StaticShapes:
                 and (self.trees or all(f.tree is None for f in feeds))
                 and all(f.table.num_cached + len(f.tokens) <= width for f in feeds))
 
-    def bucket(self, batch: int) -> Bucket:
+    def bucket(self, batch: int, query_len: int | None = None) -> Bucket:
+        """The smallest bucket holding `batch` feeds of up to `query_len` tokens (None: the largest Q)."""
         size = next(b for b in self.batches if b >= batch)
-        if size not in self.buckets:
-            dev, T, seqs = self.runner.device, size * self.query_len, 2 * size  # (size real slots, size padding)
+        Q = next(q for q in self.query_lens if q >= (query_len or self.query_len))
+        if (size, Q) not in self.buckets:
+            dev, T, seqs = self.runner.device, size * Q, 2 * size  # (size real slots, size padding)
             meta = BatchMetadata(
                 positions=torch.zeros(T, dtype=torch.int64, device=dev),
                 query_start_loc=torch.zeros(seqs + 1, dtype=torch.int32, device=dev),
                 seq_lens=torch.zeros(seqs, dtype=torch.int32, device=dev),
-                max_query_len=self.query_len,
+                max_query_len=Q,
                 max_seq_len=self.runner.max_positions,
                 slot_mapping=torch.zeros(T, dtype=torch.int64, device=dev),
                 block_tables=torch.zeros(seqs, self.pages_per_seq, dtype=torch.int32, device=dev),
@@ -93,8 +138,8 @@ class StaticShapes:
             if self.trees:
                 meta.tree_start = torch.zeros(seqs, dtype=torch.int32, device=dev)  # [2B]
                 meta.tree_bits = torch.zeros(T, dtype=torch.int64, device=dev)  # [B*Q]
-            self.buckets[size] = Bucket(size, self.query_len, torch.zeros(T, dtype=torch.int64, device=dev), meta)
-        return self.buckets[size]
+            self.buckets[size, Q] = Bucket(size, Q, torch.zeros(T, dtype=torch.int64, device=dev), meta)
+        return self.buckets[size, Q]
 
     def fill(self, bucket: Bucket, feeds, upload: Upload | None = None) -> tuple[torch.Tensor, int]:
         """Write the feeds into the bucket's buffers: the host lays them out, one upload carries
@@ -133,43 +178,77 @@ class StaticShapes:
         m.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
         return sent["static_logit_rows"], int(starts[len(feeds)])
 
+    def bind(self, bucket: Bucket, model_args: dict, num_rows: int | None = None) -> dict:
+        """The model's arguments with each row input swapped for the bucket's persistent buffer
+        [B*Q, width], its first num_rows rows (the fed tokens') written from the tensor given
+        (a RowInput, when capturing: nothing to write). Padding rows keep stale values: their
+        outputs are dropped."""
+        bound = {}
+        for name, value in model_args.items():
+            if not isinstance(value, (torch.Tensor, RowInput)):
+                bound[name] = value
+                continue
+            spec = value if isinstance(value, RowInput) else RowInput(value.shape[-1], value.dtype)
+            key = (name, spec)
+            if key not in bucket.row_inputs:
+                rows = bucket.batch * bucket.query_len
+                bucket.row_inputs[key] = torch.zeros(rows, spec.width, dtype=spec.dtype, device=self.runner.device)
+            buf = bucket.row_inputs[key]  # [B*Q, width]
+            if isinstance(value, torch.Tensor):
+                if value.shape[0] != num_rows:
+                    raise ValueError(f"model argument {name!r} has {value.shape[0]} rows; "
+                                     f"the feeds have {num_rows} tokens")
+                buf[:num_rows].copy_(value)
+            bound[name] = buf
+        return bound
+
     def forward(self, feeds, upload: Upload | None = None, **model_args):
         """The runner's forward for feeds that fit a bucket; returns what the dynamic path returns."""
-        bucket = self.bucket(len(feeds))
+        bucket = self.bucket(len(feeds), max(len(f.tokens) for f in feeds))
         rows, fed = self.fill(bucket, feeds, upload)
-        if bucket.graph is not None and model_args == self.graph_args:
-            bucket.graph.replay()
-            out = bucket.output
+        args = self.bind(bucket, model_args, fed)
+        captured = bucket.graphs.get(variant(model_args))
+        if captured is not None:
+            graph, out = captured
+            graph.replay()
             self.runner.forward_counts["graph"] += 1
         else:
-            out = self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **model_args)
+            out = self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **args)
             self.runner.forward_counts["static"] += 1
-        if isinstance(out, tuple):  # (logits over every row, hidden states of every row)
-            return out[0][rows], out[1][:fed]
+        # Rows are picked (copied) at once: another graph's replay may reuse this one's output memory.
+        if isinstance(out, tuple):  # (logits over every row, the second output over every row)
+            return out[0][rows], (out[1][rows] if self.carry_at_logit_rows else out[1][:fed].clone())
         return out[rows]
 
-    def capture(self, model_args: dict | None = None) -> None:
-        """Capture one CUDA graph per bucket (the padding sequence fills every row while capturing,
-        writing only the scratch page). Any failure: one warning, and every bucket stays eager."""
-        model_args = model_args or {}
-        self.graph_args = model_args
-        try:
-            for batch in self.batches:
-                bucket = self.bucket(batch)
-                self.fill(bucket, [])
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
-                    for _ in range(2):
-                        self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **model_args)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    output = self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **model_args)
-                bucket.graph, bucket.output = graph, output
-        except Exception as e:  # noqa: BLE001 - any capture problem means: run eagerly
-            for bucket in self.buckets.values():
-                bucket.graph = bucket.output = None
-            self.graphs_failed = True
-            warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); running the static-shape "
-                          "steps eagerly", RuntimeWarning, stacklevel=2)
+    def capture(self, variants: dict | list[dict] | None = None) -> None:
+        """Capture one CUDA graph per bucket and variant of the model's arguments (a dict of them,
+        row inputs as RowInput; every forward of this runner passes one of these). The padding
+        sequences fill every row while capturing, writing only the scratch page. A failure raises
+        a RuntimeError naming the runner and the bucket."""
+        variants = [variants or {}] if not isinstance(variants, list) else variants
+        for batch, Q, model_args in itertools.product(self.batches, self.query_lens, variants):
+            bucket = self.bucket(batch, Q)
+            try:
+                bucket.graphs[variant(model_args)] = self.capture_one(bucket, model_args)
+            except Exception as e:
+                args = ", ".join(f"{name}={value}" for name, value in variant(model_args)) or "no model arguments"
+                raise RuntimeError(f"CUDA graph capture failed for the {self.role} runner's bucket of batch {batch}, "
+                                   f"query length {Q} ({args}): {type(e).__name__}: {e}") from e
+
+    def capture_one(self, bucket: Bucket, model_args: dict) -> tuple[object, object]:
+        """(the graph, its output) of one bucket's forward with these arguments."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        self.fill(bucket, [])
+        args = self.bind(bucket, model_args)
+        forward = lambda: self.runner.model(bucket.input_ids, bucket.meta, self.runner.cache.layers(), **args)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = forward()
+        return graph, output
