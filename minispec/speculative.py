@@ -377,8 +377,8 @@ def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ..
     position [sum(fed), len(layers) * H] when a drafter reads them (else None). upload: what the
     step sends up with the forward's metadata (runtime/transfers.py)."""
     if layers:
-        return target.forward(feeds, upload, hidden_layers=layers)
-    return target.forward(feeds, upload), None
+        return target.forward(feeds, upload=upload, hidden_layers=layers)
+    return target.forward(feeds, upload=upload), None
 
 
 def emit_accepted(seqs: list[Sequence], tokens: list[list[int]], num_accepted: list[int], num_drafted: list[int],

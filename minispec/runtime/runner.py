@@ -64,8 +64,8 @@ class ModelRunner:
                           **model_args) -> None:
         """Run feeds of up to query_len tokens for up to max_batch sequences with static shapes
         (static_shapes.py; with trees, tree feeds too); with cuda_graphs, capture each shape now
-        (falling back to eager on failure). model_args: what every forward of this runner passes
-        (baked into a graph)."""
+        (a failed capture raises, naming the bucket). model_args: what every forward of this
+        runner passes (baked into a graph)."""
         self.static = StaticShapes(self, query_len, max_batch, trees)
         if cuda_graphs:
             self.static.capture(model_args)
