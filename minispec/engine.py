@@ -183,18 +183,18 @@ class LLMEngine:
         step = tree_step if self.drafter.drafts_trees else speculative_step
         fed, spent = sum(len(s) - s.target_table.num_cached for s in seqs), (self.times.target_s, self.times.draft_s)
         feeds_prompt = self.times.feeds_prompt(seqs)  # (decided before the step caches anything)
-        verdicts = step(seqs, self.target, self.drafter, k, self._emit, self.times)
+        results = step(seqs, self.target, self.drafter, k, self._emit, self.times)
         self.times.settle()  # (CUDA: the step's device times, known now that its tokens are on the host)
         if feeds_prompt:
             self.times.draft_prefill_s += self.times.draft_s - spent[1]
-            self.times.prefill_drafted += sum(n for _, _, n in verdicts)
+            self.times.prefill_drafted += sum(r.num_drafted for r in results)
         if self.load is not None:  # what this step cost, for the next one's choice
-            self.load.observe(fed + sum(len(d) for d, _, _ in verdicts), self.times.target_s - spent[0], len(seqs),
-                              max(n for _, _, n in verdicts), self.times.draft_s - spent[1],
-                              [(len(d), a) for d, a, _ in verdicts])
+            self.load.observe(fed + sum(len(r.drafted) for r in results), self.times.target_s - spent[0], len(seqs),
+                              max(r.num_drafted for r in results), self.times.draft_s - spent[1],
+                              [(len(r.drafted), r.num_accepted) for r in results])
         now = time.perf_counter()  # the step's tokens are on the host: TTFT / TPOT stamps
         outputs = []
-        for s, n, (drafted, num_accepted, num_drafted) in zip(seqs, before, verdicts):
+        for s, n, r in zip(seqs, before, results):
             done = s.finish_reason is not None
             if self.prefix_cache is not None and s.finish_reason != "error":
                 self.prefix_cache.commit(s)  # after the step's rollback: what is cached is committed
@@ -204,7 +204,7 @@ class LLMEngine:
                 if s.finish_reason != "error":  # a failed request has no TPOT
                     s.metrics.finish_s = now
                 self.scheduler.finish(s)
-            outputs.append(StepOutput(s, s.output_ids[n:], done, drafted, num_accepted, num_drafted))
+            outputs.append(StepOutput(s, s.output_ids[n:], done, r.drafted, r.num_accepted, r.num_drafted))
         return outputs
 
     def catch_up(self, seqs: list[Sequence]) -> None:

@@ -61,10 +61,9 @@ from .sampling import WarpParams, finite_rows, penalize, sample, warp_probs
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
-                     emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[tuple[list[int], int, int]]:
+                     emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
     """Advance every sequence by one draft-verify-accept step (plain decoding with `NoDrafter`).
-    Returns, per sequence, the tokens drafted for it, how many the target accepted, and how many
-    positions were drafted (here: all of those tokens; a tree's step counts its depth).
+    Returns a `StepResult` per sequence.
 
     `emit(seq, token) -> bool` appends a token and says whether seq finished.
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1.
@@ -95,7 +94,20 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     if hidden is not None:
         drafter.observe(seqs, starts, [len(f.tokens) for f in feeds], hidden)
     drafter.rollback(seqs)
-    return [(d, n, len(d)) for d, n in zip(verdict.drafts, verdict.num_accepted)]
+    return [StepResult(d, n, len(d)) for d, n in zip(verdict.drafts, verdict.num_accepted)]
+
+
+@dataclass
+class StepResult:
+    """What one step did for one sequence (the engine reports it; metrics and speculation by
+    load learn from it): drafted, the draft tokens verified (a tree's: its accepted path, then the
+    draft's first choice that was rejected below it); num_accepted, how many of them the target
+    accepted (the emitted tokens begin with them); num_drafted, the positions drafted: all of a
+    chain's tokens, a tree's depth."""
+
+    drafted: list[int]
+    num_accepted: int
+    num_drafted: int
 
 
 @dataclass

@@ -59,14 +59,14 @@ from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner, TreeFeed
 from .runtime.sequence import Sequence
 from .sampling import finite_rows, penalize, sample, warp_probs
-from .speculative import emit_accepted, top_logprobs, verify_forward
+from .speculative import StepResult, emit_accepted, top_logprobs, verify_forward
 
 
 def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth: int,
-              emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[tuple[list[int], int]]:
-    """Advance every sequence by one tree step. Returns, per sequence, (the accepted path's tokens
-    plus the draft's first choice that was rejected below it, the path's length): as
-    `speculative_step`'s (drafted tokens, how many accepted), a tree seen along its taken branch.
+              emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
+    """Advance every sequence by one tree step. Returns a `StepResult` per sequence: a tree seen
+    along its taken branch (the accepted path's tokens plus the draft's first choice that was
+    rejected below it; the path's length; the tree's depth).
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1."""
     # 1. Draft: never deeper than the request may still emit (the final token is free).
     with times.timing("draft_s", target.device):
@@ -106,7 +106,8 @@ def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth
             row += len(f.tokens)
         drafter.observe(seqs, starts, kept, hidden[torch.tensor(keep, device=hidden.device)])
     drafter.rollback(seqs)
-    return [(d + first_rejected(t, path), len(d), max(t.depths(), default=0)) for d, t, path in zip(drafted, trees, paths)]
+    return [StepResult(d + first_rejected(t, path), len(d), max(t.depths(), default=0))
+            for d, t, path in zip(drafted, trees, paths)]
 
 
 def first_rejected(tree: DraftTree, path: list[int]) -> list[int]:

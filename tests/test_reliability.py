@@ -416,7 +416,7 @@ def test_non_finite_rows_past_the_first_rejection_change_nothing(temperature):
     accepted draft and ends there with "error", as plain decoding would after sampling 9."""
     from minispec.runtime.sequence import Sequence
     from minispec.runtime.metrics import StepTimes
-    from minispec.speculative import speculative_step
+    from minispec.speculative import StepResult, speculative_step
 
     def run(best: int):
         seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16)
@@ -427,10 +427,10 @@ def test_non_finite_rows_past_the_first_rejection_change_nothing(temperature):
 
     seq, verdicts = run(best=4)
     assert seq.finish_reason is None and seq.output_ids == [4]  # (at 0.8, p(4) = 0.9986 and the seed is fixed)
-    assert verdicts == [([9], 0, 1)]  # the drafts past the first non-finite row were dropped
+    assert verdicts == [StepResult([9], 0, 1)]  # the drafts past the first non-finite row were dropped
     seq, verdicts = run(best=9)
     assert seq.output_ids == [9] and seq.finish_reason == "error" and "position 4" in seq.error
-    assert verdicts == [([9], 1, 1)]
+    assert verdicts == [StepResult([9], 1, 1)]
 
 
 def nan_draft(path):

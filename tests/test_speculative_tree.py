@@ -719,6 +719,7 @@ def test_non_finite_node_rows_the_walk_never_reaches_change_nothing(temperature)
 
     from minispec.runtime.metrics import StepTimes
     from minispec.runtime.sequence import Sequence
+    from minispec.speculative import StepResult
     from minispec.speculative_tree import tree_step
 
     def run(best: int):
@@ -730,7 +731,7 @@ def test_non_finite_node_rows_the_walk_never_reaches_change_nothing(temperature)
 
     seq, verdicts = run(best=4)
     assert seq.finish_reason is None and seq.output_ids == [4]
-    assert verdicts == [([9], 0, 2)]  # nothing accepted; the draft's first choice reported; depth 2 counted
+    assert verdicts == [StepResult([9], 0, 2)]  # nothing accepted; the draft's first choice reported; depth 2 counted
     seq, verdicts = run(best=9)
     assert seq.output_ids == [9] and seq.finish_reason == "error" and "position 4" in seq.error
-    assert verdicts == [([9, 12], 1, 2)]
+    assert verdicts == [StepResult([9, 12], 1, 2)]
