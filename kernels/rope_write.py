@@ -19,7 +19,8 @@ prefill) it only rotates.
 Why the cos / sin tables rather than positions and inv_freq: the model builds them once per
 forward (not per layer), and reading the same dtype-rounded table lets the kernel round exactly as
 the torch twin does (each product rounded to the dtype, then the sum), so the two agree bit for
-bit in every dtype. One program handles one (token, head): D elements.
+bit in every dtype. One program handles one (token, head): D elements. The head counts are
+runtime arguments, not constexprs, so one compiled kernel per (dtype, D) serves every model.
 """
 
 import torch
@@ -46,8 +47,8 @@ def _rope_write_kernel(
     stride_kcp, stride_kcs, stride_kch,  # k_cache: page, slot in page, head
     stride_vcp, stride_vcs, stride_vch,
     page_size,
-    NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
+    num_q_heads,
+    num_kv_heads,
     HEAD_DIM: tl.constexpr,
     HAS_CACHE: tl.constexpr,
 ):
@@ -65,17 +66,17 @@ def _rope_write_kernel(
     a = round_to(x.to(tl.float32) * cos.to(tl.float32), dtype)
     b = round_to(x_rolled.to(tl.float32) * sin.to(tl.float32), dtype)
     rotated = round_to(a.to(tl.float32) + b.to(tl.float32), dtype)  # [D]
-    tl.store(out_ptr + (token * (NUM_Q_HEADS + NUM_KV_HEADS) + head) * HEAD_DIM + offs_d, rotated)
+    tl.store(out_ptr + (token * (num_q_heads + num_kv_heads) + head) * HEAD_DIM + offs_d, rotated)
     if HAS_CACHE:
         slot = tl.load(slot_mapping_ptr + token)  # int64
         if slot >= 0:  # (negative: a padding token)
             page = slot // page_size
             offset = slot % page_size
-            if head >= NUM_Q_HEADS:  # a key head: its rotated key into the pool
-                kv_head = head - NUM_Q_HEADS
+            if head >= num_q_heads:  # a key head: its rotated key into the pool
+                kv_head = head - num_q_heads
                 tl.store(k_cache_ptr + page * stride_kcp + offset * stride_kcs + kv_head * stride_kch + offs_d,
                          rotated)
-            if head < NUM_KV_HEADS:  # the first Hkv programs also copy one value head each
+            if head < num_kv_heads:  # the first Hkv programs also copy one value head each
                 value = tl.load(v_ptr + token * stride_vt + head * stride_vh + offs_d)  # [D]
                 tl.store(v_cache_ptr + page * stride_vcp + offset * stride_vcs + head * stride_vch + offs_d,
                          value)
@@ -115,7 +116,7 @@ def rope_write(
         stride_kcp=k_cache.stride(0), stride_kcs=k_cache.stride(1), stride_kch=k_cache.stride(-2),
         stride_vcp=v_cache.stride(0), stride_vcs=v_cache.stride(1), stride_vch=v_cache.stride(-2),
         page_size=k_cache.shape[1] if has_cache else 1,
-        NUM_Q_HEADS=num_heads - num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        num_q_heads=num_heads - num_kv_heads, num_kv_heads=num_kv_heads, HEAD_DIM=head_dim,
         HAS_CACHE=has_cache, num_warps=1,
     )
     return out
