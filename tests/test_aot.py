@@ -3,7 +3,9 @@
 The interpreter the other kernel tests use accepts code the GPU compiler may reject or compile
 badly. Here every launch the engine makes for the supported models (tools/aot.py:
 `default_configs`: bf16 and fp16, head dims 64 and 128, 1 to 7 query heads per kv head, decode, a
-k = 4 verification, a split decode, prefill, KV writes) is compiled ahead of time in a separate
+k = 4 verification and tree verifications of 9, 17 and 33 rows, unsplit and split up to the 16 splits
+a batch-1 step gets on a large GPU, prefill, KV writes, and the fused layer kernels (RMSNorm + add
+at hidden sizes 576, 1536, 4096; RoPE + K/V write; silu * up at 1536, 8960, 14336)) is compiled ahead of time in a separate
 process with TRITON_INTERPRET=0, with the launchers' own tiles and num_warps, and its cubin's
 resource usage read with the cuobjdump Triton bundles.
 
@@ -55,7 +57,11 @@ def test_every_default_launch_compiles_for_sm80_and_sm90(results):
     expected = {(c.label(), arch) for c in default_configs() for arch in (80, 90)}
     assert {(r["config"], r["arch"]) for r in results} == expected
     assert {r["kernel"] for r in results} == {"_paged_attention_kernel", "_combine_splits_kernel",
-                                              "_flash_prefill_kernel", "_write_kv_kernel"}
+                                              "_flash_prefill_kernel", "_write_kv_kernel", "_add_rmsnorm_kernel",
+                                              "_rope_write_kernel", "_silu_mul_kernel"}
+    configs = {r["config"] for r in results}
+    for launch in ("splits 16", "q_len 9 splits 1 tree", "q_len 33 splits 16 tree", "H=4096", "I=14336"):
+        assert any(launch in c for c in configs), f"no default launch with {launch}"
     assert all(r["registers"] > 0 for r in results)
 
 

@@ -316,11 +316,11 @@ def test_attention_indices_are_built_once_per_forward(tiny_llama, monkeypatch):
     assert len(calls) == 2  # two decode forwards (the prompt's prefill needs none), not 2 x num_layers
     assert model.cfg.num_layers == 2
 
-    def per_layer(q, k, v, kv_cache, meta, sm_scale, sliding_window, call=model.backend.__call__):
+    def per_layer(backend, q, k, v, kv_cache, meta, sm_scale, sliding_window, call=type(model.backend).__call__):
         meta.ref_plan = None  # forget the plan: every layer rebuilds it
-        return call(q, k, v, kv_cache, meta, sm_scale, sliding_window)
+        return call(backend, q, k, v, kv_cache, meta, sm_scale, sliding_window)
 
-    monkeypatch.setattr(model, "backend", per_layer)
+    monkeypatch.setattr(type(model.backend), "__call__", per_layer)  # (the backend also runs the layer's glue)
     assert LLM(model=(model, tok), kv_cache_gib=0.01).generate(["hello world"], params)[0].token_ids == shared
     assert len(calls) == 2 + 2 * model.cfg.num_layers
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import minispec.drafters.base
 import minispec.drafters.lookup
 import minispec.speculative
-from minispec import LLM, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
+from minispec import LLM, AttentionBackend, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
 from minispec.drafters.draft_model import ModelDrafter
 from minispec.drafters.reduced_vocab import reduce_vocab
 from minispec.fast.int4 import cpu_int4_available, quantize_int4_model
@@ -180,10 +180,12 @@ def models():
             "eagle": eagle}
 
 
-class DenseCausal:
-    """Attention for B equal-length, cache-free sequences with plain SDPA (reference only)."""
+class DenseCausal(AttentionBackend):
+    """Attention for B equal-length, cache-free sequences with plain SDPA (reference only); the
+    rest of the layer (norms, RoPE, SwiGLU) as the torch backend runs it."""
 
     def __init__(self, seq_len: int):
+        super().__init__("torch")
         self.seq_len = seq_len
 
     def __call__(self, q, k, v, kv_cache, meta, sm_scale, sliding_window):

@@ -1,6 +1,7 @@
 """Every kernel compiled ahead of time for NVIDIA GPUs that are not here, with its resource usage.
 
-How: each launcher (`paged_attention`, `flash_prefill`, `write_kv`) is called on small CPU tensors
+How: each launcher (`paged_attention`, `flash_prefill`, `write_kv`, and the fused layer kernels
+`add_rmsnorm`, `rope_write`, `silu_mul`) is called on small CPU tensors
 of a configuration's shapes, with its Triton kernels swapped for recorders, so what gets compiled
 is exactly what the launcher would launch: its constexprs (tile sizes, split count, precision), its
 num_warps, its argument types and the JIT's own specialization of their values (ints equal to 1
@@ -33,28 +34,36 @@ import torch
 # Shared memory a block may use (opt-in maximum): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-KERNEL_FILES = ("paged_attention.py", "flash_prefill.py", "kv_write.py", "_checks.py")
+KERNEL_FILES = ("paged_attention.py", "flash_prefill.py", "kv_write.py", "add_rmsnorm.py", "rope_write.py",
+                "silu_mul.py", "_rounding.py", "_checks.py")
 CACHE = Path(os.environ.get("MINISPEC_AOT_CACHE", Path.home() / ".cache" / "minispec" / "aot.json"))
 
 
 @dataclass(frozen=True)
 class Config:
     """One launch the engine can make: which launcher, dtype, head_dim, query heads per kv head,
-    new tokens per sequence (1: decode, k+1: verification; prefill: a prompt), forced splits."""
+    new tokens per sequence (1: decode, k+1: verification; prefill: a prompt), forced splits;
+    width: the row length of the fused layer kernels (hidden size for add_rmsnorm, intermediate
+    size for silu_mul)."""
 
-    launcher: str  # "paged_attention" | "flash_prefill" | "write_kv"
+    launcher: str  # "paged_attention" | "flash_prefill" | "write_kv" | "add_rmsnorm" | "rope_write" | "silu_mul"
     dtype: str  # "float16" | "bfloat16" | "float32"
     head_dim: int
     group: int = 1
     query_len: int = 1
     num_splits: int = 1
     tree: bool = False  # a tree verification: the last query_len - 1 new tokens under a tree mask
+    width: int = 0
 
     def label(self) -> str:
+        if self.launcher == "add_rmsnorm":
+            return f"add_rmsnorm {self.dtype} H={self.width}"
+        if self.launcher == "silu_mul":
+            return f"silu_mul {self.dtype} I={self.width}"
         tree = " tree" if self.tree else ""
         extra = {"paged_attention": f" group {self.group} q_len {self.query_len} splits {self.num_splits}{tree}",
-                 "flash_prefill": f" group {self.group}", "write_kv": ""}[self.launcher]
-        return f"{self.launcher} {self.dtype} D={self.head_dim}{extra}"
+                 "flash_prefill": f" group {self.group}", "write_kv": "", "rope_write": ""}
+        return f"{self.launcher} {self.dtype} D={self.head_dim}{extra[self.launcher]}"
 
 
 @dataclass
@@ -87,11 +96,13 @@ class _Recorder:
 
 def launches(config: Config) -> list[tuple]:
     """(kernel, launch kwargs) that the launcher makes for config, on CPU tensors."""
+    from minispec_kernels import add_rmsnorm, rope_write, silu_mul
     from minispec_kernels import flash_prefill as fp
     from minispec_kernels import kv_write as kw
     from minispec_kernels import paged_attention as pa
 
-    module = {"paged_attention": pa, "flash_prefill": fp, "write_kv": kw}[config.launcher]
+    module = {"paged_attention": pa, "flash_prefill": fp, "write_kv": kw, "add_rmsnorm": add_rmsnorm,
+              "rope_write": rope_write, "silu_mul": silu_mul}[config.launcher]
     names = [n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")]
     recorded: list = []
     saved = {n: getattr(module, n) for n in names}
@@ -122,10 +133,23 @@ def _call_launcher(module, c: Config) -> None:
         t = c.query_len
         q, k = torch.zeros(t, hq, d, dtype=dtype), torch.zeros(t, hkv, d, dtype=dtype)
         module.flash_prefill(q, k, k.clone(), torch.tensor([0, t], dtype=torch.int32), t, sm_scale=d**-0.5, validate=False)
-    else:
+    elif c.launcher == "write_kv":
         k = torch.zeros(4, hkv, d, dtype=dtype)
         cache = torch.zeros(8, 16, hkv, d, dtype=dtype)
         module.write_kv(k, k.clone(), cache, cache.clone(), torch.arange(4, dtype=torch.int64), validate=False)
+    elif c.launcher == "rope_write":  # as the model calls it: q and k heads a strided view of the QKV output
+        qkv = torch.zeros(4, (hq + 2 * hkv) * d, dtype=dtype)  # [T, (Hq + 2 Hkv) D]
+        qk, v = qkv[:, : (hq + hkv) * d].view(4, hq + hkv, d), qkv[:, (hq + hkv) * d :].view(4, hkv, d)
+        cos = torch.zeros(4, 1, d, dtype=dtype)
+        cache = torch.zeros(8, 16, hkv, d, dtype=dtype)
+        module.rope_write(qk, v, cos, cos.clone(), cache, cache.clone(), torch.arange(4, dtype=torch.int64),
+                          validate=False)
+    elif c.launcher == "add_rmsnorm":  # the first layer's norm (no residual) and every other one
+        x, weight = torch.zeros(4, c.width, dtype=dtype), torch.ones(c.width, dtype=dtype)
+        module.add_rmsnorm(x, None, weight, 1e-6)
+        module.add_rmsnorm(x, x.clone(), weight, 1e-6)
+    else:
+        module.silu_mul(torch.zeros(4, 2 * c.width, dtype=dtype))
 
 
 def signature(fn, kwargs: dict) -> tuple[dict, dict, dict, dict]:
@@ -220,11 +244,14 @@ MODELS = {  # (head_dim, query heads per kv head) of the model families the engi
     "SmolLM2-135M": (64, 3), "Qwen2.5-0.5B": (64, 7), "Llama-3-8B / Mistral-7B": (128, 4),
     "Qwen2.5-7B": (128, 7), "Llama-2-7B (MHA)": (128, 1),
 }
+HIDDEN_SIZES = (576, 1536, 4096)  # SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B: add_rmsnorm's rows
+INTERMEDIATE_SIZES = (1536, 8960, 14336)  # the same models' MLPs: silu_mul's rows
 
 
 def default_configs(all_: bool = False) -> list[Config]:
     """What the engine launches for the supported models (bf16 / fp16 on GPU; decode, a k = 4
-    verification, tree verifications of 16 and 32 nodes, prefill; one split and a split decode).
+    verification, tree verifications of 8, 16 and 32 nodes, prefill; one split, 4, and the 16
+    a batch-1 step on a large GPU gets; the fused layer kernels at the models' widths).
     all_ adds fp32, head dims 16..256,
     every group 1..8 and more query lengths and split counts."""
     dtypes = ["bfloat16", "float16"] + (["float32"] if all_ else [])
@@ -233,13 +260,17 @@ def default_configs(all_: bool = False) -> list[Config]:
     for dtype in dtypes:
         for d, g in shapes:
             for q_len in ((1, 5) if not all_ else (1, 2, 5, 9, 17)):
-                for splits in ((1, 4) if not all_ else (1, 2, 4, 16)):
+                for splits in ((1, 4, 16) if not all_ else (1, 2, 4, 16)):
                     configs.append(Config("paged_attention", dtype, d, g, q_len, splits))
-            for nodes in (16, 32):
-                configs.append(Config("paged_attention", dtype, d, g, nodes + 1, 1, tree=True))
+            for nodes in (8, 16, 32):
+                for splits in (1, 16):
+                    configs.append(Config("paged_attention", dtype, d, g, nodes + 1, splits, tree=True))
             configs.append(Config("flash_prefill", dtype, d, g, 128))
-        for d in sorted({d for d, _ in shapes}):
+        for d in sorted({d for d, _ in shapes}):  # (head counts are runtime arguments of these two)
             configs.append(Config("write_kv", dtype, d))
+            configs.append(Config("rope_write", dtype, d))
+        configs += [Config("add_rmsnorm", dtype, 0, width=h) for h in HIDDEN_SIZES]
+        configs += [Config("silu_mul", dtype, 0, width=i) for i in INTERMEDIATE_SIZES]
     return configs
 
 

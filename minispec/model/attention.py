@@ -1,8 +1,11 @@
-"""The one interface between the model and attention: a backend called with `BatchMetadata`.
+"""The one interface between the model and its kernels: a backend called with `BatchMetadata`.
 
 A backend (`torch` reference or `triton` kernels, from `minispec_kernels`: the top-level
-`kernels/` folder) writes the new K/V into the page pool and attends. Nothing is global: the
-metadata (metadata.py) is passed into every forward.
+`kernels/` folder) writes the new K/V into the page pool and attends. It also runs the layer's
+elementwise glue, fused on the Triton backend: the residual add with the RMSNorm after it
+(`add_rmsnorm`), RoPE with the K/V write (`rope_write`) and SwiGLU's silu(gate) * up
+(`silu_mul`); the torch and invariant backends run the kernels' torch twins, the model's own ops.
+Nothing is global: the metadata (metadata.py) is passed into every forward.
 
 Backend choice: `triton` on CUDA, `torch` elsewhere; `MINISPEC_BACKEND=triton|torch` or the
 `backend=` argument overrides it (tests run the Triton kernels on CPU under TRITON_INTERPRET=1).
@@ -21,22 +24,44 @@ from .metadata import BatchMetadata
 
 
 class AttentionBackend:
-    """Writes new K/V into the page pool and attends, with either kernels or their torch twins."""
+    """Writes new K/V into the page pool and attends, and runs the fused layer glue, with either
+    kernels or their torch twins."""
 
     def __init__(self, name: str | None = None):
         name = name or os.environ.get("MINISPEC_BACKEND") or ("triton" if torch.cuda.is_available() else "torch")
         if name not in ("triton", "torch", "invariant"):
             raise ValueError(f"unknown attention backend {name!r} (use 'triton', 'torch' or 'invariant')")
-        from minispec_kernels import flash_prefill, kv_write, paged_attention
+        from minispec_kernels import add_rmsnorm, flash_prefill, paged_attention, rope_write, silu_mul
 
         self.name = name
         if name == "triton":
             self._prefill, self._paged = flash_prefill.flash_prefill, paged_attention.paged_attention
-            self._write = kv_write.write_kv
+            self._add_rmsnorm, self._rope_write = add_rmsnorm.add_rmsnorm, rope_write.rope_write
+            self._silu_mul = silu_mul.silu_mul
         else:
             self._prefill, self._paged = flash_prefill.flash_prefill_ref, paged_attention.paged_attention_ref
-            self._write = kv_write.write_kv_ref
+            self._add_rmsnorm, self._rope_write = add_rmsnorm.add_rmsnorm_ref, rope_write.rope_write_ref
+            self._silu_mul = silu_mul.silu_mul_ref
             self._ref_plan = paged_attention.ref_plan
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, H]. residual <- x + residual IN PLACE, returns (rmsnorm(residual) *
+        weight, residual); with residual None, (rmsnorm(x) * weight, x). kernels/add_rmsnorm.py."""
+        return self._add_rmsnorm(x, residual, weight, eps)
+
+    def rope_write(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: BatchMetadata) -> torch.Tensor:
+        """qk: [T, Hq + Hkv, D] the query then key heads, v: [T, Hkv, D], cos / sin (signed):
+        [T, 1, D]. Returns RoPE(qk), a new [T, Hq + Hkv, D], after writing its key heads and v
+        into this layer's pools at meta.slot_mapping (if there is a cache). kernels/rope_write.py."""
+        k_pool, v_pool = (None, None) if kv_cache is None else kv_cache
+        slots = None if kv_cache is None else meta.slot_mapping
+        return self._rope_write(qk, v, cos, sin, k_pool, v_pool, slots, validate=False)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2I] -> silu(gate) * up [T, I]. kernels/silu_mul.py."""
+        return self._silu_mul(gate_up)
 
     def _invariant(self, q, k, v, kv_cache, meta: BatchMetadata, sm_scale, sliding_window) -> torch.Tensor:
         """The batch-invariant backend (invariant_attention.py): over this forward's own K/V for a
@@ -62,12 +87,11 @@ class AttentionBackend:
         sm_scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k, v: [T, Hkv, D]; kv_cache: this layer's (k_pool, v_pool), each
-        [num_pages, page_size, Hkv, D], or None. Returns [T, Hq, D]."""
+        """q: [T, Hq, D], k, v: [T, Hkv, D], already written into kv_cache by `rope_write`;
+        kv_cache: this layer's (k_pool, v_pool), each [num_pages, page_size, Hkv, D], or None.
+        Returns [T, Hq, D]."""
         # The runner builds the metadata, so the kernels' value checks (which read device
         # tensors) are skipped here; shape and dtype checks still run on every call.
-        if kv_cache is not None:
-            self._write(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, validate=False)
         if kv_cache is None and not meta.is_prefill:
             raise ValueError("a forward with cached context needs a KV cache")
         if self.name == "invariant":

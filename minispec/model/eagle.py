@@ -95,8 +95,12 @@ class EagleLayer(nn.Module):
         normed = self.hidden_norm(feature)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
         residual = normed if self.norm_before_residual else feature
-        r = residual + self.self_attn(x, cos, sin, meta, kv_cache, backend)
-        return r + self.mlp(self.post_attention_layernorm(r))
+        attn_out = self.self_attn(x, cos, sin, meta, kv_cache, backend)  # [T, H]
+        # r = residual + attn_out, written into attn_out (feature may be the caller's tensor): the
+        # add is fused into the norm after it, as in the target's layers.
+        norm = self.post_attention_layernorm
+        h, r = backend.add_rmsnorm(residual, attn_out, norm.weight, norm.eps)
+        return r + self.mlp(h, backend)
 
 
 class EagleModel(nn.Module):

@@ -2,6 +2,12 @@
 
 x -> [RMSNorm -> GQA attention with RoPE -> +x] -> [RMSNorm -> SwiGLU MLP -> +x] ... -> RMSNorm -> logits
 
+The layers carry (x, residual) as vLLM does: a layer returns its MLP's output x apart from the
+residual stream before it, and the next RMSNorm adds the two (`backend.add_rmsnorm`), so that on
+the Triton backend the add and the norm are one kernel. The same for RoPE and the K/V write
+(`backend.rope_write`) and SwiGLU's silu(gate) * up (`backend.silu_mul`); the torch backend runs
+the same math as plain torch ops, bit for bit what `x = x + sublayer(norm(x))` computes.
+
 The forward pass runs on a flat batch of T new tokens from B sequences (see `BatchMetadata`);
 attention is the only place where sequences interact with their own past, and it goes through
 `AttentionBackend`, so the paged KV cache and the Triton kernels plug in without touching this
@@ -13,10 +19,11 @@ faster CPU variants and int8 layers are swapped in after loading (minispec/fast/
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minispec_kernels._checks import SUPPORTED_HEAD_DIMS
+from minispec_kernels.add_rmsnorm import rmsnorm_ref
+from minispec_kernels.silu_mul import silu_mul_ref
 
 from .attention import AttentionBackend
 from .metadata import BatchMetadata
@@ -24,7 +31,9 @@ from .config import ModelConfig, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, normalised in fp32; in bf16 / fp16 rounded to the
+    dtype before the weight multiplies it (HF's order; `rmsnorm_ref` in kernels/add_rmsnorm.py).
+    A decoder layer calls `backend.add_rmsnorm` with this module's weight and eps instead."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -32,10 +41,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32, round to the model's dtype, then scale (HF's order for bf16/fp16).
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return rmsnorm_ref(x, self.weight, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,14 +125,13 @@ class Attention(nn.Module):
         T, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if self.qkv_proj is None:
             q, k, v = self.project(x)
-            q = apply_rope(q.view(T, hq, d), cos, sin)  # [T, Hq, D]
-            k = apply_rope(k.view(T, hkv, d), cos, sin)  # [T, Hkv, D]
-            v = v.view(T, hkv, d)
+            qk = torch.cat([q, k], dim=-1).view(T, hq + hkv, d)  # [T, Hq + Hkv, D]
         else:  # q and k sit side by side in the fused output: one RoPE for both (a decode row's ops are its cost)
             qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d), cos, sin)  # [T, Hq + Hkv, D]
-            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(T, hkv, d)  # (strided views)
-        out = backend(q, k, v, kv_cache, meta, d**-0.5, cfg.sliding_window)  # [T, Hq, D]
+            qk, v = qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d), qkv[:, (hq + hkv) * d :]  # (strided views)
+        v = v.view(T, hkv, d)  # [T, Hkv, D]
+        qk = backend.rope_write(qk, v, cos, sin, kv_cache, meta)  # RoPE'd [T, Hq + Hkv, D]; new K/V now in the cache
+        out = backend(qk[:, :hq], qk[:, hq:], v, kv_cache, meta, d**-0.5, cfg.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, cfg.num_heads * cfg.head_dim))
 
 
@@ -146,12 +151,13 @@ class MLP(nn.Module):
             self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
             del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None) -> torch.Tensor:
+        """x [..., hidden] -> [..., hidden]; without a backend (training) in plain torch ops."""
         if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [..., 2I]
         else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+            gate_up = self.gate_up_proj(x)  # [..., 2I]
+        return self.down_proj(silu_mul_ref(gate_up) if backend is None else backend.silu_mul(gate_up))
 
 
 def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -215,9 +221,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, meta, kv_cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta, kv_cache, backend):
+        """x: [T, hidden] the previous layer's MLP output (the embedding for the first layer);
+        residual: [T, hidden] the residual stream before it (None for the first layer), updated in
+        place. Returns (this layer's MLP output, residual): the stream after it is their sum."""
+        norm = self.input_layernorm
+        h, residual = backend.add_rmsnorm(x, residual, norm.weight, norm.eps)  # residual += x; h = norm(residual)
+        x = self.self_attn(h, cos, sin, meta, kv_cache, backend)  # [T, hidden]
+        norm = self.post_attention_layernorm
+        h, residual = backend.add_rmsnorm(x, residual, norm.weight, norm.eps)
+        return self.mlp(h, backend), residual
 
 
 class Transformer(nn.Module):
@@ -268,15 +281,19 @@ class Transformer(nn.Module):
         each listed layer (HF's hidden_states[i]; i = num_layers is the last layer's output, before
         the final norm), for all T rows, concatenated in the order given: (logits, [T, len * hidden])."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None  # [T, hidden] the residual stream before x is added (module docstring)
         cos, sin = rope_tables(meta.positions, self.inv_freq, x.dtype)  # [T, 1, D] each
         taken = {}
         for i, layer in enumerate(self.layers):
-            if hidden_layers is not None and i in hidden_layers:
-                taken[i] = x
-            x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i], self.backend)
-        taken[len(self.layers)] = x
-        out = x if meta.logits_indices is None else x[meta.logits_indices]  # [N, hidden]: the rows we sample from
-        logits = self.lm_head(self.norm(out)).float()  # [N, vocab]
+            if hidden_layers is not None and i in hidden_layers:  # the stream entering layer i (a copy: layers add in place)
+                taken[i] = x.clone() if residual is None else x + residual
+            x, residual = layer(x, residual, cos, sin, meta, None if kv_caches is None else kv_caches[i], self.backend)
+        if hidden_layers is not None and len(self.layers) in hidden_layers:  # the last layer's output, before the norm
+            taken[len(self.layers)] = x + residual
+        if meta.logits_indices is not None:  # the rows we sample from
+            x, residual = x[meta.logits_indices], residual[meta.logits_indices]  # [N, hidden] each
+        normed, _ = self.backend.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)  # [N, hidden]
+        logits = self.lm_head(normed).float()  # [N, vocab]
         if hidden_layers is None:
             return logits
         return logits, torch.cat([taken[i] for i in hidden_layers], dim=-1)  # [N, vocab], [T, len * hidden]
