@@ -160,6 +160,9 @@ def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[in
     return out
 
 
+WARP_DTYPES = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64, "greedy": torch.bool}
+
+
 @dataclass
 class WarpParams:
     """The warp's per-row parameters as device tensors [N], and the two facts about them the host
@@ -184,8 +187,7 @@ class WarpParams:
            sent: dict[str, torch.Tensor] | None = None) -> "WarpParams":
         """From `arrays`: already on the device in `sent` (an upload's tensors), else copied now."""
         if sent is None:
-            dtypes = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64, "greedy": torch.bool}
-            sent = {name: torch.tensor(a, dtype=dtypes[name], device=device)
+            sent = {name: torch.tensor(a, dtype=WARP_DTYPES[name], device=device)
                     for name, a in cls.arrays(params, vocab_size).items()}
         return cls(sent["temperature"], sent["top_k"], sent["top_p"], sent["greedy"],
                    any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params), any(p.greedy for p in params))

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.base import Drafter, Proposal, one_hot_q
+from .drafters.base import Drafter, Drafts, Proposal, Staged, one_hot_q
 from .nonfinite import guard_nonfinite
 from .outputs import Logprob
 from .pathwise import verify as pathwise_verify
@@ -57,7 +57,7 @@ from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
-from .sampling import WarpParams, finite_rows, penalize, sample, warp_probs
+from .sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, sample, warp_probs
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
@@ -65,34 +65,75 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     """Advance every sequence by one draft-verify-accept step (plain decoding with `NoDrafter`).
     Returns a `StepResult` per sequence.
 
+    The host lays the whole step out first (the drafter's forwards, the verification, the rule's
+    inputs) and sends it in ONE upload; the device then drafts, verifies and decides without
+    waiting for the host, and ONE download brings the verdict (runtime/transfers.py). Requests
+    whose options read tokens on the host in between take `host_step` (the same four steps).
+
     `emit(seq, token) -> bool` appends a token and says whether seq finished.
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1.
     """
-    # 1. Draft: never more than the request may still emit (the final token is free).
-    with times.timing("draft_s", target.device):
-        proposal = drafter.propose(seqs, [min(k, s.remaining - 1) for s in seqs])
+    num_draft = [min(k, s.remaining - 1) for s in seqs]  # never more than the request may still emit (the final token is free)
+    if any(needs_host(s) for s in seqs):
+        return host_step(seqs, target, drafter, num_draft, emit, times)
+    upload = Upload()
+    # 1. Draft, laid out: a model drafter's forwards (their tokens are drawn on the device), a
+    # host drafter's tokens.
+    staged = drafter.stage(seqs, num_draft, upload)
+    # 2. Verify, laid out: ONE target forward feeds each sequence its uncached tokens plus its
+    # drafts and scores the last n+1 positions; the rule's inputs ride along.
+    feeds = [Feed(s.target_table, s.tokens[s.target_table.num_cached :] + t, len(t) + 1, drawn=len(t) if d else 0)
+             for s, t, d in zip(seqs, staged.host_tokens, staged.drawn)]
+    starts = [s.target_table.num_cached for s in seqs]
+    verification = target.prepare(feeds, upload)
+    stage_rule(upload, seqs, staged, target.vocab_size)
+    sent = target.staging.send(upload)  # THE upload
 
+    with times.timing("draft_s", target.device):
+        drafts = drafter.run_staged(seqs, staged, sent)  # [B, K] on the device
     with times.verifying(seqs, target.device):
-        # 2. Verify: ONE target forward feeds each sequence its uncached tokens plus its drafts and
-        # returns logits for the last n+1 positions [sum(n_b + 1), V] (and the target's features
-        # at every fed position, for a drafter that reads them).
+        drawn = drafts.tokens.flatten()[sent["drawn_index"]] if any(staged.drawn) else None  # [sum n_b] in feed order
+        layers = drafter.target_layers
+        out = target.run(verification, drawn=drawn, **({"hidden_layers": layers} if layers else {}))
+        logits, hidden = out if layers else (out, None)  # [sum(n_b + 1), V], features or None
+        # 3. Accept / reject, on the device; the verdict comes back in THE download.
+        greedy = all(s.params.greedy for s in seqs)
+        tokens, num_accepted, cut = accept_on_device(logits, sent, drafts, None if greedy else staged_warp(seqs, sent, target.vocab_size))
+        tokens, num_accepted, cut, drafted, lengths = target.staging.download(
+            [tokens, num_accepted, cut, drafts.tokens, drafts.num_draft])
+    drafts_host = [d[: min(n[0], c[0])] for d, n, c in zip(drafted, lengths, cut)]
+    failed = {b: len(s) + c[0] for b, (s, c, n, m) in enumerate(zip(seqs, cut, num_accepted, lengths))
+              if c[0] <= m[0] and n[0] == c[0]}  # the final token would come from a non-finite row
+    verdict = Verdict(drafts_host, tokens, [n[0] for n in num_accepted], failed, [None] * len(seqs))
+    return conclude(seqs, target, drafter, verdict, starts, [len(f.tokens) for f in feeds], hidden, emit)
+
+
+def host_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, num_draft: list[int],
+              emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
+    """The step for batches with a request whose options read tokens on the host in the middle:
+    logprobs, penalties and min_tokens, pathwise sampling (`verify_on_host`). The same four steps,
+    one forward and one host copy at a time."""
+    with times.timing("draft_s", target.device):
+        proposal = drafter.propose(seqs, num_draft)
+    with times.verifying(seqs, target.device):
         feeds = [Feed(s.target_table, s.tokens[s.target_table.num_cached :] + d, len(d) + 1)
                  for s, d in zip(seqs, proposal.tokens)]
         starts = [s.target_table.num_cached for s in seqs]
+        verdict, hidden = verify_on_host(target, feeds, seqs, proposal, drafter.target_layers)
+    return conclude(seqs, target, drafter, verdict, starts, [len(f.tokens) for f in feeds], hidden, emit)
 
-        # 3. Accept / reject: on the device, with one upload and one download, unless a request
-        # needs a rule that reads the tokens on the host (penalties, logprobs, pathwise sampling).
-        verify = verify_on_host if any(needs_host(s) for s in seqs) else verify_on_device
-        verdict, hidden = verify(target, feeds, seqs, proposal, drafter.target_layers)
+
+def conclude(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, verdict: "Verdict", starts: list[int],
+             num_fed: list[int], hidden: torch.Tensor | None, emit: Callable[[Sequence, int], bool]) -> list["StepResult"]:
+    """Emit each sequence's tokens, then 4. Roll back: keep the K/V of accepted tokens (the newest
+    token is fed next step); the drafter keeps the target's features of those same positions and
+    forgets the rest."""
     emit_accepted(seqs, verdict.tokens, verdict.num_accepted, [len(d) for d in verdict.drafts], verdict.top,
                   verdict.failed, emit)
-
-    # 4. Roll back: keep the K/V of accepted tokens (the newest token is fed next step); the
-    # drafter keeps the target's features of those same positions and forgets the rest.
     for s in seqs:
         s.target_table.truncate(len(s) - 1, target.cache.allocator)
     if hidden is not None:
-        drafter.observe(seqs, starts, [len(f.tokens) for f in feeds], hidden)
+        drafter.observe(seqs, starts, num_fed, hidden)
     drafter.rollback(seqs)
     return [StepResult(d, n, len(d)) for d, n in zip(verdict.drafts, verdict.num_accepted)]
 
@@ -130,60 +171,51 @@ def needs_host(seq: Sequence) -> bool:
     return seq.params.adjusts_logits or seq.params.logprobs is not None or seq.pathwise
 
 
-def verify_on_device(target: ModelRunner, feeds: list[Feed], seqs: list[Sequence], proposal: Proposal,
-                     layers: tuple[int, ...]) -> tuple[Verdict, torch.Tensor | None]:
-    """Verification with no host round-trip: what the rule needs besides the logits (the draft
-    tokens, each row's warp parameters, the keyed uniforms: randomness.py) rides up with the
-    forward's metadata in ONE upload, `accept_on_device` decides, and ONE download brings the
-    verdict back (runtime/transfers.py). Returns (the verdict, the target's features or None)."""
-    num_draft = [len(d) for d in proposal.tokens]
-    B, K, V = len(seqs), max(num_draft), target.vocab_size
-    greedy = all(s.params.greedy for s in seqs)
-    upload = Upload()
-    first, rows = 0, []
-    for n in num_draft:  # sequence b's row i of the flat logits; past its drafts its last row again
+def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size: int) -> None:
+    """What the rule needs besides the logits, known on the host before the step (B sequences of
+    up to K = max(staged.lengths) drafts): verify_rows [B, K+1], sequence b's row of the flat
+    logits at position i (past its drafts, its last row again); drawn_index, where the verified
+    drafts drawn on the device sit in the drafts [B, K]; unless every request is greedy, each
+    row's warp parameters and the keyed uniforms accept_u [B, K] and token_u [B, K+1]."""
+    K = max(staged.lengths, default=0)
+    first, rows, drawn = 0, [], []
+    for b, n in enumerate(staged.lengths):
         rows.append([first + min(i, n) for i in range(K + 1)])
+        drawn += [b * K + i for i in range(n)] if staged.drawn[b] else []
         first += n + 1
     upload.add("verify_rows", rows)  # [B, K+1]
-    upload.add("draft_tokens", [d + [0] * (K - len(d)) for d in proposal.tokens])  # [B, K]
-    upload.add("num_draft", num_draft)  # [B]
-    if not greedy:
-        for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(K + 1)], V).items():
-            upload.add("warp_" + name, values, torch.bool if name == "greedy" else
-                       torch.int64 if name == "top_k" else torch.float64)
+    upload.add("drawn_index", drawn)  # [sum drawn n_b]
+    if not all(s.params.greedy for s in seqs):
+        for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(K + 1)], vocab_size).items():
+            upload.add("warp." + name, values, WARP_DTYPES[name])  # [B * (K+1)]
         upload.add("accept_u", [[uniform(s.key, len(s) + i, Purpose.ACCEPT, len(s)) for i in range(K)] for s in seqs],
                    torch.float64)  # [B, K]
         upload.add("token_u", [[uniform(s.key, len(s) + i, Purpose.TOKEN) for i in range(K + 1)] for s in seqs],
                    torch.float64)  # [B, K+1]
-    logits, hidden = verify_forward(target, feeds, layers, upload)
-    sent = upload.device
-    warp = None if greedy else WarpParams.of([s.params for s in seqs for _ in range(K + 1)], V, logits.device,
-                                             {name[5:]: t for name, t in sent.items() if name.startswith("warp_")})
-    tokens, num_accepted, cut = accept_on_device(logits, sent, proposal.probs, warp)
-    tokens, num_accepted, cut = target.staging.download([tokens, num_accepted, cut])
-    drafts = [d[: c[0]] for d, c in zip(proposal.tokens, cut)]
-    failed = {b: len(s) + c[0] for b, (s, c, n) in enumerate(zip(seqs, cut, num_accepted))
-              if c[0] <= num_draft[b] and n[0] == c[0]}
-    return Verdict(drafts, tokens, [n[0] for n in num_accepted], failed, [None] * B), hidden
 
 
-def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], draft_probs: torch.Tensor | None,
-                     warp: WarpParams | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def staged_warp(seqs: list[Sequence], sent: dict[str, torch.Tensor], vocab_size: int) -> WarpParams:
+    """The verification rows' warp, its tensors from the upload (`stage_rule`)."""
+    return WarpParams.of([s.params for s in seqs], vocab_size, None, {name: sent["warp." + name] for name in WARP_DTYPES})
+
+
+def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts: Drafts, warp: WarpParams | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule of step 3 on the device, for B sequences of up to K drafts.
 
     logits: [R, V] the flat verification rows; sent: verify_rows [B, K+1] (sequence b's row of
-    position i), draft_tokens [B, K], num_draft [B], and unless greedy accept_u [B, K] and token_u
-    [B, K+1]; draft_probs: [B, K+1, V] q, or None where q is one-hot; warp: each row's warp (None:
+    position i), and unless greedy accept_u [B, K] and token_u [B, K+1]; drafts: tokens [B, K],
+    num_draft [B], probs [B, K+1, V] q or None where q is one-hot; warp: each row's warp (None:
     every request is greedy: accept while the draft is the argmax, emit the argmax).
     A sequence's first non-finite row ends its verification there (nonfinite.py): its drafts from
     that row on are dropped and the row is zeroed, so the rule stays in range.
     Returns tokens [B, K+1] (row b emits tokens[b, :num_accepted[b] + 1]), num_accepted [B] and
     cut [B]: the first non-finite row, K+1 where there is none."""
-    rows, draft_tokens = sent["verify_rows"], sent["draft_tokens"]  # [B, K+1], [B, K]
+    rows, draft_tokens = sent["verify_rows"], drafts.tokens  # [B, K+1], [B, K]
     B, K = draft_tokens.shape
     finite = finite_rows(logits)[rows]  # [B, K+1]
     cut = finite.long().cumprod(-1).sum(-1)  # [B]
-    num_draft = torch.minimum(sent["num_draft"], cut)  # [B]
+    num_draft = torch.minimum(drafts.num_draft, cut)  # [B]
     target_logits = torch.where(finite[..., None], logits[rows], 0.0)  # [B, K+1, V]
     drafted = torch.arange(K, device=logits.device)[None, :] < num_draft[:, None]  # [B, K]
     if warp is None:  # greedy verification: no warp, no random numbers
@@ -195,6 +227,7 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], draft_
     V = logits.shape[-1]
     target_probs = warp_probs(target_logits.flatten(0, 1), warp).view(B, K + 1, V)  # [B, K+1, V]
     kept = torch.cat([drafted, drafted.new_zeros(B, 1)], dim=1)[..., None]  # [B, K+1, 1]
+    draft_probs = drafts.probs
     if draft_probs is None:  # q is one-hot at each drafted token
         draft_probs = torch.zeros_like(target_probs)
         draft_probs[:, :K].scatter_(-1, draft_tokens[..., None], 1.0)

@@ -94,8 +94,8 @@ def test_prompts_take_the_dynamic_path(tiny_llama):
     llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, static_shapes=True)
     static = llm.engine.target.static
     calls = []
-    forward = static.forward
-    static.forward = lambda feeds, **kw: calls.append([len(f.tokens) for f in feeds]) or forward(feeds, **kw)
+    run = static.run
+    static.run = lambda prepared, *a, **kw: calls.append([len(f.tokens) for f in prepared.feeds]) or run(prepared, *a, **kw)
     llm.generate(["a much longer prompt than one token"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert calls == [[1]] * 3  # the prompt's step was dynamic; the 3 decode steps static
 

@@ -43,6 +43,7 @@ import minispec.drafters.base
 import minispec.drafters.lookup
 import minispec.speculative
 from minispec import LLM, AttentionBackend, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
+from minispec.drafters.base import Drafter
 from minispec.drafters.draft_model import ModelDrafter
 from minispec.drafters.reduced_vocab import reduce_vocab
 from minispec.fast.int4 import cpu_int4_available, quantize_int4_model
@@ -401,6 +402,9 @@ def samples_unquantized_reports_int4(monkeypatch, unquantized: Transformer):
 
     monkeypatch.setattr(ModelDrafter, "first_forward", first_forward)
     monkeypatch.setattr(ModelDrafter, "next_forward", next_forward)
+    # (the mutant reads each context on the host: it drafts with the host loop, `propose`)
+    monkeypatch.setattr(ModelDrafter, "stage", Drafter.stage)
+    monkeypatch.setattr(ModelDrafter, "run_staged", Drafter.run_staged)
     monkeypatch.setattr(minispec.drafters.base, "warp_probs", warp)
     monkeypatch.setattr(minispec.drafters.base, "sample",
                         lambda probs, u: sample(warp_probs(stash["logits"], stash["params"]), u))

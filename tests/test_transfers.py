@@ -89,6 +89,8 @@ def step_transfers(llm: LLM, params: list[SamplingParams], monkeypatch, steps: i
     """Per engine step after warm-up (every request has emitted its first token): the staging's
     uploads and downloads, and the other transfers the counter saw (with where they happened)."""
     engine = llm.engine
+    while engine.has_unfinished():  # (what an earlier call left running)
+        engine.step()
     for i, p in enumerate(params):
         engine.add_request(llm.tokenizer.encode(f"the quick brown fox {i} jumps"), p)
     while any(not s.output_ids for s in engine.scheduler.running + list(engine.scheduler.waiting)):
@@ -109,16 +111,22 @@ GREEDY = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2
 SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=12, ignore_eos=True, seed=i) for i in range(2)]
 
 
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_a_step_makes_one_upload_and_one_download(tiny_llama, drafter, params, monkeypatch):
-    """Plain decoding and the n-gram drafter (whose drafts are the host's): a step after warm-up
-    sends one upload and brings one download, and nothing else crosses."""
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft", "eagle"])
+def test_a_step_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter, monkeypatch):
+    """Plain decoding, the n-gram drafter (whose drafts are the host's), a draft model and the
+    EAGLE head (whose k forwards draw on the device, each feeding the next), greedy requests and
+    then sampled ones: a step after warm-up sends one upload and brings one download, and nothing
+    else crosses."""
     monkeypatch.setattr("minispec.sampling.PARTIAL_SORT_ON", ())  # the GPU's full sort (a CPU checks on the host)
-    args = {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3)}[drafter]
+    args = {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3),
+            "draft": dict(draft_model=str(tiny_llama_draft), num_speculative_tokens=3),
+            "eagle": dict(draft_model=str(tiny_llama_eagle), num_speculative_tokens=3)}[drafter]
     llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="triton", static_shapes=True, **args)
-    for step in step_transfers(llm, params, monkeypatch):
-        assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
+    for params in (GREEDY, SAMPLED):
+        for step in step_transfers(llm, params, monkeypatch, steps=2):
+            assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
+    if drafter in ("draft", "eagle"):  # (the drafter did draft, on the device)
+        assert llm.engine.drafter.runner.forward_counts["static"] > 0
 
 
 def test_the_counter_sees_a_transfer(tiny_llama, monkeypatch):

@@ -27,15 +27,16 @@ model drafts token by token (it then supplies the forwards; the sampling loop is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..pathwise import gumbel_max
-from ..randomness import Purpose, uniforms
-from ..runtime.runner import ModelRunner
+from ..randomness import Purpose, uniform, uniforms
+from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
-from ..sampling import finite_rows, penalize, sample, warp_probs
+from ..runtime.transfers import Upload
+from ..sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, sample, warp_probs
 
 
 @dataclass
@@ -55,8 +56,51 @@ class Proposal:
         return cls([[] for _ in range(batch)])
 
 
+@dataclass
+class Staged:
+    """A step's drafting laid out before anything runs (`Drafter.stage`), as the verification sees
+    it: sequence b gets at most lengths[b] drafts; host_tokens[b] are the host's drafts, or
+    placeholders when drawn[b] (drawn on the device: the verification reads them there). forwards:
+    a model drafter's prepared forwards (active sequences, the forward, its model arguments);
+    inputs: the prefix of its other arrays in the upload; proposal: a host drafter's own."""
+
+    lengths: list[int]
+    host_tokens: list[list[int]]
+    drawn: list[bool]
+    forwards: list = field(default_factory=list)
+    inputs: str = ""
+    proposal: Proposal | None = None
+
+
+@dataclass
+class Drafts:
+    """A step's drafts on the device (`Drafter.run_staged`): tokens [B, K] int64 (target ids; row b
+    valid up to num_draft[b]), num_draft [B] int64 (<= Staged.lengths: a model may stop early),
+    probs [B, K+1, V] q or None (one-hot at each draft)."""
+
+    tokens: torch.Tensor
+    num_draft: torch.Tensor
+    probs: torch.Tensor | None
+
+
 class Drafter:
     """The interface (see the module docstring); the defaults suit a drafter with no state."""
+
+    def stage(self, seqs: list[Sequence], num_draft: list[int], upload: Upload) -> Staged:
+        """Lay out this step's drafting in the step's one upload (runtime/transfers.py). A host
+        drafter (n-gram, no drafter) proposes now: its tokens ride up with the upload."""
+        proposal = self.propose(seqs, num_draft)
+        prefix = upload.scope()
+        K = max((len(d) for d in proposal.tokens), default=0)
+        upload.add(prefix + "tokens", [d + [0] * (K - len(d)) for d in proposal.tokens])  # [B, K]
+        upload.add(prefix + "num_draft", [len(d) for d in proposal.tokens])  # [B]
+        return Staged([len(d) for d in proposal.tokens], proposal.tokens, [False] * len(seqs), inputs=prefix,
+                      proposal=proposal)
+
+    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
+        """The device's half of `stage`, once the upload is sent (`sent`: its tensors)."""
+        p = staged.inputs
+        return Drafts(sent[p + "tokens"], sent[p + "num_draft"], staged.proposal.probs)
 
     target_layers: tuple[int, ...] = ()
     drafts_trees: bool = False  # proposes with propose_trees
@@ -157,6 +201,88 @@ class AutoregressiveDrafter(Drafter):
             carry = carry[keep] if isinstance(carry, torch.Tensor) else carry
             logits, carry = self.next_forward(seqs, active, proposal.tokens, carry)
         return proposal
+
+    def stage(self, seqs: list[Sequence], num_draft: list[int], upload: Upload) -> Staged:
+        """Lay out the draft loop's forwards (`propose`'s, with the same sequences active at each
+        depth) and each depth's draw inputs (warp parameters, DRAFT uniforms) in the step's upload:
+        the loop then runs on the device with no host round-trip (`run_staged`)."""
+        lengths = [self.draftable(s, n) if n > 0 else 0 for s, n in zip(seqs, num_draft)]
+        prefix = upload.scope()
+        upload.add(prefix + "num_draft", lengths)  # [B]
+        greedy = all(s.params.greedy for s in seqs)
+        width = self.vocab_size if self.draft_ids is None else len(self.draft_ids)  # V_d, the logits' width
+        forwards, active, previous = [], [b for b, n in enumerate(lengths) if n > 0], []
+        for i in range(max(lengths, default=0)):
+            if i == 0:
+                feeds, args = self.first_feeds(seqs, active)
+            else:  # each active sequence feeds the token it drew at depth i - 1, on the device
+                feeds, args = [Feed(seqs[b].draft_table, [0], drawn=1) for b in active], None
+                upload.add(f"{prefix}keep{i}", [previous.index(b) for b in active])  # [A_i] rows of depth i - 1
+            forwards.append((active, self.runner.prepare(feeds, upload), args))
+            upload.add(f"{prefix}rows{i}", active)  # [A_i] batch rows
+            if not greedy:
+                for name, values in WarpParams.arrays([seqs[b].params for b in active], width).items():
+                    upload.add(f"{prefix}warp{i}.{name}", values, WARP_DTYPES[name])
+                upload.add(f"{prefix}u{i}", [uniform(seqs[b].key, len(seqs[b]) + i, Purpose.DRAFT, len(seqs[b]))
+                                             for b in active], torch.float64)  # [A_i]
+            previous, active = active, [b for b in active if lengths[b] > i + 1]
+        return Staged(lengths, [[0] * n for n in lengths], [n > 0 for n in lengths], forwards, prefix)
+
+    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
+        """`propose`'s loop on the device: depth i feeds the tokens depth i - 1 drew (never read on
+        the host), draws from the warped q with the keyed DRAFT uniforms (greedy: the argmax), and
+        a sequence stops where `propose` would: before an unusable (non-finite) row, after an
+        unconfident token. Its later forwards still run (their K/V are rolled back); what they draw
+        is past num_draft."""
+        p, B, K = staged.inputs, len(seqs), len(staged.forwards)
+        device = self.runner.device
+        tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
+        num_draft = sent[p + "num_draft"].clone()  # [B]
+        greedy = all(s.params.greedy for s in seqs)
+        probs = None if greedy else torch.zeros(B, K + 1, self.vocab_size, device=device)  # [B, K+1, V]
+        carry = None
+        for i, (active, prepared, args) in enumerate(staged.forwards):
+            rows = sent[f"{p}rows{i}"]  # [A]
+            if i == 0:
+                out = self.runner.run(prepared, **args)
+            else:
+                keep = sent[f"{p}keep{i}"]
+                out = self.runner.run(prepared, drawn=tokens[rows, i - 1], **self.chain_args(None if carry is None else carry[keep]))
+            logits, carry = self.split(out)  # [A, V_d], the carry or None
+            logits, ok = drop_nonfinite(logits)
+            confident = torch.ones_like(ok)
+            if greedy:
+                drawn = logits.argmax(-1)  # [A]
+            else:
+                warp = WarpParams.of([seqs[b].params for b in active], logits.shape[-1], device,
+                                     {name: sent[f"{p}warp{i}.{name}"] for name in WARP_DTYPES})
+                q = warp_probs(logits, warp)  # [A, V_d]
+                drawn = sample(q, sent[f"{p}u{i}"])  # [A]
+                if self.draft_ids is None:
+                    probs[rows, i] = q
+                else:  # 0 outside the draft's vocabulary
+                    probs[rows[:, None], i, self.draft_ids[None, :]] = q
+            if self.confidence_threshold is not None:
+                confident = logits.float().softmax(-1).gather(-1, drawn[:, None]).squeeze(-1) >= self.confidence_threshold
+            tokens[rows, i] = drawn if self.draft_ids is None else self.draft_ids[drawn]
+            live = num_draft[rows] > i  # [A] still drafting: stop before an unusable row, after an unconfident one
+            stop = torch.where(~ok, i, torch.where(~confident, i + 1, num_draft[rows]))
+            num_draft[rows] = torch.where(live, torch.minimum(stop, num_draft[rows]), num_draft[rows])
+        if probs is not None:
+            probs *= (torch.arange(K + 1, device=device)[None, :] < num_draft[:, None])[..., None]
+        return Drafts(tokens, num_draft, probs)
+
+    def first_feeds(self, seqs: list[Sequence], active: list[int]) -> tuple[list, dict]:
+        """The feeds and model arguments of the first forward of a step (`first_forward`'s)."""
+        raise NotImplementedError
+
+    def split(self, out) -> tuple[torch.Tensor, object]:
+        """A forward's output -> (logits [n, V_d], the carry for the next forward, or None)."""
+        raise NotImplementedError
+
+    def chain_args(self, carry: object) -> dict:
+        """The model arguments of a chained forward, given the previous forward's carry at its rows."""
+        return {}
 
     def penalized(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
         """The requests' penalties and min_tokens (sampling.penalize) on draft logits [n, V_d],

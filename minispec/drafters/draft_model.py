@@ -34,9 +34,17 @@ class ModelDrafter(AutoregressiveDrafter):
         """The i-th draft token is sampled after feeding position len(seq) - 2 + i: the draft's context bounds n."""
         return max(0, min(n, self.runner.max_positions - len(seq) + 1))
 
-    def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, None]:
+    def first_feeds(self, seqs: list[Sequence], active: list[int]) -> tuple[list[Feed], dict]:
+        """Catch up on the tokens the draft has not cached (long catch-ups first in pieces)."""
         self.feed_ahead([seqs[b] for b in active])
-        return self.logits([Feed(seqs[b].draft_table, seqs[b].tokens[seqs[b].draft_table.num_cached :]) for b in active]), None
+        return [Feed(seqs[b].draft_table, seqs[b].tokens[seqs[b].draft_table.num_cached :]) for b in active], {}
+
+    def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, None]:
+        feeds, _ = self.first_feeds(seqs, active)
+        return self.logits(feeds), None
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.widen(out), None
 
     def next_forward(self, seqs: list[Sequence], active: list[int], tokens: list[list[int]], carry: None
                      ) -> tuple[torch.Tensor, None]:
@@ -48,7 +56,10 @@ class ModelDrafter(AutoregressiveDrafter):
 
     def logits(self, feeds: list[Feed]) -> torch.Tensor:
         """Draft logits on the target's vocabulary [n, V] (a reduced vocabulary's: [n, N])."""
-        logits = self.runner.forward(feeds)  # [n, V_draft]
+        return self.widen(self.runner.forward(feeds))  # [n, V_draft] -> [n, V]
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [n, V_draft] on the target's vocabulary (see the module docstring)."""
         if self.draft_ids is not None:  # [n, N]: column j is target id draft_ids[j]
             return logits
         V, Vd = self.vocab_size, logits.shape[-1]

@@ -81,15 +81,26 @@ class EagleDrafter(AutoregressiveDrafter):
                  and pending.end == len(s) - 1 and pending.end > pending.start and len(s) - 2 + n <= self.runner.max_positions)
         return n if ready else 0
 
-    def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def first_feeds(self, seqs: list[Sequence], active: list[int]) -> tuple[list[Feed], dict]:
         """Catch-up: positions draft.num_cached .. len-2, tokens x_{p+1}, the real target features
-        (consumed: observe() starts anew after the verification). Returns logits [n, V_d] and g [n, H]."""
+        (consumed: observe() starts anew after the verification)."""
         self.feed_ahead([seqs[b] for b in active])
         feeds = [Feed(seqs[b].draft_table, seqs[b].tokens[seqs[b].draft_table.num_cached + 1 :]) for b in active]
         hidden = torch.cat([seqs[b].draft_state.rows for b in active])  # [sum, 3H]
         for b in active:
             seqs[b].draft_state = None
-        return self.runner.forward(feeds, hidden=hidden, project=True)  # [n, V_d], [n, H]
+        return feeds, {"hidden": hidden, "project": True}
+
+    def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The catch-up's logits [n, V_d] and g [n, H]."""
+        feeds, args = self.first_feeds(seqs, active)
+        return self.runner.forward(feeds, **args)
+
+    def split(self, out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return out  # (logits [n, V_d], g [n, H])
+
+    def chain_args(self, carry: torch.Tensor) -> dict:
+        return {"hidden": carry, "project": False}
 
     def feed_ahead(self, seqs: list[Sequence]) -> None:
         """Under static shapes, a catch-up past the prompt that is longer than the runner's largest

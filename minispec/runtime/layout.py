@@ -6,7 +6,11 @@ both lay a batch out the same way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from .transfers import Upload
 
 
 def token_layout(q_lens: np.ndarray, cached: np.ndarray, tables: np.ndarray, page_size: int
@@ -25,6 +29,11 @@ def token_layout(q_lens: np.ndarray, cached: np.ndarray, tables: np.ndarray, pag
 def logit_rows(feeds: list, starts: np.ndarray) -> list[int]:
     """The rows whose logits each feed wants: its last num_logits rows, in feed order."""
     return [row for f, end in zip(feeds, starts[1:].tolist()) for row in range(end - f.num_logits, end)]
+
+
+def drawn_rows(feeds: list, starts: np.ndarray) -> list[int]:
+    """The rows of the tokens drawn on the device (each feed's last `drawn`), in feed order."""
+    return [row for f, end in zip(feeds, starts[1:].tolist()) for row in range(end - f.drawn, end)]
 
 
 def tree_layout(feeds: list, seq_lens: np.ndarray, starts: np.ndarray, positions: np.ndarray
@@ -49,3 +58,20 @@ def tree_layout(feeds: list, seq_lens: np.ndarray, starts: np.ndarray, positions
             positions[starts[b] : starts[b + 1]] = f.tree.positions
             bits[starts[b] : starts[b + 1]] = f.tree.bits
     return tree_start, bits
+
+
+@dataclass
+class Prepared:
+    """A forward laid out on the host, its arrays in `upload` under `prefix` (`ModelRunner.prepare`);
+    it runs once the upload is sent (`ModelRunner.run`). bucket: its static shape, or None for the
+    dynamic path (then the launch sizes and whether it is a prefill are kept here)."""
+
+    feeds: list  # runner.Feed
+    upload: Upload
+    prefix: str
+    bucket: object | None
+    num_rows: int  # rows the feeds' tokens fill
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    is_prefill: bool = False
+    tree: bool = False

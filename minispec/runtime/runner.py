@@ -18,7 +18,7 @@ from torch import nn
 
 from ..model.metadata import BatchMetadata
 from .kv_cache import BlockTable, KVCache
-from .layout import logit_rows, token_layout, tree_layout
+from .layout import Prepared, drawn_rows, logit_rows, token_layout, tree_layout
 from .static_shapes import StaticShapes
 from .transfers import Staging, Upload
 
@@ -44,6 +44,7 @@ class Feed:
     tokens: list[int]
     num_logits: int = 1  # logits wanted for this many of the last new tokens
     tree: TreeFeed | None = None
+    drawn: int = 0  # the last `drawn` tokens were drawn on the device (`ModelRunner.run`); tokens holds placeholders
 
 
 class ModelRunner:
@@ -82,27 +83,60 @@ class ModelRunner:
 
         Pages missing for the new positions are allocated here (KVPoolExhausted if none are
         free; the scheduler reserves them beforehand so that a step never fails half-way)."""
+        prepared = self.prepare(feeds, upload if upload is not None else Upload())
+        self.staging.send(prepared.upload)
+        return self.run(prepared, **model_args)
+
+    def prepare(self, feeds: list[Feed], upload: Upload) -> Prepared:
+        """The host's half of a forward: check the feeds, reserve their pages, lay them out into
+        `upload` (a static bucket's layout, or the dynamic one) and count their tokens as cached.
+        A step prepares all its forwards into one upload, sends it, then runs them in order."""
         if not feeds:
             raise ValueError("forward needs at least one feed")
         allocator = self.cache.allocator
         cached = [f.table.num_cached for f in feeds]
         q_lens = [len(f.tokens) for f in feeds]
         for f, start, n in zip(feeds, cached, q_lens):
-            if n == 0 or not 0 < f.num_logits <= n:
-                raise ValueError(f"bad feed: {n} tokens, {f.num_logits} logits")
+            if n == 0 or not 0 < f.num_logits <= n or not 0 <= f.drawn <= n:
+                raise ValueError(f"bad feed: {n} tokens, {f.num_logits} logits, {f.drawn} drawn")
             f.table.reserve(start + n, allocator)
-        upload = upload if upload is not None else Upload()
+        prefix = upload.scope()
         if self.static is not None and self.static.fits(feeds):  # decode / verification / draft steps
-            out = self.static.forward(feeds, upload=upload, **model_args)
+            prepared = self.static.prepare(feeds, upload, prefix)
         else:
-            out = self._forward(feeds, cached, q_lens, upload, model_args)
-            self.forward_counts["dynamic"] += 1
+            prepared = self._prepare(feeds, cached, q_lens, upload, prefix)
         for f, n in zip(feeds, q_lens):
             f.table.num_cached += n
-        return out
+        return prepared
 
-    def _forward(self, feeds: list[Feed], cached: list[int], q_lens: list[int], upload: Upload, model_args: dict):
-        """The dynamic-shape forward: metadata sized to exactly these feeds."""
+    def run(self, prepared: Prepared, drawn: torch.Tensor | None = None, **model_args) -> torch.Tensor | tuple:
+        """The device's half, once prepared.upload is sent: drawn [sum(f.drawn)] int64 holds the
+        tokens drawn on the device, in feed order (Feed.drawn)."""
+        if prepared.bucket is not None:
+            return self.static.run(prepared, drawn, **model_args)
+        self.forward_counts["dynamic"] += 1
+        sent, p = prepared.upload.device, prepared.prefix
+        meta = BatchMetadata(
+            positions=sent[p + "positions"],
+            query_start_loc=sent[p + "query_start_loc"],
+            seq_lens=sent[p + "seq_lens"],
+            max_query_len=prepared.max_query_len,
+            max_seq_len=prepared.max_seq_len,
+            slot_mapping=sent[p + "slot_mapping"],
+            block_tables=sent[p + "block_tables"],
+            logits_indices=sent[p + "logits_indices"],
+            is_prefill=prepared.is_prefill,
+        )
+        if prepared.tree:
+            meta.tree_start, meta.tree_bits = sent[p + "tree_start"], sent[p + "tree_bits"]
+        input_ids = sent[p + "input_ids"]
+        if drawn is not None:
+            input_ids = input_ids.index_copy(0, sent[p + "drawn_rows"], drawn)
+        return self.model(input_ids, meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
+
+    def _prepare(self, feeds: list[Feed], cached: list[int], q_lens: list[int], upload: Upload, prefix: str
+                 ) -> Prepared:
+        """The dynamic-shape layout: metadata sized to exactly these feeds."""
         ps = self.cache.page_size
         # Host-side assembly in numpy (small arrays: far cheaper per op than torch tensors).
         # Per-sequence values come from Python lists (B of them); per-token values are vectorised,
@@ -116,30 +150,16 @@ class ModelRunner:
         seq_lens = cached_np + q_lens_np  # [B] context length including the new tokens
         starts, positions, slots = token_layout(q_lens_np, cached_np, block_tables, ps)  # [B+1], [T], [T]
         input_ids = np.fromiter(itertools.chain.from_iterable(f.tokens for f in feeds), np.int64, starts[-1])  # [T]
-
         tree = tree_layout(feeds, seq_lens, starts, positions) if any(f.tree is not None for f in feeds) else None
-        upload.add("input_ids", input_ids)  # [T]
-        upload.add("positions", positions)  # [T]
-        upload.add("query_start_loc", starts, torch.int32)  # [B+1]
-        upload.add("seq_lens", seq_lens, torch.int32)  # [B]
-        upload.add("slot_mapping", slots)  # [T] pool slot = page * page_size + offset
-        upload.add("block_tables", block_tables, torch.int32)  # [B, max_pages]
-        upload.add("logits_indices", logit_rows(feeds, starts))  # [N]
+        arrays = {"input_ids": (input_ids, torch.int64), "positions": (positions, torch.int64),  # [T], [T]
+                  "query_start_loc": (starts, torch.int32), "seq_lens": (seq_lens, torch.int32),  # [B+1], [B]
+                  "slot_mapping": (slots, torch.int64),  # [T] pool slot = page * page_size + offset
+                  "block_tables": (block_tables, torch.int32),  # [B, max_pages]
+                  "logits_indices": (logit_rows(feeds, starts), torch.int64),  # [N]
+                  "drawn_rows": (drawn_rows(feeds, starts), torch.int64)}  # [sum(drawn)]
         if tree is not None:
-            upload.add("tree_start", tree[0], torch.int32)  # [B]
-            upload.add("tree_bits", tree[1])  # [T]
-        sent = self.staging.send(upload)
-        meta = BatchMetadata(
-            positions=sent["positions"],
-            query_start_loc=sent["query_start_loc"],
-            seq_lens=sent["seq_lens"],
-            max_query_len=max(q_lens),
-            max_seq_len=int(seq_lens.max()),
-            slot_mapping=sent["slot_mapping"],
-            block_tables=sent["block_tables"],
-            logits_indices=sent["logits_indices"],
-            is_prefill=not any(cached) and tree is None,
-        )
-        if tree is not None:
-            meta.tree_start, meta.tree_bits = sent["tree_start"], sent["tree_bits"]
-        return self.model(sent["input_ids"], meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
+            arrays.update(tree_start=(tree[0], torch.int32), tree_bits=(tree[1], torch.int64))  # [B], [T]
+        for name, (array, dtype) in arrays.items():
+            upload.add(prefix + name, array, dtype)
+        return Prepared(feeds, upload, prefix, None, int(starts[-1]), max(q_lens), int(seq_lens.max()),
+                        not any(cached) and tree is None, tree is not None)

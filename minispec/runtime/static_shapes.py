@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..model.metadata import BatchMetadata
-from .layout import logit_rows, token_layout, tree_layout
+from .layout import Prepared, drawn_rows, logit_rows, token_layout, tree_layout
 from .transfers import Upload
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -141,10 +141,10 @@ class StaticShapes:
             self.buckets[size, Q] = Bucket(size, Q, torch.zeros(T, dtype=torch.int64, device=dev), meta)
         return self.buckets[size, Q]
 
-    def fill(self, bucket: Bucket, feeds, upload: Upload | None = None) -> tuple[torch.Tensor, int]:
-        """Write the feeds into the bucket's buffers: the host lays them out, one upload carries
-        them (with whatever else the caller put in `upload`: transfers.py), device copies put them
-        in place. Returns (logit rows [N] on the device, how many rows the feeds' tokens fill)."""
+    def prepare(self, feeds, upload: Upload, prefix: str, bucket: Bucket | None = None) -> Prepared:
+        """Lay the feeds out in the smallest bucket that holds them (or the one given), into
+        `upload` under `prefix`; `run` puts them in the bucket's buffers once the upload is sent."""
+        bucket = bucket or self.bucket(len(feeds), max(len(f.tokens) for f in feeds))
         cache, ps = self.runner.cache, self.runner.cache.page_size
         B, Q = bucket.batch, bucket.query_len
         q_lens = np.zeros(2 * B, dtype=np.int64)
@@ -160,23 +160,44 @@ class StaticShapes:
         starts, positions, slots = token_layout(q_lens, cached, tables, ps)  # [2B+1], [B*Q], [B*Q]
         ids = np.zeros(B * Q, dtype=np.int64)
         ids[: starts[len(feeds)]] = [t for f in feeds for t in f.tokens]
-        m = bucket.meta
-        arrays = {"static_input_ids": (bucket.input_ids, ids), "static_query_start_loc": (m.query_start_loc, starts),
-                  "static_seq_lens": (m.seq_lens, cached + q_lens), "static_slot_mapping": (m.slot_mapping, slots),
-                  "static_block_tables": (m.block_tables, tables)}
+        arrays = {"input_ids": ids, "query_start_loc": starts, "seq_lens": cached + q_lens, "slot_mapping": slots,
+                  "block_tables": tables}
         if self.trees:  # (writes the nodes' positions into positions first)
-            tree_start, tree_bits = tree_layout(feeds, cached + q_lens, starts, positions)
-            arrays.update(static_tree_start=(m.tree_start, tree_start), static_tree_bits=(m.tree_bits, tree_bits))
-        arrays["static_positions"] = (m.positions, positions)
-        upload = upload if upload is not None else Upload()
-        for name, (buf, array) in arrays.items():
-            upload.add(name, array, buf.dtype)
-        upload.add("static_logit_rows", logit_rows(feeds, starts))
-        sent = self.runner.staging.send(upload)
-        for name, (buf, _) in arrays.items():
-            buf.copy_(sent[name])  # (device to device)
-        m.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
-        return sent["static_logit_rows"], int(starts[len(feeds)])
+            arrays["tree_start"], arrays["tree_bits"] = tree_layout(feeds, cached + q_lens, starts, positions)
+        arrays["positions"] = positions
+        buffers = self.buffers(bucket)
+        for name, array in arrays.items():
+            upload.add(prefix + name, array, buffers[name].dtype)
+        upload.add(prefix + "logit_rows", logit_rows(feeds, starts))
+        upload.add(prefix + "drawn_rows", drawn_rows(feeds, starts))
+        return Prepared(feeds, upload, prefix, bucket, int(starts[len(feeds)]))
+
+    @staticmethod
+    def buffers(bucket: Bucket) -> dict[str, torch.Tensor]:
+        """The bucket's persistent inputs by name (what a graph reads)."""
+        m = bucket.meta
+        out = {"input_ids": bucket.input_ids, "query_start_loc": m.query_start_loc, "seq_lens": m.seq_lens,
+               "slot_mapping": m.slot_mapping, "block_tables": m.block_tables, "positions": m.positions}
+        if m.tree_start is not None:
+            out.update(tree_start=m.tree_start, tree_bits=m.tree_bits)
+        return out
+
+    def load(self, prepared: Prepared, drawn: torch.Tensor | None = None) -> None:
+        """Copy a sent layout into its bucket's buffers (device to device), and the tokens drawn on
+        the device into their rows."""
+        sent, p = prepared.upload.device, prepared.prefix
+        for name, buf in self.buffers(prepared.bucket).items():
+            buf.copy_(sent[p + name])
+        if drawn is not None:
+            prepared.bucket.input_ids.index_copy_(0, sent[p + "drawn_rows"], drawn)
+        prepared.bucket.meta.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
+
+    def fill(self, bucket: Bucket, feeds) -> None:
+        """Write feeds into a bucket at once (one upload of their own): capture's padding-only fill."""
+        upload = Upload()
+        prepared = self.prepare(feeds, upload, upload.scope(), bucket)
+        self.runner.staging.send(upload)
+        self.load(prepared)
 
     def bind(self, bucket: Bucket, model_args: dict, num_rows: int | None = None) -> dict:
         """The model's arguments with each row input swapped for the bucket's persistent buffer
@@ -202,10 +223,12 @@ class StaticShapes:
             bound[name] = buf
         return bound
 
-    def forward(self, feeds, upload: Upload | None = None, **model_args):
-        """The runner's forward for feeds that fit a bucket; returns what the dynamic path returns."""
-        bucket = self.bucket(len(feeds), max(len(f.tokens) for f in feeds))
-        rows, fed = self.fill(bucket, feeds, upload)
+    def run(self, prepared: Prepared, drawn: torch.Tensor | None = None, **model_args):
+        """The runner's forward for feeds that fit a bucket, once prepared.upload is sent; returns
+        what the dynamic path returns."""
+        self.load(prepared, drawn)
+        bucket, fed = prepared.bucket, prepared.num_rows
+        rows = prepared.upload.device[prepared.prefix + "logit_rows"]
         args = self.bind(bucket, model_args, fed)
         captured = bucket.graphs.get(variant(model_args))
         if captured is not None:

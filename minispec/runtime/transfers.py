@@ -30,6 +30,12 @@ class Upload:
 
     arrays: dict[str, tuple[np.ndarray, torch.dtype]] = field(default_factory=dict)
     device: dict[str, torch.Tensor] = field(default_factory=dict)
+    scopes: int = 0
+
+    def scope(self) -> str:
+        """A fresh name prefix, for one of several forwards that share this upload."""
+        self.scopes += 1
+        return f"{self.scopes}."
 
     def add(self, name: str, values, dtype: torch.dtype = torch.int64) -> None:
         """values: an array-like of ints (int64 / int32 / bool on the device) or floats (fp64)."""
