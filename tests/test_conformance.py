@@ -94,8 +94,8 @@ def test_the_cli_prints_the_answer_once_with_a_long_stop_string(tiny_llama, caps
 # --- 2. interrupts ------------------------------------------------------------------------------
 
 
-POINTS = [("drafter", "propose", 2), ("target", "forward", 2), ("engine", "_emit", 2), ("drafter", "rollback", 1),
-          ("target_table", "truncate", 2)]
+POINTS = [("drafter", "stage", 2), ("target", "prepare", 2), ("drafter", "run_staged", 2), ("target", "run", 2),
+          ("engine", "_emit", 2), ("drafter", "rollback", 1), ("target_table", "truncate", 2)]
 
 
 @pytest.mark.parametrize("where, name, call", POINTS)

@@ -720,12 +720,14 @@ def test_random_interleavings_of_calls_keep_the_llm_whole(tiny_llama, tiny_llama
             events = [e for e in (next(g, None) for _ in range(take)) if e is not None]
             self.streams.append([g, reqs, events])
 
-        @rule(reqs=requests, point=st.sampled_from(["propose", "forward", "emit", "rollback"]), call=st.integers(1, 3))
+        @rule(reqs=requests, point=st.sampled_from(["stage", "prepare", "run_staged", "run", "emit", "rollback"]),
+              call=st.integers(1, 3))
         def interrupt_a_step(self, reqs, point, call):
-            """A KeyboardInterrupt at the call-th call of one point of the engine's step (before
-            drafting, in the target's forward, between emitted tokens, before the drafter's roll-back)."""
-            owner = {"propose": llm.engine.drafter, "rollback": llm.engine.drafter, "forward": llm.engine.target,
-                     "emit": llm.engine}[point]
+            """A KeyboardInterrupt at the call-th call of one point of the engine's step (laying out the
+            drafts or a target forward, drafting, in the target's forward, between emitted tokens,
+            before the drafter's roll-back)."""
+            owner = {"stage": llm.engine.drafter, "run_staged": llm.engine.drafter, "rollback": llm.engine.drafter,
+                     "prepare": llm.engine.target, "run": llm.engine.target, "emit": llm.engine}[point]
             undo = interrupt_at(owner, "_emit" if point == "emit" else point, call)
             try:
                 outs = llm.generate([PROMPTS[p] for p, _, _ in reqs], [params_for(s, m) for _, s, m in reqs])

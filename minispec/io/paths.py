@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -57,7 +59,18 @@ def default_target() -> Path:
 
         gguf = smollm2_gguf_path()
         print(f"[minispec] converting {gguf.name} once into {out}", file=sys.stderr)
-        convert_gguf(gguf, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Converted beside it and renamed into place: two processes converting at once (two test
+        # workers, two servers) never read each other's half-written files.
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as scratch:
+            done = convert_gguf(gguf, Path(scratch) / "target")
+            if not (out / "config.json").exists():  # (else another process finished first: keep theirs)
+                shutil.rmtree(out, ignore_errors=True)  # an interrupted conversion left there
+                try:
+                    os.rename(done, out)
+                except OSError:
+                    if not (out / "config.json").exists():
+                        raise
     return out
 
 
