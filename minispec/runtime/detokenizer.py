@@ -27,12 +27,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..io.tokenizer import CONTEXT_TOKENS
-
-if TYPE_CHECKING:
-    from .sequence import Sequence
 
 
 class Decoder(Protocol):
@@ -86,14 +83,15 @@ class TextState:
     stop_floor: int | None = None  # characters of the first min_tokens tokens' text (stop strings end past it)
 
 
-def text_state(seq: Sequence) -> TextState:
-    """seq's text side, made on first use."""
+def text_state(seq) -> TextState:
+    """seq's text side, made on first use. (seq: a runtime.sequence.Sequence, here and below; not
+    imported, as sequence.py imports this module.)"""
     if seq.text is None:
         seq.text = TextState()
     return seq.text
 
 
-def full_text(seq: Sequence, tokenizer: Decoder) -> str:
+def full_text(seq, tokenizer: Decoder) -> str:
     """What the output ids add after the prompt, decoded incrementally, less the last token's text
     when an EOS or a stop token ended the request (vLLM leaves it out, unless
     include_stop_str_in_output)."""
@@ -103,7 +101,7 @@ def full_text(seq: Sequence, tokenizer: Decoder) -> str:
     return text_state(seq).detokenizer.text(tokenizer, seq.prompt_ids, ids)
 
 
-def output_text(seq: Sequence, tokenizer: Decoder) -> str:
+def output_text(seq, tokenizer: Decoder) -> str:
     """The request's output text, cut before a matched stop string (after it, with
     include_stop_str_in_output)."""
     text = full_text(seq, tokenizer)
@@ -111,7 +109,7 @@ def output_text(seq: Sequence, tokenizer: Decoder) -> str:
     return text if end is None else text[:end]
 
 
-def match_stop_strings(seq: Sequence, tokenizer: Decoder) -> None:
+def match_stop_strings(seq, tokenizer: Decoder) -> None:
     """The earliest stop string in the output text that ends past the text of the first
     min_tokens tokens (vLLM's rule) ends the request; its text ends before the string, or after
     it with include_stop_str_in_output. Called once the output is longer than min_tokens."""

@@ -142,9 +142,9 @@ class BlockTable:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On CPU from numpy's calloc: the OS maps zero pages and backs them with memory
-    only when they are first written, so a large pool costs nothing until pages are used (a
-    memset of a 1 GiB pool takes about a second). Every element still reads as 0."""
+    """A zero tensor. On CPU from numpy's zeros (calloc): the OS maps zero pages and backs them
+    with memory only when they are first written, so building a large pool does not write every
+    byte of it up front, as torch.zeros does. Every element still reads as 0."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
