@@ -21,10 +21,10 @@ import torch
 from .drafters.base import Drafter, NoDrafter
 from .io.tokenizer import Tokenizer
 from .pathwise import PATHWISE_SAMPLING
-from .runtime.chunked_prefill import feed_chunks, plan_chunks
-from .runtime.kv_cache import KVPoolExhausted
+from .runtime.chunked_prefill import TokenBudget, feed_chunks, plan_chunks
+from .runtime.kv_cache import BlockTable, KVPoolExhausted
 from .runtime.metrics import RunMetrics, StepTimes
-from .runtime.prefix_cache import CachingAllocator, PrefixCache
+from .runtime.prefix_cache import CachingAllocator, PrefixCache, PrefixTable
 from .runtime.runner import ModelRunner
 from .runtime.scheduler import Scheduler
 from .runtime.speculation_by_load import SpeculationByLoad
@@ -81,8 +81,10 @@ class LLMEngine:
         # A tree step writes its whole tree (and the head its fed frontiers) past the sequence.
         tree_slots = self.drafter.tree_slots(self.k) if self.drafter.drafts_trees else 0
         self.prefix_cache = prefix_cache(runners, self.drafter) if prefix_caching else None
+        self.table_type = PrefixTable if prefix_caching else BlockTable
+        budget = TokenBudget(max_num_batched_tokens, 1 + (tree_slots or self.k)) if chunked_prefill else None
         self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, tree_slots, self.prefix_cache,
-                                   chunked_prefill)
+                                   budget)
         self.chunk_budget = max_num_batched_tokens if chunked_prefill else None
         self.eos_ids = target.model.cfg.eos_token_ids
         self.load = SpeculationByLoad(self.k) if speculation_by_load and self.k and not self.drafter.drafts_trees else None
@@ -137,7 +139,7 @@ class LLMEngine:
         for prompt_ids, params in requests:
             self.check_request(prompt_ids, params)
         seqs = [Sequence(self._next_id + i, ids, params, self.target.cache.page_size, self.seed_for(params), self.eos_ids,
-                         self.pathwise_for(params)) for i, (ids, params) in enumerate(requests)]
+                         self.pathwise_for(params), self.table_type) for i, (ids, params) in enumerate(requests)]
         self._next_id += len(seqs)
         now = time.perf_counter()
         for seq in seqs:

@@ -28,6 +28,7 @@ from .model.eagle import EagleModel
 from .options import EngineOptions, Model
 from .outputs import CompletionOutput, Logprob, RequestOutput, StreamEvent
 from .prompts import as_prompt_list, call_requests, conversations
+from .runtime.detokenizer import output_text
 from .runtime.metrics import RunMetrics, StepTimes
 from .runtime.sequence import Sequence
 from .sampling import SamplingParams
@@ -282,9 +283,3 @@ def decoded(s: Sequence, start: int, tokenizer: Tokenizer) -> list[dict[int, Log
         for token, text in zip(missing, texts):
             entry[token].decoded_token = text
     return entries
-
-
-def output_text(s: Sequence, tokenizer: Tokenizer) -> str:
-    """The request's output text, cut before a matched stop string."""
-    text = s.text(tokenizer)
-    return text if s.stop_text_end is None else text[: s.stop_text_end]

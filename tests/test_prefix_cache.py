@@ -33,14 +33,14 @@ import minispec.runtime.kv_cache as kv_cache
 import minispec.runtime.prefix_cache as prefix_cache
 from interrupts import every_interrupt
 from minispec.runtime.kv_cache import BlockTable, KVCache, KVPoolExhausted
-from minispec.runtime.prefix_cache import CachingAllocator, PrefixCache, page_keys
+from minispec.runtime.prefix_cache import CachingAllocator, PrefixCache, PrefixTable, page_keys
 from test_row_invariance import assert_same_outputs
 
 PAGE = 4
 PREFIXES = [[7, 7, 1, 2, 3, 4, 5, 6, 9], [7, 7, 1, 2, 8, 8], [3] * 13]  # shared starts: system prompts
 
 
-def assert_books_agree(a: CachingAllocator, tables: list[BlockTable]) -> None:
+def assert_books_agree(a: CachingAllocator, tables: list[PrefixTable]) -> None:
     """Every page is free, held or evictable, never two, never none; its reference count is the
     number of tables holding it; the index is one-to-one; a page kept when free is registered, a
     registered page is never on the free list (it would be handed out and written while its key
@@ -62,7 +62,7 @@ class FakeSeq:
 
     def __init__(self, tokens: list[int]):
         self.tokens_ = list(tokens)
-        self.target_table = BlockTable(PAGE)
+        self.target_table = PrefixTable(PAGE)
 
     @property
     def tokens(self) -> list[int]:

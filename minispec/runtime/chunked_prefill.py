@@ -19,6 +19,10 @@ per later draft). Outside the budget: an EAGLE head's catch-up over the features
 (the whole prompt, when it first drafts), a draft model catching up on the tokens of steps that
 prompt lookup drafted, and the frontiers a draft tree feeds its drafter.
 
+How it plugs in: `TokenBudget` is the scheduler's `StepBudget` (it counts every token a step
+feeds, `step_feed`, and admits while some is left), and the engine calls `plan_chunks` and
+`feed_chunks` before each step.
+
 Why the output stays exact: a chunk writes the K/V of the prompt's own tokens at their own
 positions, as the whole prefill would (with row_invariant=True bit for bit; otherwise computed in
 another batch shape, as a verification row already is), and nothing is sampled from a chunk; a
@@ -30,7 +34,37 @@ from __future__ import annotations
 from ..drafters.base import Drafter
 from .metrics import StepTimes
 from .runner import Feed, ModelRunner
+from .scheduler import Scheduler, StepBudget
 from .sequence import Sequence
+
+
+class TokenBudget(StepBudget):
+    """The step budget with chunked prefill: every token the step feeds the target, the running
+    sequences' first (a prompt mid-chunk with all it has left); a newcomer is admitted while some
+    is left, whatever its length (what does not fit is fed in chunks)."""
+
+    def __init__(self, max_num_batched_tokens: int, row: int):
+        """row: one sequence's verification step (its newest token and its draft slots)."""
+        if max_num_batched_tokens < row:  # (else the oldest could never step: a hang)
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one sequence's "
+                             f"verification step of {row} tokens (its newest token and {row - 1} draft slots): "
+                             f"raise it to {row} or more")
+        super().__init__(max_num_batched_tokens)
+
+    def left(self, scheduler: Scheduler, scheduled: list[Sequence]) -> int:
+        return self.max_num_batched_tokens - sum(step_feed(scheduler, s) for s in scheduled)
+
+    def fits(self, seq: Sequence, left: int) -> bool:
+        return left > 0
+
+    def cost(self, scheduler: Scheduler, seq: Sequence) -> int:
+        return step_feed(scheduler, seq)
+
+
+def step_feed(scheduler: Scheduler, seq: Sequence) -> int:
+    """The most tokens the next step feeds the target for seq: its uncached tokens (a prompt, or
+    a decode's newest token) plus the drafts it may get."""
+    return scheduler.step_tokens(seq) - seq.target_table.num_cached
 
 
 def plan_chunks(seqs: list[Sequence], budget: int, k: int) -> dict[int, int]:

@@ -13,11 +13,20 @@ at a settle point matters: it begins on a character boundary, so a byte-fallback
 Mistral), which replaces a whole run of byte tokens when the run is not valid UTF-8, decodes it
 as the whole output decodes it, and a SentencePiece word's leading space survives. A call thus
 decodes the tokens since the last settle point plus about 5 of context, whatever the length.
+
+The text side of a request lives here too: `TextState` (a sequence's `seq.text`, made when its
+text is first needed) holds its detokenizer and where stop strings cut the text. A sequence's
+`append` calls `match_stop_strings` once its output is past min_tokens, when its request has
+stop strings; `output_text` is what a request's output reads.
+
+Why the output stays exact: the text is a function of the token ids, which nothing here
+touches; a stop string only ends a request (as EOS does) after the token that completes it.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..io.tokenizer import CONTEXT_TOKENS
@@ -63,3 +72,54 @@ class IncrementalDetokenizer:
         if full.startswith(before):
             return full[len(before):]
         return "\ufffd" if full.endswith("\ufffd") else None
+
+
+@dataclass
+class TextState:
+    """One request's text side: its output's text so far and where a stop string cuts it."""
+
+    detokenizer: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)
+    stop_text_end: int | None = None  # output text is cut here when a stop string matched
+    stop_floor: int | None = None  # characters of the first min_tokens tokens' text (stop strings end past it)
+
+
+def text_state(seq) -> TextState:
+    """seq's text side, made on first use. (seq: a runtime.sequence.Sequence, here and below; not
+    imported, as sequence.py imports this module.)"""
+    if seq.text is None:
+        seq.text = TextState()
+    return seq.text
+
+
+def full_text(seq, tokenizer: Decoder) -> str:
+    """What the output ids add after the prompt, decoded incrementally, less the last token's text
+    when an EOS or a stop token ended the request (vLLM leaves it out, unless
+    include_stop_str_in_output)."""
+    ids = seq.output_ids
+    if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and not seq.params.include_stop_str_in_output:
+        ids = ids[:-1]
+    return text_state(seq).detokenizer.text(tokenizer, seq.prompt_ids, ids)
+
+
+def output_text(seq, tokenizer: Decoder) -> str:
+    """The request's output text, cut before a matched stop string (after it, with
+    include_stop_str_in_output)."""
+    text = full_text(seq, tokenizer)
+    end = text_state(seq).stop_text_end
+    return text if end is None else text[:end]
+
+
+def match_stop_strings(seq, tokenizer: Decoder) -> None:
+    """The earliest stop string in the output text that ends past the text of the first
+    min_tokens tokens (vLLM's rule) ends the request; its text ends before the string, or after
+    it with include_stop_str_in_output. Called once the output is longer than min_tokens."""
+    p, state = seq.params, text_state(seq)
+    text = full_text(seq, tokenizer)
+    if state.stop_floor is None:
+        state.stop_floor = len(tokenizer.decode_after(seq.prompt_ids, seq.output_ids[: p.min_tokens])) if p.min_tokens else 0
+    floor = state.stop_floor
+    hits = [(i, s) for i, s in ((text.find(s, max(0, floor - len(s) + 1)), s) for s in p.stop) if i >= 0]
+    if hits:
+        i, stop = min(hits)
+        state.stop_text_end = i + len(stop) if p.include_stop_str_in_output else i
+        seq.finish_reason, seq.stop_reason = "stop", stop

@@ -6,8 +6,8 @@ A sequence's token at position t lives in page `block_table[t // page_size]`, ro
 draft tokens is `truncate(n)`: positions >= n are forgotten and pages no longer needed go back to
 the free list. Nothing is copied: stale K/V rows in a kept page are simply overwritten later.
 
-Every page has one owner at a time, except with prefix caching (prefix_cache.py): there a full
-page of committed K/V may be held by several tables, is never written, and is never truncated.
+Every page has one owner at a time here. A feature that shares pages between tables subclasses the
+allocator and the table; the core only allocates, reserves, truncates on rollback and frees.
 """
 
 from __future__ import annotations
@@ -95,7 +95,6 @@ class BlockTable:
     page_size: int
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions 0..num_cached-1 hold valid K/V
-    keys: list[bytes] = field(default_factory=list)  # prefix caching: keys of the leading full pages registered
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -122,20 +121,17 @@ class BlockTable:
         """Roll back to the first `num_tokens` positions and free the pages past them (no copy)."""
         if num_tokens < 0:
             raise ValueError(f"cannot truncate to {num_tokens} tokens")
-        if num_tokens < len(self.keys) * self.page_size:  # (a rollback never goes below committed tokens)
-            raise ValueError(f"truncating to {num_tokens} tokens would cut into a registered page of committed K/V "
-                             f"({len(self.keys)} pages of {self.page_size}), which other sequences may share")
         self.num_cached = min(self.num_cached, num_tokens)
         keep = self.pages_for(num_tokens)
         while len(self.pages) > keep:
             allocator.release(self.pages)
 
     def free(self, allocator: PageAllocator) -> None:
-        """Release every page, first to last (with prefix caching, the first become the least
-        recently used). Interrupted part-way, the pages not released yet are still the table's."""
+        """Release every page, first to last (an allocator that keeps released pages sees the first
+        as the least recently used). Interrupted part-way, the pages not released yet are still the table's."""
         while self.pages:
             allocator.release(self.pages, 0)
-        self.num_cached, self.keys = 0, []
+        self.num_cached = 0
 
     def slots(self, start: int, end: int) -> list[int]:
         """Pool slots (page * page_size + offset) of positions start..end-1 (they must be reserved)."""
@@ -146,9 +142,9 @@ class BlockTable:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On CPU from numpy's calloc: the OS maps zero pages and backs them with memory
-    only when they are first written, so a large pool costs nothing until pages are used (a
-    memset of a 1 GiB pool takes about a second). Every element still reads as 0."""
+    """A zero tensor. On CPU from numpy's zeros (calloc): the OS maps zero pages and backs them
+    with memory only when they are first written, so building a large pool does not write every
+    byte of it up front, as torch.zeros does. Every element still reads as 0."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
@@ -160,7 +156,7 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
                  allocator: type[PageAllocator] = PageAllocator):
-        """allocator: the page allocator's class (prefix_cache.CachingAllocator shares pages)."""
+        """allocator: the page allocator's class (a subclass may share pages between tables)."""
         if num_pages < 1:
             raise ValueError(f"KV cache needs at least one page, got {num_pages}")
         if page_size < 1:

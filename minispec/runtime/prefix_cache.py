@@ -21,6 +21,12 @@ are fed: the head drafts from the target's features of the position before the n
 preempted sequence readmitted onto pages cached up to its newest token would otherwise have none
 and skip a draft, which under the standard rule changes what a seeded request samples.
 
+How it plugs in. The pools' allocator is a `CachingAllocator` (a PageAllocator subclass) and each
+sequence's tables are `PrefixTable`s (a BlockTable subclass that remembers the keys of its
+registered pages and refuses a rollback into them); `PrefixCache` is the scheduler's admission
+hook (`Admission`: `attach` shares the cached pages of a sequence being admitted, `admitted`
+counts the hit), and the engine calls `commit` after each step's rollback.
+
 Pages. `CachingAllocator` counts the block tables holding each page. At 0 a registered page is
 kept, evictable, least recently used first; allocation takes a free page first and evicts only
 when none is left, so the cache holds what the running sequences leave free.
@@ -30,10 +36,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .kv_cache import BlockTable, KVPoolExhausted, PageAllocator
+from .scheduler import Admission
 
 
 def page_keys(tokens: list[int], page_size: int, num_pages: int, lookahead: int = 0, parent: bytes = b"",
@@ -171,7 +179,26 @@ class CachingAllocator(PageAllocator):
         return pages
 
 
-class PrefixCache:
+@dataclass
+class PrefixTable(BlockTable):
+    """A block table whose leading full pages may be registered (shared, never written): it keeps
+    their keys, and refuses a rollback below them (a rollback never goes below committed tokens,
+    so one that does is a caller's bug, which would write a page other sequences may read)."""
+
+    keys: list[bytes] = field(default_factory=list)  # keys of the leading full pages registered
+
+    def truncate(self, num_tokens: int, allocator: PageAllocator) -> None:
+        if 0 <= num_tokens < len(self.keys) * self.page_size:
+            raise ValueError(f"truncating to {num_tokens} tokens would cut into a registered page of committed K/V "
+                             f"({len(self.keys)} pages of {self.page_size}), which other sequences may share")
+        super().truncate(num_tokens, allocator)
+
+    def free(self, allocator: PageAllocator) -> None:
+        super().free(allocator)
+        self.keys = []
+
+
+class PrefixCache(Admission):
     """Prefix caching over a sequence's pools: one `CachingAllocator` each, and the lookahead of
     each pool's keys. `attach` gives a sequence being admitted the pages it can share; `commit`
     registers the pages a step filled with committed K/V. Counts tokens looked up and found
@@ -188,15 +215,18 @@ class PrefixCache:
 
     def attach(self, seq) -> int:
         """Share the longest run of cached pages that every pool has for seq's tokens, leaving at
-        least the min_fed newest tokens to feed; seq's tables must be empty. Returns the tokens
-        found (the caller counts them, and len(seq) queried, once the sequence is admitted)."""
+        least the min_fed newest tokens to feed; seq's tables must be empty PrefixTables. Returns
+        the tokens found (counted by `admitted` once the sequence is admitted)."""
         tokens, P = seq.tokens, self.page_size
         usable = max(0, len(tokens) - self.min_fed) // P
         keys = [page_keys(tokens, P, min(usable, (len(tokens) - lookahead) // P), lookahead) for _, _, lookahead in self.pools]
         found = [allocator.lookup(k) for (_, allocator, _), k in zip(self.pools, keys)]
         hit = min(len(pages) for pages in found)
         for (which, allocator, _), pool_keys, pages in zip(self.pools, keys, found):
-            table: BlockTable = seq.table(which)
+            table: PrefixTable = seq.table(which)
+            if not isinstance(table, PrefixTable):
+                raise TypeError(f"prefix caching needs PrefixTables, got a {type(table).__name__} "
+                                "(Sequence(..., table_type=PrefixTable))")
             assert not table.pages, "attach needs a sequence with empty block tables"
             # Keys first: a page the table holds below its keys is one it never writes. Interrupted
             # part-way, the pages shared so far are the table's, released when it is freed.
@@ -206,12 +236,20 @@ class PrefixCache:
             table.num_cached = hit * P
         return hit * P
 
+    def admitted(self, seq, cached: int) -> None:
+        """Count a sequence admitted with `cached` of its tokens found (vLLM counts tokens); its
+        first admission's hit is its request's num_cached_tokens."""
+        self.queries += len(seq)
+        self.hits += cached
+        if not seq.num_preemptions:
+            seq.metrics.num_cached_tokens = cached
+
     def commit(self, seq) -> None:
         """Register every full page of seq's tables below its cached positions not registered yet
         (called after a step's rollback: what is cached then is committed)."""
         tokens, P = seq.tokens, self.page_size
         for which, allocator, lookahead in self.pools:
-            table: BlockTable = seq.table(which)
+            table: PrefixTable = seq.table(which)
             full, done = min(table.num_cached, len(tokens) - lookahead) // P, len(table.keys)
             if full > done:
                 table.keys += page_keys(tokens, P, full, lookahead, table.keys[-1] if done else b"", first=done)

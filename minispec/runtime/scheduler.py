@@ -2,10 +2,8 @@
 
 Every step, running sequences keep their place, and waiting ones are admitted in arrival order
 while there are free slots (`max_num_seqs`), room in the step's token budget
-(`max_num_batched_tokens`) and KV pages. Without chunked prefill the budget counts the prompts
-admitted in the step (one longer than all of it is admitted when nothing else runs); with it,
-every token the step feeds the target (`step_feed`: the running sequences' too), so a newcomer is
-admitted only while the running ones leave some of it (runtime/chunked_prefill.py splits it).
+(`max_num_batched_tokens`) and KV pages. The budget counts the uncached prompt tokens admitted in
+the step (one prompt longer than all of it is admitted when nothing else runs).
 A finished sequence frees its slot and pages at once, so a waiting one joins on the very next
 step. Before a step each running sequence reserves the pages the step may write (`step_tokens`:
 its tokens plus the drafts it may get, in every model's pool), so a step never runs out of pages
@@ -15,10 +13,16 @@ When a pool runs dry, the most recently admitted sequence is preempted: its page
 it goes back to the front of the queue, to be recomputed from its tokens when pages free up (its
 output so far is kept, and its random numbers are keyed by position, randomness.py, so the
 preemption does not change what it samples). Its drafter's state (`seq.draft_state`) goes with its pages: it described
-them, and the pages the sequence gets back (recomputed, or shared from the prefix cache up to
-its newest token) are others. A step that preempted admits nobody new, so freed pages go to the
+them, and the pages the sequence gets back (recomputed, or cached ones its admission finds, up
+to its newest token) are others. A step that preempted admits nobody new, so freed pages go to the
 survivors instead of to a newcomer that would be preempted again next step. The oldest running
 sequence is never preempted by a younger one, so it always progresses and nothing livelocks.
+
+Two extension points, each an object whose default here is the plain behaviour:
+  * `Admission`: what a sequence being admitted already has cached (`attach`, before its pages
+    are reserved) and what to note once it is in (`admitted`);
+  * `StepBudget`: how the step's token budget is counted (what is left for newcomers once the
+    running sequences are scheduled, whether one more fits, what it costs).
 
 A sequence holding pages is always in `waiting` or `running` (for a moment, in both), and leaves
 them only once its pages are freed: whatever exception stops a step (a KeyboardInterrupt
@@ -30,24 +34,49 @@ from __future__ import annotations
 from collections import deque
 
 from .kv_cache import KVPoolExhausted
-from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .sequence import Sequence, Status
+
+
+class Admission:
+    """The admission hook: the default admits a sequence with nothing cached."""
+
+    def attach(self, seq: Sequence) -> int:
+        """Give seq (its tables empty) whatever K/V is already cached for its tokens; return how
+        many tokens that covers (its tables' num_cached). Freed again if seq does not fit."""
+        return 0
+
+    def admitted(self, seq: Sequence, cached: int) -> None:
+        """seq is admitted, `cached` of its tokens found by `attach`."""
+
+
+class StepBudget:
+    """The step's token budget, counted over the prompts admitted in the step: each costs its
+    uncached tokens, and one that does not fit waits unless nothing else is scheduled."""
+
+    def __init__(self, max_num_batched_tokens: int):
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def left(self, scheduler: "Scheduler", scheduled: list[Sequence]) -> int:
+        """What the running sequences scheduled this step leave for newcomers."""
+        return self.max_num_batched_tokens
+
+    def fits(self, seq: Sequence, left: int) -> bool:
+        return len(seq) <= left
+
+    def cost(self, scheduler: "Scheduler", seq: Sequence) -> int:
+        return len(seq) - seq.target_table.num_cached  # (a cached prefix is not fed)
 
 
 class Scheduler:
     def __init__(
         self, runners: list[tuple[ModelRunner, str]], k: int, max_num_seqs: int, max_num_batched_tokens: int,
-        tree_slots: int = 0, prefix_cache: PrefixCache | None = None, chunked_prefill: bool = False,
+        tree_slots: int = 0, admission: Admission | None = None, budget: StepBudget | None = None,
     ):
+        """admission, budget: the extension points (module docstring); None: the defaults."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1, "
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
-        row = 1 + (tree_slots or k)  # one sequence's verification: its newest token and its drafts
-        if chunked_prefill and max_num_batched_tokens < row:  # (else the oldest could never step: a hang)
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one sequence's "
-                             f"verification step of {row} tokens (its newest token and {row - 1} draft slots): "
-                             f"raise it to {row} or more")
         self.runners = runners  # (runner, "target" | "draft"): the pools every sequence needs pages in
         self.k = k
         self.tree_slots = tree_slots  # a tree drafter's: the slots one step writes past the sequence
@@ -56,8 +85,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0  # over the engine's life (each sequence counts its own)
-        self.prefix_cache = prefix_cache  # a sequence being admitted first shares the cached pages of its prefix
-        self.chunked_prefill = chunked_prefill  # a prompt past the budget is admitted while some is left: it is fed in chunks
+        self.admission = admission or Admission()
+        self.budget = budget or StepBudget(max_num_batched_tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,11 +102,6 @@ class Scheduler:
         if self.tree_slots:
             return len(seq) + (self.tree_slots if seq.remaining > 1 else 0)
         return len(seq) + max(0, min(self.k, seq.remaining - 1))
-
-    def step_feed(self, seq: Sequence) -> int:
-        """The most tokens the next step feeds the target for seq: its uncached tokens (a prompt,
-        or a decode's newest token) plus the drafts it may get, what chunked prefill budgets."""
-        return self.step_tokens(seq) - seq.target_table.num_cached
 
     def _reserve(self, seq: Sequence) -> bool:
         """Reserve pages for one step of seq in every pool. On failure, pages already reserved
@@ -118,28 +142,22 @@ class Scheduler:
                 scheduled.append(seq)
         if preempted and scheduled:
             return scheduled
-        budget = self.max_num_batched_tokens
-        if self.chunked_prefill:  # the running sequences come first, a prompt mid-chunk with all it has left
-            budget -= sum(self.step_feed(s) for s in scheduled)
+        left = self.budget.left(self, scheduled)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if (budget <= 0 if self.chunked_prefill else len(seq) > budget) and scheduled:
-                break  # (without chunks, a prompt longer than the whole budget still runs, alone)
-            hit = self.prefix_cache.attach(seq) if self.prefix_cache is not None else 0  # (freed again if it does not fit)
+            if not self.budget.fits(seq, left) and scheduled:
+                break  # (what does not fit still runs alone)
+            cached = self.admission.attach(seq)  # (freed again if it does not fit)
             if not self._reserve(seq):
                 if not self.running:  # the engine checks at add time that this cannot happen
                     raise KVPoolExhausted(f"request {seq.request_id} does not fit in an empty KV pool")
                 break
-            if self.prefix_cache is not None:  # (vLLM counts tokens)
-                self.prefix_cache.queries += len(seq)
-                self.prefix_cache.hits += hit
-                if not seq.num_preemptions:
-                    seq.metrics.num_cached_tokens = hit
+            self.admission.admitted(seq, cached)
             self.running.append(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             scheduled.append(seq)
-            budget -= self.step_feed(seq) if self.chunked_prefill else len(seq) - hit  # (a prefix cache hit is not fed)
+            left -= self.budget.cost(self, seq)
         return scheduled
 
     def finish(self, seq: Sequence) -> None:
