@@ -366,7 +366,7 @@ def test_loaded_models_are_fused_and_save_under_checkpoint_names(tiny_llama):
     back into the checkpoint's own tensors, bit for bit."""
     from safetensors.torch import load_file
 
-    from minispec.model.llama import checkpoint_state_dict
+    from minispec.fast.fusion import checkpoint_state_dict
 
     model, _ = minispec.load_checkpoint(tiny_llama, dtype="float32", backend="torch")
     assert model.layers[0].self_attn.qkv_proj is not None and model.layers[0].mlp.gate_up_proj is not None

@@ -175,7 +175,7 @@ class StaticShapes:
         sent = self.runner.staging.send(upload)
         for name, (buf, _) in arrays.items():
             buf.copy_(sent[name])  # (device to device)
-        m.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
+        m.attention_plan = None  # the backend's per-forward plan is rebuilt from the new values
         return sent["static_logit_rows"], int(starts[len(feeds)])
 
     def bind(self, bucket: Bucket, model_args: dict, num_rows: int | None = None) -> dict:
