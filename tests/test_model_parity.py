@@ -375,3 +375,13 @@ def test_loaded_models_are_fused_and_save_under_checkpoint_names(tiny_llama):
     assert set(ours) == set(saved)
     for name, tensor in saved.items():
         assert torch.equal(ours[name], tensor.float()), name
+
+
+def test_the_decoder_file_names_no_optional_room():
+    """model/llama.py is the decoder a learner reads: the marks optional rooms leave on a model
+    (model/features.py) and the fusion and state-dict plumbing (fast/fusion.py) live in their
+    rooms, so the model file names none of them."""
+    source = (Path(minispec.__file__).parent / "model" / "llama.py").read_text()
+    for name in ("quantization", "cpu_matmul", "row_invariant", "vocab_ids", "fused_state", "checkpoint_state_dict",
+                 "fuse_projections"):
+        assert name not in source, name
