@@ -1,8 +1,10 @@
 """The dense masked softmax behind the plain-torch reference twins.
 
 `flash_prefill_ref` and `paged_attention_ref` gather each sequence's keys and values and call
-`masked_attention`. These references are also minispec's CPU attention backend, so they loop
-over sequences (not over heads or tokens) and compute in fp32.
+`masked_attention`: one fp32 masked softmax per sequence for all its new tokens and heads.
+`visible_keys` is the whole mask rule (causal, sliding window, tree) in torch. The torch backend
+prefills with `flash_prefill_ref` as it is; its paged attention (minispec/fast/attention_plans.py)
+runs the same math and mask batched over sequences.
 """
 
 import torch

@@ -4,8 +4,9 @@
   oneDNN's prepacked weight for bf16, an fp32 upcast for many rows) equal `F.linear`, and whole
   forwards give the same logits either way (fp32: also the same greedy tokens of a speculative
   run); the loader swaps in whichever variant it timed fastest on this CPU;
-* the torch attention backend builds its batch indices (`paged_attention.ref_plan`) once per
-  forward and shares them across layers, with the same output as building them per layer;
+* the torch attention backend's batched paged attention (fast/attention_plans.py) equals the
+  kernel's plain twin, and builds its batch indices (`plan_paged_attention`) once per forward,
+  shared across layers, with the same output as building them per layer;
 * greedy verification (`greedy_verify`: one argmax, no sampling) equals `rejection_sample` on the
   warped one-hot rows, for random logits with planted ties and random draft runs.
 """
@@ -22,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint
+from minispec.fast.attention_plans import BATCHED_MAX_QUERY_LEN, paged_attention_cpu, plan_paged_attention
 from minispec.fast import cpu_linear
 from minispec.fast.cpu_linear import (
     UPCAST_ROWS,
@@ -37,6 +39,8 @@ from minispec.fast.cpu_caps import cpu_caps
 from minispec.io.eagle_checkpoint import load_eagle
 from minispec.sampling import warp_probs
 from minispec.speculative import greedy_verify, rejection_sample
+from minispec_kernels.paged_attention import paged_attention_ref
+from test_kernels import PagedBatch, head_shapes, seeds, windows
 
 
 @settings(max_examples=40, deadline=None)
@@ -250,7 +254,7 @@ def test_a_loaded_prepacked_model_holds_each_weight_once(tiny_llama, monkeypatch
     """The loader keeps only the packed copy of each linear weight it owns; a tied lm_head keeps
     the embedding's W (the embedding needs it). Logits and the checkpoint's tensors are unchanged."""
     from minispec.io.checkpoint import read_safetensors
-    from minispec.model.llama import checkpoint_state_dict
+    from minispec.fast.fusion import checkpoint_state_dict
 
     monkeypatch.setenv("MINISPEC_CPU_MATMUL", "prepacked")
     model, _ = load_checkpoint(tiny_llama, dtype=dtype, device="cpu")
@@ -299,17 +303,17 @@ def test_bf16_logits_do_not_depend_on_prepacking(tiny_llama):
 
 
 def test_attention_indices_are_built_once_per_forward(tiny_llama, monkeypatch):
-    """Two layers, one decode forward: ref_plan runs once, and the output equals a run that
-    builds the indices in every layer."""
+    """Two layers, one decode forward: the CPU attention plan is built once, and the output equals
+    a run that builds it in every layer."""
     model, tok = load_checkpoint(tiny_llama, dtype=torch.float32, device="cpu")
     calls = []
-    original = model.backend._ref_plan
+    original = model.backend._plan
 
     def counting(*args):
         calls.append(args)
         return original(*args)
 
-    monkeypatch.setattr(model.backend, "_ref_plan", counting)
+    monkeypatch.setattr(model.backend, "_plan", counting)
     llm = LLM(model=(model, tok), kv_cache_gib=0.01)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     shared = llm.generate(["hello world"], params)[0].token_ids
@@ -317,12 +321,45 @@ def test_attention_indices_are_built_once_per_forward(tiny_llama, monkeypatch):
     assert model.cfg.num_layers == 2
 
     def per_layer(backend, q, k, v, kv_cache, meta, sm_scale, sliding_window, call=type(model.backend).__call__):
-        meta.ref_plan = None  # forget the plan: every layer rebuilds it
+        meta.attention_plan = None  # forget the plan: every layer rebuilds it
         return call(backend, q, k, v, kv_cache, meta, sm_scale, sliding_window)
 
     monkeypatch.setattr(type(model.backend), "__call__", per_layer)  # (the backend also runs the layer's glue)
     assert LLM(model=(model, tok), kv_cache_gib=0.01).generate(["hello world"], params)[0].token_ids == shared
     assert len(calls) == 2 + 2 * model.cfg.num_layers
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(seq_lens=st.lists(st.integers(1, 40), min_size=1, max_size=5), data=st.data(),
+       page_size=st.sampled_from([1, 4, 16]), heads=head_shapes, window=windows, seed=seeds)
+def test_cpu_attention_plan_equals_the_twin(seq_lens, data, page_size, heads, window, seed):
+    """The torch backend's batched paged attention (fast/attention_plans.py: sequences with few new
+    tokens batched together, even when mixed with sequences without new tokens or with whole
+    prompts, which loop) gives the kernel twin's per-sequence output, over NaN-filled unused pages."""
+    q_lens = [data.draw(st.one_of(st.integers(0, min(n, BATCHED_MAX_QUERY_LEN)), st.just(n))) for n in seq_lens]
+    q_lens[0] = max(q_lens[0], 1)
+    (num_kv_heads, group, head_dim) = heads
+    batch = PagedBatch(seq_lens, q_lens, page_size=page_size, num_q_heads=num_kv_heads * group,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.float32, seed=seed)
+    batched = paged_attention_cpu(*batch.args(), sm_scale=0.3, sliding_window=window)
+    looped = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window)
+    assert not batched.isnan().any()
+    # Two fp32 reduction orders: CI met a 1.4e-6 difference (seq_lens [1, 1, 1, 7, 1], seed 124).
+    torch.testing.assert_close(batched, looped, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lone_decode_row_takes_no_mask_and_a_window_or_a_ragged_batch_do():
+    """The CPU plan's decode batch skips the mask when it hides no key (one sequence, no window):
+    right then (float64 reference), and the mask is still there when a window or a shorter
+    sequence beside a longer one hides keys (a plan that dropped it would attend to them)."""
+    for seq_lens, window, masked in (([37], None, False), ([37], 8, True), ([37, 12], None, True)):
+        batch = PagedBatch(seq_lens, [1] * len(seq_lens), page_size=8, num_q_heads=4, num_kv_heads=2,
+                           head_dim=16, dtype=torch.float32, seed=5)
+        plan = plan_paged_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 8, window)
+        assert (plan.short.hidden is not None) == masked
+        out = paged_attention_cpu(*batch.args(), sm_scale=0.3, sliding_window=window, plan=plan)
+        torch.testing.assert_close(out.cpu().double(), batch.naive(sm_scale=0.3, sliding_window=window),
+                                   atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=60, deadline=None)

@@ -31,7 +31,8 @@ from minispec_kernels.silu_mul import silu_mul, silu_mul_ref
 
 from minispec.model.attention import AttentionBackend
 from minispec.model.config import ModelConfig
-from minispec.model.llama import Transformer, apply_rope, fuse_projections, rope_tables
+from minispec.fast.fusion import fuse_projections
+from minispec.model.llama import Transformer, apply_rope, rope_tables
 from minispec.runtime.kv_cache import BlockTable, KVCache
 from minispec.runtime.runner import Feed, ModelRunner
 

@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # Importing a kernel module selects Triton's interpreter when there is no CUDA (kernels/_triton.py).
-from minispec_kernels import paged_attention as pa
 from minispec_kernels._checks import should_validate
 from minispec_kernels.flash_prefill import flash_prefill, flash_prefill_ref
 from minispec_kernels.kv_write import write_kv, write_kv_ref
@@ -223,41 +222,6 @@ def test_paged_attention_ref_matches_naive_float64(lens, page_size, heads, windo
     out = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window)
     expected = batch.naive(sm_scale=0.3, sliding_window=window)
     torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=1e-5)
-
-
-@settings(max_examples=30, deadline=None, derandomize=True)
-@given(seq_lens=st.lists(st.integers(1, 40), min_size=1, max_size=5), data=st.data(),
-       page_size=st.sampled_from([1, 4, 16]), heads=head_shapes, window=windows, seed=seeds)
-def test_batched_decode_ref_equals_per_sequence_loop(seq_lens, data, page_size, heads, window, seed):
-    """The reference's batched path (sequences with few new tokens, batched together even when
-    mixed with sequences without new tokens or with whole prompts, which loop) gives the
-    per-sequence loop's output, over NaN-filled unused pages."""
-    q_lens = [data.draw(st.one_of(st.integers(0, min(n, pa.BATCHED_REF_MAX_QUERY_LEN)), st.just(n))) for n in seq_lens]
-    q_lens[0] = max(q_lens[0], 1)
-    (num_kv_heads, group, head_dim) = heads
-    batch = PagedBatch(seq_lens, q_lens, page_size=page_size, num_q_heads=num_kv_heads * group,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.float32, seed=seed)
-    batched = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(pa, "BATCHED_REF_MAX_QUERY_LEN", 0)  # force the loop
-        looped = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window)
-    assert not batched.isnan().any()
-    # Two fp32 reduction orders: CI met a 1.4e-6 difference (seq_lens [1, 1, 1, 7, 1], seed 124).
-    torch.testing.assert_close(batched, looped, atol=1e-5, rtol=1e-5)
-
-
-def test_a_lone_decode_row_takes_no_mask_and_a_window_or_a_ragged_batch_do():
-    """The twin's decode batch skips the mask when its plan hides no key (one sequence, no window):
-    right then (float64 reference), and the mask is still there when a window or a shorter
-    sequence beside a longer one hides keys (a plan that dropped it would attend to them)."""
-    for seq_lens, window, masked in (([37], None, False), ([37], 8, True), ([37, 12], None, True)):
-        batch = PagedBatch(seq_lens, [1] * len(seq_lens), page_size=8, num_q_heads=4, num_kv_heads=2,
-                           head_dim=16, dtype=torch.float32, seed=5)
-        plan = pa.ref_plan(batch.block_tables, batch.seq_lens, batch.query_start_loc, 8, window)
-        assert (plan.short.hidden is not None) == masked
-        out = paged_attention_ref(*batch.args(), sm_scale=0.3, sliding_window=window, plan=plan)
-        torch.testing.assert_close(out.cpu().double(), batch.naive(sm_scale=0.3, sliding_window=window),
-                                   atol=1e-5, rtol=1e-5)
 
 
 def test_decode_batch_with_different_context_lengths():

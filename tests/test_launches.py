@@ -31,7 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minispec.model.attention import AttentionBackend
 from minispec.model.config import ModelConfig
-from minispec.model.llama import Transformer, fuse_projections
+from minispec.fast.fusion import fuse_projections
+from minispec.model.llama import Transformer
 from minispec.runtime.kv_cache import BlockTable, KVCache
 from minispec.runtime.runner import Feed, ModelRunner
 from minispec_kernels import paged_attention

@@ -366,7 +366,7 @@ def test_loaded_models_are_fused_and_save_under_checkpoint_names(tiny_llama):
     back into the checkpoint's own tensors, bit for bit."""
     from safetensors.torch import load_file
 
-    from minispec.model.llama import checkpoint_state_dict
+    from minispec.fast.fusion import checkpoint_state_dict
 
     model, _ = minispec.load_checkpoint(tiny_llama, dtype="float32", backend="torch")
     assert model.layers[0].self_attn.qkv_proj is not None and model.layers[0].mlp.gate_up_proj is not None
@@ -375,3 +375,13 @@ def test_loaded_models_are_fused_and_save_under_checkpoint_names(tiny_llama):
     assert set(ours) == set(saved)
     for name, tensor in saved.items():
         assert torch.equal(ours[name], tensor.float()), name
+
+
+def test_the_decoder_file_names_no_optional_room():
+    """model/llama.py is the decoder a learner reads: the marks optional rooms leave on a model
+    (model/features.py) and the fusion and state-dict plumbing (fast/fusion.py) live in their
+    rooms, so the model file names none of them."""
+    source = (Path(minispec.__file__).parent / "model" / "llama.py").read_text()
+    for name in ("quantization", "cpu_matmul", "row_invariant", "vocab_ids", "fused_state", "checkpoint_state_dict",
+                 "fuse_projections"):
+        assert name not in source, name

@@ -44,8 +44,9 @@ from minispec.runtime.layout import tree_layout
 from minispec.runtime.runner import Feed, TreeFeed
 from minispec.sampling import warp_probs
 from minispec.speculative_tree import walk_one
-import minispec_kernels.paged_attention
+import minispec.fast.attention_plans
 import minispec_kernels.reference
+from minispec.fast.attention_plans import paged_attention_cpu
 from minispec_kernels.paged_attention import paged_attention, paged_attention_ref
 from minispec_kernels.reference import visible_keys
 from test_kernels import PagedBatch
@@ -385,7 +386,7 @@ def non_ancestor_attention(monkeypatch):
     def causal(query, key, sliding_window, bits=None, start=None):
         return visible_keys(query, key, sliding_window)
 
-    for module in (minispec_kernels.paged_attention, minispec_kernels.reference):  # the torch twins' mask
+    for module in (minispec.fast.attention_plans, minispec_kernels.reference):  # the torch backend's mask
         monkeypatch.setattr(module, "visible_keys", causal)
 
 
@@ -637,7 +638,7 @@ def test_tree_options_are_checked_by_name(models):
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), page_size=st.sampled_from([1, 4, 16]), group=st.sampled_from([1, 2, 4]),
        seed=st.integers(0, 2**31 - 1))
-def test_tree_mask_in_kernel_and_twin_matches_a_float64_masked_softmax(data, page_size, group, seed):
+def test_tree_mask_in_kernel_twin_and_cpu_plan_matches_a_float64_masked_softmax(data, page_size, group, seed):
     """Sequences with and without a tree in one launch: a node sees the prefix and its ancestors,
     and a sliding window measures positions (a node's is its root's plus its depth), not keys."""
     B = data.draw(st.integers(1, 3))
@@ -656,6 +657,7 @@ def test_tree_mask_in_kernel_and_twin_matches_a_float64_masked_softmax(data, pag
     tree = dict(tree_start=torch.tensor(prefixes, dtype=torch.int32), tree_bits=torch.tensor(bits, dtype=torch.int64))
     out = paged_attention(*batch.args(), sm_scale=0.25, sliding_window=window, **tree, block_n=16)
     ref = paged_attention_ref(*batch.args(), sm_scale=0.25, sliding_window=window, **tree)
+    cpu = paged_attention_cpu(*batch.args(), sm_scale=0.25, sliding_window=window, **tree)  # the torch backend's
     expected = []
     starts = batch.query_start_loc.tolist()
     for b, (t, q_len) in enumerate(zip(trees, q_lens)):
@@ -674,6 +676,7 @@ def test_tree_mask_in_kernel_and_twin_matches_a_float64_masked_softmax(data, pag
             expected.append(torch.einsum("hgl,lhd->hgd", weights, v).reshape(2 * group, 16))
     expected = torch.stack(expected)
     torch.testing.assert_close(ref.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 

@@ -119,7 +119,8 @@ def random_transformer(dims: dict, seed: int, device: torch.device, dtype: torch
     own build_model: the same fused layout a checkpoint gets)."""
     from minispec.io.checkpoint import build_model
     from minispec.model.config import ModelConfig
-    from minispec.model.llama import Transformer, checkpoint_state_dict
+    from minispec.fast.fusion import checkpoint_state_dict
+    from minispec.model.llama import Transformer
 
     cfg = ModelConfig.from_hf(hf_config(dims, max_positions))
     with torch.device("meta"):
@@ -136,7 +137,7 @@ def random_eagle_head(target, head: dict, seed: int):
     draft vocabulary the first draft_vocab_size ids (io/eagle_checkpoint.build_eagle: the loader's path)."""
     from minispec.io.eagle_checkpoint import build_eagle
     from minispec.model.eagle import EagleConfig, EagleModel, default_aux_layers
-    from minispec.model.llama import checkpoint_state_dict
+    from minispec.fast.fusion import checkpoint_state_dict
 
     t = target.cfg
     layer = replace(t, num_layers=1, intermediate_size=head["intermediate_size"], tie_word_embeddings=False,

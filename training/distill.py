@@ -142,7 +142,7 @@ def hidden_states(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
     for layer in model.layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q, k, v = attn.project(h)
+        q, k, v = attn.project(h).split(attn.qkv_sizes, dim=-1)
         q = q.reshape(B, L, cfg.num_heads, cfg.head_dim)  # [B, L, Hq, D]
         k = k.reshape(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]
         v = v.reshape(B, L, cfg.num_kv_heads, cfg.head_dim)  # [B, L, Hkv, D]

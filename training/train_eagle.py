@@ -178,7 +178,7 @@ def unrolled_logits(model: EagleModel, ids: torch.Tensor, feats: torch.Tensor, s
         normed = layer.hidden_norm(feature)
         x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)  # [B, T, 2H]
         cos, sin = rope_tables(torch.arange(T, device=ids.device) + i, model.inv_freq, x.dtype)  # [T, 1, D]
-        q, k, v = attn.project(x)
+        q, k, v = attn.project(x).split(attn.qkv_sizes, dim=-1)
         q = apply_rope(q.reshape(B, T, Hq, D), cos, sin).transpose(1, 2)  # [B, Hq, T, D]
         k = apply_rope(k.reshape(B, T, Hkv, D), cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.reshape(B, T, Hkv, D).transpose(1, 2)

@@ -4,7 +4,8 @@ The model is written on plain `nn.Linear` (y = x W^T + b, W [out, in]). On a CPU
 default path is not always the fastest for the few rows of a decode (1) or a verification (k+1),
 and which variant helps depends on the CPU, so the loader times the ones that apply on the
 model's own weights and swaps every `nn.Linear` for the winner (`use_cpu_fast_paths`), as
-`fast/int8.py` swaps in int8 layers. All compute the same math:
+`fast/int8.py` swaps in int8 layers, and marks the model with the variant's name
+(`cpu_matmul`, model/features.py). All compute the same math:
 
 * `PrepackedLinear` (bf16 on a CPU with native bf16 matmuls; fp32 anywhere): oneDNN's blocked copy
   of W is made once instead of on every call. The copy doubles the memory of the linear weights;

@@ -1,4 +1,5 @@
-"""A quantized DRAFT: int4 weight-only linear layers (W4A16), for the draft model only.
+"""A quantized DRAFT: int4 weight-only linear layers (W4A16), for the draft model only. The model
+is marked `quantization = "int4"` (model/features.py).
 
 Why the output stays exact: speculative sampling accepts draft token x with probability
 min(1, p(x) / q(x)) and resamples rejections from norm(max(0, p - q)); the proof that the

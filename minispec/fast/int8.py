@@ -1,7 +1,8 @@
 """Int8 weights with dynamic per-row activation scales (W8A8), for target and draft alike.
 
 `quantize_model(model)` replaces every `nn.Linear` of a built model (the target, a draft model or an
-EAGLE head) with an `Int8Linear`; embeddings and norms stay in the compute dtype. Loaded models
+EAGLE head) with an `Int8Linear`; embeddings and norms stay in the compute dtype. It marks the
+model `quantization = "int8"` (model/features.py), which the loaders and other rooms check. Loaded models
 are first smoothed (smoothquant.py: activation outliers moved into the weights, calibrated on a
 short built-in text); an EAGLE head is not (its fc reads the target's raw residual stream). The quantized
 model is a different model from the fp32 one: speculative decoding stays exact with respect to

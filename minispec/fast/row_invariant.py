@@ -26,7 +26,8 @@ What torch's CPU kernels do (measured, docs/cpu-performance.md), and what is don
 
 The cost (a padded row per decode step and the invariant attention) is measured by bench.py and
 stated in docs/cpu-performance.md; it is an option because it exceeds 3% of a decode step on the
-CPUs measured. A draft model or EAGLE head needs none of this: any q is exact.
+CPUs measured. A draft model or EAGLE head needs none of this: any q is exact. The model is marked
+`row_invariant = True`, `cpu_matmul = "row_invariant"` (model/features.py).
 """
 
 from __future__ import annotations

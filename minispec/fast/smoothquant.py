@@ -28,7 +28,8 @@ import torch
 
 from torch import nn
 
-from ..model.llama import Transformer, fuse_projections
+from ..model.llama import Transformer
+from .fusion import fuse_projections
 from ..model.metadata import BatchMetadata
 
 ALPHA = 0.5

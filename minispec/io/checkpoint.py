@@ -19,7 +19,8 @@ from ..fast.int8 import check_quantization, quantize_model
 from ..fast.smoothquant import CALIBRATION_TEXT
 from ..model.attention import AttentionBackend
 from ..model.config import DTYPES, ModelConfig, rope_inv_freq
-from ..model.llama import Transformer, fuse_projections, fused_state
+from ..fast.fusion import fuse_projections, fused_state
+from ..model.llama import Transformer
 from .tokenizer import Tokenizer, read_json_object
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved

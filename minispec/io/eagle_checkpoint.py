@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from ..fast.cpu_linear import use_cpu_fast_paths
 from ..model.config import rope_inv_freq
 from ..model.eagle import EagleConfig, EagleModel
-from ..model.llama import Transformer, checkpoint_state_dict, fuse_projections
+from ..fast.fusion import checkpoint_state_dict, fuse_projections
+from ..model.llama import Transformer
 from .checkpoint import check_tensors, read_safetensors, resolve_dtype
 from .tokenizer import read_json_object
 

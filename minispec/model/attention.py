@@ -5,7 +5,10 @@ A backend (`torch` reference or `triton` kernels, from `minispec_kernels`: the t
 elementwise glue, fused on the Triton backend: the residual add with the RMSNorm after it
 (`add_rmsnorm`), RoPE with the K/V write (`rope_write`) and SwiGLU's silu(gate) * up
 (`silu_mul`); the torch and invariant backends run the kernels' torch twins, the model's own ops.
-Nothing is global: the metadata (metadata.py) is passed into every forward.
+For paged attention the torch backend runs the twin's math batched over the sequences
+(fast/attention_plans.py: on a CPU a decode's cost is its number of ops), its indices built once
+per forward and kept in the metadata's `attention_plan`. Nothing is global: the metadata
+(metadata.py) is passed into every forward.
 
 Backend choice: `triton` on CUDA, `torch` elsewhere; `MINISPEC_BACKEND=triton|torch` or the
 `backend=` argument overrides it (tests run the Triton kernels on CPU under TRITON_INTERPRET=1).
@@ -33,6 +36,8 @@ class AttentionBackend:
             raise ValueError(f"unknown attention backend {name!r} (use 'triton', 'torch' or 'invariant')")
         from minispec_kernels import add_rmsnorm, flash_prefill, paged_attention, rope_write, silu_mul
 
+        from ..fast.attention_plans import paged_attention_cpu, plan_paged_attention
+
         self.name = name
         if name == "triton":
             self._prefill, self._paged = flash_prefill.flash_prefill, paged_attention.paged_attention
@@ -42,7 +47,8 @@ class AttentionBackend:
             self._prefill, self._paged = flash_prefill.flash_prefill_ref, paged_attention.paged_attention_ref
             self._add_rmsnorm, self._rope_write = add_rmsnorm.add_rmsnorm_ref, rope_write.rope_write_ref
             self._silu_mul = silu_mul.silu_mul_ref
-            self._ref_plan = paged_attention.ref_plan
+        if name == "torch":  # paged attention: the twin's math, batched over sequences (module docstring)
+            self._paged, self._plan = paged_attention_cpu, plan_paged_attention
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,10 +78,10 @@ class AttentionBackend:
             pools, page_size = (k, v), None
         else:
             pools, page_size = (kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)), kv_cache[0].shape[1]
-        plan = meta.ref_plan
+        plan = meta.attention_plan
         if not isinstance(plan, InvariantPlan) or plan.sliding_window != sliding_window:
-            meta.ref_plan = invariant_plan(meta, page_size, sliding_window)
-        return invariant_attention(q, *pools, meta.ref_plan, sm_scale)
+            meta.attention_plan = invariant_plan(meta, page_size, sliding_window)
+        return invariant_attention(q, *pools, meta.attention_plan, sm_scale)
 
     def __call__(
         self,
@@ -104,10 +110,10 @@ class AttentionBackend:
             )
         extra = {}
         if self.name == "torch":  # indices shared by every layer of this forward
-            if meta.ref_plan is None:
-                meta.ref_plan = self._ref_plan(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                               kv_cache[0].shape[1], sliding_window, **tree)
-            extra["plan"] = meta.ref_plan
+            if meta.attention_plan is None:
+                meta.attention_plan = self._plan(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                                 kv_cache[0].shape[1], sliding_window, **tree)
+            extra["plan"] = meta.attention_plan
         return self._paged(
             q,
             kv_cache[0],

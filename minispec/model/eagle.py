@@ -26,6 +26,7 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import ModelConfig, rope_inv_freq
+from .features import ModelFeatures
 from .llama import MLP, Attention, RMSNorm, Transformer, rope_tables
 from .metadata import BatchMetadata
 
@@ -103,14 +104,12 @@ class EagleLayer(nn.Module):
         return r + self.mlp(h, backend)
 
 
-class EagleModel(nn.Module):
+class EagleModel(ModelFeatures, nn.Module):
     """`forward(input_ids [T], meta, kv_caches, hidden, project) -> (logits [N, V_d], g [N, H])`.
 
     hidden: [T, 3H] target features (project=True: through fc) or [T, H] draft outputs.
-    The target's embedding is held as a non-persistent buffer: shared, never saved."""
-
-    quantization: str | None = None  # "int8" once fast/int8.py swapped its layers in
-    cpu_matmul: str | None = None  # the CPU variant of nn.Linear in use (fast/cpu_linear.py)
+    The target's embedding is held as a non-persistent buffer: shared, never saved.
+    (ModelFeatures: the marks optional rooms leave on a loaded model, as on the Transformer.)"""
 
     def __init__(self, cfg: EagleConfig, embedding: torch.Tensor, backend: AttentionBackend | None = None):
         super().__init__()

@@ -13,7 +13,8 @@ attention is the only place where sequences interact with their own past, and it
 `AttentionBackend`, so the paged KV cache and the Triton kernels plug in without touching this
 file. Module names match Hugging Face's so a checkpoint's state dict loads as it is.
 The draft model is this same class with a smaller config. The layers are plain `nn.Linear`;
-faster CPU variants and int8 layers are swapped in after loading (minispec/fast/).
+the loaders fuse q/k/v and gate/up (fast/fusion.py), and faster CPU variants and int8 layers
+are swapped in after loading (minispec/fast/).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from minispec_kernels.silu_mul import silu_mul_ref
 from .attention import AttentionBackend
 from .metadata import BatchMetadata
 from .config import ModelConfig, rope_inv_freq
+from .features import ModelFeatures
 
 
 class RMSNorm(nn.Module):
@@ -61,28 +63,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One nn.Linear computing the given ones side by side: y = [y_1, y_2, ...] on the last axis."""
-    first = parts[0]
-    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
-                      device="meta")  # (no random init to overwrite)
-    fused.weight = nn.Parameter(concat([p.weight.detach() for p in parts]))  # [sum(out), in]
-    if first.bias is not None:
-        fused.bias = nn.Parameter(concat([p.bias.detach() for p in parts]))
-    return fused
-
-
-def concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat on the first axis; for a loader's meta skeleton, an empty meta tensor of that
-    shape (torch.cat on the meta device imports torch's compiler stack, about a second)."""
-    if not tensors[0].is_meta:
-        return torch.cat(tensors)
-    return torch.empty(sum(t.shape[0] for t in tensors), *tensors[0].shape[1:], dtype=tensors[0].dtype, device="meta")
-
-
 class Attention(nn.Module):
     """GQA attention; q/k/v read `in_features` (hidden_size unless given: the EAGLE layer's are 2x).
-    q_proj / k_proj / v_proj as in HF checkpoints, or, after `fuse()`, one qkv_proj."""
+    q_proj / k_proj / v_proj as in HF checkpoints; the loaders fuse them into one qkv_proj
+    (fast/fusion.py), which `project` uses when it is there."""
 
     def __init__(self, cfg: ModelConfig, in_features: int | None = None):
         super().__init__()
@@ -95,21 +79,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, hkv * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(width, hkv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
-        self.qkv_proj: nn.Linear | None = None
-        self.qkv_sizes = [hq * d, hkv * d, hkv * d]
+        self.qkv_proj: nn.Linear | None = None  # q, k, v in one matmul, once fused
+        self.qkv_sizes = [hq * d, hkv * d, hkv * d]  # widths of q, k, v in `project`'s output
 
-    def fuse(self) -> None:
-        """q/k/v in one matmul (one weight [(Hq + 2 Hkv) D, in]) instead of three: on a CPU at one
-        to a few rows each matmul call costs far more than its arithmetic."""
-        if self.qkv_proj is None:
-            self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
-            del self.q_proj, self.k_proj, self.v_proj
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., in] -> q [..., Hq D], k [..., Hkv D], v [..., Hkv D] (views of one output if fused)."""
-        if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> q, k and v side by side, [..., (Hq + 2 Hkv) D]: one matmul when fused."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def forward(
         self,
@@ -123,94 +100,36 @@ class Attention(nn.Module):
         """x: [T, in_features], cos / sin (signed, see apply_rope): [T, 1, head_dim] -> [T, hidden]."""
         cfg = self.cfg
         T, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if self.qkv_proj is None:
-            q, k, v = self.project(x)
-            qk = torch.cat([q, k], dim=-1).view(T, hq + hkv, d)  # [T, Hq + Hkv, D]
-        else:  # q and k sit side by side in the fused output: one RoPE for both (a decode row's ops are its cost)
-            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-            qk, v = qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d), qkv[:, (hq + hkv) * d :]  # (strided views)
-        v = v.view(T, hkv, d)  # [T, Hkv, D]
+        qkv = self.project(x)  # [T, (Hq + 2 Hkv) D]
+        # q and k side by side: one RoPE for both (a decode row's ops are its cost). Strided views.
+        qk = qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d)  # [T, Hq + Hkv, D]
+        v = qkv[:, (hq + hkv) * d :].view(T, hkv, d)  # [T, Hkv, D]
         qk = backend.rope_write(qk, v, cos, sin, kv_cache, meta)  # RoPE'd [T, Hq + Hkv, D]; new K/V now in the cache
         out = backend(qk[:, :hq], qk[:, hq:], v, kv_cache, meta, d**-0.5, cfg.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, cfg.num_heads * cfg.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate_proj / up_proj, or one gate_up_proj after `fuse()`."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). gate_proj / up_proj as in HF checkpoints; the loaders
+    fuse them into one gate_up_proj (fast/fusion.py), which `project` uses when it is there."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Linear | None = None  # gate and up in one matmul, once fused
 
-    def fuse(self) -> None:
-        """gate and up in one matmul (weight [2 I, hidden]); see Attention.fuse."""
-        if self.gate_up_proj is None:
-            self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
-            del self.gate_proj, self.up_proj
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> gate and up side by side, [..., 2I]: one matmul when fused."""
+        if self.gate_up_proj is not None:
+            return self.gate_up_proj(x)
+        return torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden]; without a backend (training) in plain torch ops."""
-        if self.gate_up_proj is None:
-            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [..., 2I]
-        else:
-            gate_up = self.gate_up_proj(x)  # [..., 2I]
+        gate_up = self.project(x)  # [..., 2I]
         return self.down_proj(silu_mul_ref(gate_up) if backend is None else backend.silu_mul(gate_up))
-
-
-def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """model.state_dict() under checkpoint (HF) names: fused projections split back into
-    q_proj / k_proj / v_proj and gate_proj / up_proj."""
-    state = {}
-    for name, tensor in model.state_dict().items():
-        owner_name, _, leaf = name.rpartition(".")  # "layers.0.self_attn.qkv_proj", "weight"
-        parent_name, _, kind = owner_name.rpartition(".")
-        prefix = parent_name + "." if parent_name else ""
-        if kind == "qkv_proj":
-            parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split(model.get_submodule(parent_name).qkv_sizes))
-        elif kind == "gate_up_proj":
-            parts = zip(("gate_proj", "up_proj"), tensor.chunk(2))
-        else:
-            state[name] = tensor
-            continue
-        for part, value in parts:
-            state[f"{prefix}{part}.{leaf}"] = value
-    return state
-
-
-def fuse_projections(model: nn.Module) -> nn.Module:
-    """Fuse q/k/v and gate/up of every layer in `model` (in place; returns it). Loaders do this
-    after loading a checkpoint under HF names; a fused model's state dict has the fused names."""
-    for module in model.modules():
-        if isinstance(module, (Attention, MLP)):
-            module.fuse()
-    return model
-
-
-def fused_state(model: nn.Module, state: dict[str, torch.Tensor], convert) -> dict[str, torch.Tensor]:
-    """The state dict of a fused `model` from a checkpoint's (HF names), emptying `state` as it
-    goes: each tensor is popped, passed through `convert` (cast, copy, move) and q/k/v or gate/up
-    concatenated, so the caller never holds a tensor twice. The inverse of checkpoint_state_dict."""
-    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    out = {}
-    for name, like in model.state_dict().items():
-        owner, _, leaf = name.rpartition(".")
-        parent, _, kind = owner.rpartition(".")
-        if kind in parts:  # written part by part into one tensor: no intermediate copies
-            pieces = [state.pop(f"{parent}.{p}.{leaf}") for p in parts[kind]]
-            first = convert(pieces[0][:0])
-            fused = torch.empty((like.shape[0], *pieces[0].shape[1:]), dtype=first.dtype, device=first.device)
-            row = 0
-            for piece in pieces:
-                fused[row : row + piece.shape[0]].copy_(piece)
-                row += piece.shape[0]
-            out[name] = fused
-            del pieces
-        elif name in state:
-            out[name] = convert(state.pop(name))
-    return out
 
 
 class DecoderLayer(nn.Module):
@@ -233,13 +152,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, backend), residual
 
 
-class Transformer(nn.Module):
-    """The decoder. `forward(input_ids [T], meta, kv_caches) -> logits [N, vocab]`."""
-
-    quantization: str | None = None  # "int8" (fast/int8.py) or "int4" (a draft, fast/int4.py) once its layers are swapped
-    cpu_matmul: str | None = None  # the CPU variant of nn.Linear in use (fast/cpu_linear.py)
-    row_invariant: bool = False  # every row computed alike, whatever the batch (fast/row_invariant.py)
-    vocab_ids: torch.Tensor | None = None  # a draft's reduced vocabulary: the target id of each logit column
+class Transformer(ModelFeatures, nn.Module):
+    """The decoder. `forward(input_ids [T], meta, kv_caches) -> logits [N, vocab]`.
+    (ModelFeatures: the marks optional rooms leave on a loaded model; the forward reads none.)"""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
         super().__init__()

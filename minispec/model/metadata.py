@@ -32,9 +32,11 @@ class BatchMetadata:
                      Tree nodes sit at RoPE position tree_start[b] - 1 + depth, so `positions`
                      is no longer the key index; attention masks by key index, except that a
                      sliding window measures positions (kernels/paged_attention.py)
-    ref_plan:        the torch backend's index tensors for this batch (`paged_attention.RefPlan`),
-                     built by the first layer and reused by the others: they depend on the
-                     metadata alone
+    attention_plan:  the attention backend's per-forward cache: whatever it derives from this
+                     metadata alone (index tensors, host copies; fast/attention_plans.py's
+                     PagedPlan on CPU, invariant_attention.py's InvariantPlan), built by the
+                     first layer and reused by the others. None until then; whoever changes
+                     the metadata's values in place sets it back to None
     """
 
     positions: torch.Tensor
@@ -46,7 +48,7 @@ class BatchMetadata:
     block_tables: torch.Tensor | None = None
     logits_indices: torch.Tensor | None = None
     is_prefill: bool = False
-    ref_plan: object | None = None
+    attention_plan: object | None = None
     tree_start: torch.Tensor | None = None
     tree_bits: torch.Tensor | None = None
 

@@ -190,7 +190,7 @@ class StaticShapes:
             buf.copy_(sent[p + name])
         if drawn is not None:
             prepared.bucket.input_ids.index_copy_(0, sent[p + "drawn_rows"], drawn)
-        prepared.bucket.meta.ref_plan = None  # the torch backend's host-side plan is rebuilt from the new values
+        prepared.bucket.meta.attention_plan = None  # a backend's per-forward plan is rebuilt from the new values
 
     def fill(self, bucket: Bucket, feeds) -> None:
         """Write feeds into a bucket at once (one upload of their own): capture's padding-only fill."""
