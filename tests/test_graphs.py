@@ -175,17 +175,23 @@ def test_no_sequence_of_a_static_bucket_has_more_rows_than_the_launch_covers(tin
 
 
 def trace_forwards(llm) -> list[tuple[str, str, bool]]:
-    """Wrap every runner's forward to log (runner role, path taken: graph / static / dynamic,
-    whether it fed some sequence from position 0, i.e. a prompt)."""
+    """Wrap every runner's forward (its prepare and run halves) to log (runner role, path taken:
+    graph / static / dynamic, whether it fed some sequence from position 0, i.e. a prompt)."""
     log = []
     for runner, role in llm.engine.runners:
-        def traced(feeds, _forward=runner.forward, _runner=runner, _role=role, **model_args):
-            before = dict(_runner.forward_counts)
+        def prepare(feeds, upload, _prepare=runner.prepare):
             from_start = any(f.table.num_cached == 0 for f in feeds)
-            out = _forward(feeds, **model_args)
-            log.append((_role, next(p for p, n in _runner.forward_counts.items() if n != before[p]), from_start))
+            prepared = _prepare(feeds, upload)
+            prepared.from_start = from_start
+            return prepared
+
+        def run(prepared, *args, _run=runner.run, _runner=runner, _role=role, **model_args):
+            before = dict(_runner.forward_counts)
+            out = _run(prepared, *args, **model_args)
+            log.append((_role, next(p for p, n in _runner.forward_counts.items() if n != before[p]), prepared.from_start))
             return out
-        runner.forward = traced
+
+        runner.prepare, runner.run = prepare, run
     return log
 
 
