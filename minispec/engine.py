@@ -1,14 +1,33 @@
 """LLMEngine: requests in, tokens out, one batched step at a time.
 
-Each `step()` asks the scheduler for a batch (continuous batching: newly admitted prompts and
-running sequences together), runs one `speculative_step` on it (plain decoding with the no-op
-drafter) and returns the tokens each sequence emitted. Finished sequences give their pages back
-at once, so waiting requests join on the next step; when pages run out the scheduler preempts
-(see runtime/scheduler.py). A request that could never fit, even alone, is refused when it is added.
+`step()` is the loop: the scheduler picks a batch (continuous batching: newly admitted prompts and
+running sequences together), the step's features run before it, one `speculative_step` (or
+`tree_step`) runs on the batch (plain decoding with the no-op drafter), the features run after
+it, and sequences that finished give their pages back at once, so waiting requests join on the
+next step; when pages run out the scheduler preempts (see runtime/scheduler.py). A request that
+could never fit, even alone, is refused when it is added.
+
+Production features plug in from outside, through three named extension points, each an object
+whose default is the plain behaviour:
+  1. the scheduler's `Admission`: what a sequence being admitted already has cached
+     (prefix caching: runtime/prefix_cache.py);
+  2. the scheduler's `StepBudget`: how a step's token budget is counted (chunked prefill:
+     runtime/chunked_prefill.py);
+  3. the engine's `StepFeature` (runtime/step_feature.py): `before` a step it may change k or take
+     sequences out of the step, `after` it it sees what the step did (a `StepRecord`) while the
+     sequences still hold their pages. Speculation by load (runtime/speculation_by_load.py) chooses
+     k and learns step costs, chunked prefill feeds prompt chunks, the prefix cache commits pages,
+     and the metrics (runtime/metrics.py) stamp TTFT and finish times.
+Drafters plug into the step itself, through the `Drafter` interface (drafters/base.py). Three
+points, not one per feature: the scheduler's two decide who runs, the engine's one what happens
+around a step; a feature that needs two (the prefix cache, chunked prefill) is one object or
+module that plugs into both.
 
 Preemption is the engine's business, and so is its one consequence for a drafter that reads the
 target's features (an EAGLE head): a recomputed sequence must hand its features over before it
-drafts again (`catch_up`).
+drafts again (`catch_up`). It stays in the loop rather than in a feature because it is not
+optional: without it such a sequence would skip a draft, which changes what a seeded request
+samples under the standard rule; it is guarded by the drafter interface's own `target_layers`.
 """
 
 from __future__ import annotations
@@ -21,14 +40,15 @@ import torch
 from .drafters.base import Drafter, NoDrafter
 from .io.tokenizer import Tokenizer
 from .pathwise import PATHWISE_SAMPLING
-from .runtime.chunked_prefill import TokenBudget, feed_chunks, plan_chunks
+from .runtime.chunked_prefill import ChunkedPrefill, TokenBudget, feed_chunks
 from .runtime.kv_cache import BlockTable, KVPoolExhausted
-from .runtime.metrics import RunMetrics, StepTimes
-from .runtime.prefix_cache import CachingAllocator, PrefixCache, PrefixTable
+from .runtime.metrics import RunMetrics, StepMetrics, StepTimes
+from .runtime.prefix_cache import PrefixTable, prefix_cache
 from .runtime.runner import ModelRunner
 from .runtime.scheduler import Scheduler
 from .runtime.speculation_by_load import SpeculationByLoad
 from .runtime.sequence import Sequence
+from .runtime.step_feature import StepFeature, StepRecord
 from .sampling import SamplingParams
 from .speculative import speculative_step
 from .speculative_tree import tree_step
@@ -85,11 +105,14 @@ class LLMEngine:
         budget = TokenBudget(max_num_batched_tokens, 1 + (tree_slots or self.k)) if chunked_prefill else None
         self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, tree_slots, self.prefix_cache,
                                    budget)
-        self.chunk_budget = max_num_batched_tokens if chunked_prefill else None
-        self.eos_ids = target.model.cfg.eos_token_ids
         self.load = SpeculationByLoad(self.k) if speculation_by_load and self.k and not self.drafter.drafts_trees else None
+        # The step's features, in the order they run: k is chosen before the chunks are planned with it.
+        features = [self.load, ChunkedPrefill(max_num_batched_tokens) if chunked_prefill else None, self.prefix_cache,
+                    StepMetrics()]
+        self.features: list[StepFeature] = [f for f in features if f is not None]
+        self.eos_ids = target.model.cfg.eos_token_ids
         self.max_model_len = target.max_positions
-        self.times = StepTimes()
+        self.times = StepTimes()  # summed over the engine's life: every step's, every chunk's and catch-up's
         self.seeds = torch.Generator().manual_seed(seed) if seed is not None else None
         if pathwise_sampling not in PATHWISE_SAMPLING:
             raise ValueError(f"pathwise_sampling must be one of {PATHWISE_SAMPLING}, got {pathwise_sampling!r}")
@@ -166,47 +189,28 @@ class LLMEngine:
         return seq.append(token, self.eos_ids, self.tokenizer)
 
     def step(self) -> list[StepOutput]:
-        """Run one batched step; returns what each scheduled sequence emitted (finished ones
-        have already given their pages back)."""
-        seqs = self.scheduler.schedule()
+        """Run one batched step; returns what each sequence that ran emitted (finished ones have
+        already given their pages back)."""
+        seqs, k = self.scheduler.schedule(), self.k
         if not seqs:
             return []
-        k = self.load.choose(len(seqs)) if self.load is not None else self.k
-        if self.chunk_budget is not None:  # what does not fit this step's budget sits it out, a prompt fed a chunk
-            chunks = plan_chunks(seqs, self.chunk_budget, self.scheduler.tree_slots or k)
-            if chunks:
-                feed_chunks(seqs, chunks, self.target, self.drafter, self.times)
-                seqs = [s for i, s in enumerate(seqs) if i not in chunks]
-                if not seqs:
-                    self.times.settle()
-                    return []
-        before = [len(s.output_ids) for s in seqs]
+        for feature in self.features:  # k by load; prompts too long for the budget fed a chunk, sitting out
+            seqs, k = feature.before(self, seqs, k)
+        if not seqs:
+            self.times.settle()
+            return []
         self.catch_up(seqs)
+        record = StepRecord(seqs, k, StepTimes())  # (where each sequence stands before the step)
         step = tree_step if self.drafter.drafts_trees else speculative_step
-        fed, spent = sum(len(s) - s.target_table.num_cached for s in seqs), (self.times.target_s, self.times.draft_s)
-        feeds_prompt = self.times.feeds_prompt(seqs)  # (decided before the step caches anything)
-        results = step(seqs, self.target, self.drafter, k, self._emit, self.times)
-        self.times.settle()  # (CUDA: the step's device times, known now that its tokens are on the host)
-        if feeds_prompt:
-            self.times.draft_prefill_s += self.times.draft_s - spent[1]
-            self.times.prefill_drafted += sum(r.num_drafted for r in results)
-        if self.load is not None:  # what this step cost, for the next one's choice
-            self.load.observe(fed + sum(len(r.drafted) for r in results), self.times.target_s - spent[0], len(seqs),
-                              max(r.num_drafted for r in results), self.times.draft_s - spent[1],
-                              [(len(r.drafted), r.num_accepted) for r in results])
-        now = time.perf_counter()  # the step's tokens are on the host: TTFT / TPOT stamps
-        outputs = []
-        for s, n, r in zip(seqs, before, results):
-            done = s.finish_reason is not None
-            if self.prefix_cache is not None and s.finish_reason != "error":
-                self.prefix_cache.commit(s)  # after the step's rollback: what is cached is committed
-            if n == 0 and s.output_ids:
-                s.metrics.first_token_s, s.metrics.first_step_tokens = now, len(s.output_ids)
-            if done:
-                if s.finish_reason != "error":  # a failed request has no TPOT
-                    s.metrics.finish_s = now
-                self.scheduler.finish(s)
-            outputs.append(StepOutput(s, s.output_ids[n:], done, r.drafted, r.num_accepted, r.num_drafted))
+        record.results = step(seqs, self.target, self.drafter, k, self._emit, record.times)
+        self.times.add(record.times)  # (CUDA: the step's device times, known now that its tokens are on the host)
+        for feature in self.features:  # commit cached pages, stamp times, learn the step's costs
+            feature.after(self, record)
+        outputs = [StepOutput(s, s.output_ids[n:], s.finish_reason is not None, r.drafted, r.num_accepted, r.num_drafted)
+                   for s, n, r in zip(seqs, record.num_output, record.results)]
+        for out in outputs:
+            if out.finished:
+                self.scheduler.finish(out.seq)
         return outputs
 
     def catch_up(self, seqs: list[Sequence]) -> None:
@@ -236,17 +240,3 @@ class LLMEngine:
         m.num_preemptions = sum(s.num_preemptions for s in seqs)
         return m
 
-
-def prefix_cache(runners: list[tuple[ModelRunner, str]], drafter: Drafter) -> PrefixCache:
-    """The prefix cache over the engine's pools: an EAGLE head's K/V at a position also depend on
-    the next token (lookahead 1), the target's and a draft model's on the tokens up to it; with
-    such a head a hit leaves the two newest tokens to feed (its features: runtime/prefix_cache.py)."""
-    pools = []
-    for runner, which in runners:
-        if not isinstance(runner.cache.allocator, CachingAllocator):
-            raise ValueError("prefix caching needs KV pools whose allocator is a CachingAllocator (KVCache(..., allocator=...))")
-        pools.append((which, runner.cache.allocator, 1 if which == "draft" and drafter.target_layers else 0))
-    sizes = {runner.cache.page_size for runner, _ in runners}
-    if len(sizes) != 1:
-        raise ValueError(f"prefix caching needs one page size in every pool, got {sorted(sizes)}")
-    return PrefixCache(pools, sizes.pop(), 2 if drafter.target_layers else 1)

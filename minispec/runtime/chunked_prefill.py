@@ -20,8 +20,9 @@ per later draft). Outside the budget: an EAGLE head's catch-up over the features
 prompt lookup drafted, and the frontiers a draft tree feeds its drafter.
 
 How it plugs in: `TokenBudget` is the scheduler's `StepBudget` (it counts every token a step
-feeds, `step_feed`, and admits while some is left), and the engine calls `plan_chunks` and
-`feed_chunks` before each step.
+feeds, `step_feed`, and admits while some is left), and `ChunkedPrefill` is the engine's
+`StepFeature` (runtime/step_feature.py): before each step it plans the chunks (`plan_chunks`,
+with the k chosen for the step), feeds them (`feed_chunks`) and takes their sequences out.
 
 Why the output stays exact: a chunk writes the K/V of the prompt's own tokens at their own
 positions, as the whole prefill would (with row_invariant=True bit for bit; otherwise computed in
@@ -36,6 +37,7 @@ from .metrics import StepTimes
 from .runner import Feed, ModelRunner
 from .scheduler import Scheduler, StepBudget
 from .sequence import Sequence
+from .step_feature import StepFeature
 
 
 class TokenBudget(StepBudget):
@@ -59,6 +61,20 @@ class TokenBudget(StepBudget):
 
     def cost(self, scheduler: Scheduler, seq: Sequence) -> int:
         return step_feed(scheduler, seq)
+
+
+class ChunkedPrefill(StepFeature):
+    """Before each step: what does not fit the step's budget sits it out, a prompt fed a chunk."""
+
+    def __init__(self, max_num_batched_tokens: int):
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def before(self, engine, seqs: list[Sequence], k: int) -> tuple[list[Sequence], int]:
+        chunks = plan_chunks(seqs, self.max_num_batched_tokens, engine.scheduler.tree_slots or k)
+        if not chunks:
+            return seqs, k
+        feed_chunks(seqs, chunks, engine.target, engine.drafter, engine.times)
+        return [s for i, s in enumerate(seqs) if i not in chunks], k
 
 
 def step_feed(scheduler: Scheduler, seq: Sequence) -> int:

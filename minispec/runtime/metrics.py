@@ -17,6 +17,13 @@ TPOT (time per output token) = (finish - first token) / (tokens emitted after th
                              head drafts from the second step: its first step is a plain prefill,
                              and its catch-up over the prompt is in the TPOT.)
 
+How the stamps and counts plug in: `StepMetrics` is the engine's `StepFeature`
+(runtime/step_feature.py); after each step it stamps the first token and the finish of the
+step's sequences, and counts the verification and drafting of steps that fed a prompt (StepTimes). The per-request
+counts are recorded by the step itself (`RequestMetrics.record`), its times into a `StepTimes`.
+Why the output stays exact: these only read the clock and what the step did; nothing they write
+is read by the step.
+
 The counts are the rejection sampler's decisions. In a request's last step, EOS, a stop string or
 max_tokens may cut the accepted run short, so tokens emitted can be fewer than accepted + 1 there.
 """
@@ -28,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from .step_feature import StepFeature, StepRecord
 
 
 @dataclass
@@ -185,19 +194,14 @@ class StepTimes:
     prefill_drafted: int = 0
     pending: list = field(default_factory=list, repr=False, compare=False)  # CUDA blocks not yet added (`settle`)
 
-    @staticmethod
-    def feeds_prompt(seqs: list) -> bool:
-        """Whether a step over seqs feeds some sequence its prompt (nothing of it cached yet)."""
-        return any(s.target_table.num_cached == 0 for s in seqs)
-
     @contextmanager
     def verifying(self, seqs: list, device: torch.device):
-        """Time one step's verification into target_s, and into prefill_s (its sequences into
-        prefill_steps) when it feeds some sequence its prompt: nothing of it cached yet."""
-        prefill = self.feeds_prompt(seqs)
-        with self.timing("target_s", device, also="prefill_s" if prefill else None):
+        """Time one step's verification into target_s. Whether the step fed a prompt (its time
+        then counts into prefill_s too) is decided after it, by `StepMetrics`, from where its
+        sequences stood before it: by the time the verification runs, the runner may already count
+        the step's tokens as cached."""
+        with self.timing("target_s", device):
             yield
-        self.prefill_steps += len(seqs) if prefill else 0
 
     @contextmanager
     def timing(self, part: str, device: torch.device, also: str | None = None):
@@ -218,6 +222,13 @@ class StepTimes:
         for name in names:
             setattr(self, name, getattr(self, name) + time.perf_counter() - start_s)
 
+    def add(self, step: "StepTimes") -> None:
+        """Add one step's times in (settling both: the step's tokens are on the host by now)."""
+        self.settle()
+        step.settle()
+        for name in ("draft_s", "target_s", "prefill_s", "prefill_steps", "draft_prefill_s", "prefill_drafted"):
+            setattr(self, name, getattr(self, name) + getattr(step, name))
+
     def settle(self) -> None:
         """Add the CUDA blocks timed so far (see `timing`; their events are done by now)."""
         for names, start, end in self.pending:
@@ -225,3 +236,21 @@ class StepTimes:
             for name in names:
                 setattr(self, name, getattr(self, name) + start.elapsed_time(end) / 1e3)
         self.pending.clear()
+
+
+class StepMetrics(StepFeature):
+    """After each step: TTFT and finish stamps, and the drafting of steps that fed a prompt."""
+
+    def after(self, engine, record: StepRecord) -> None:
+        now = time.perf_counter()  # the step's tokens are on the host
+        for seq, n in zip(record.seqs, record.num_output):
+            if n == 0 and seq.output_ids:
+                seq.metrics.first_token_s, seq.metrics.first_step_tokens = now, len(seq.output_ids)
+            if seq.finish_reason is not None and seq.finish_reason != "error":  # (a failed request has no TPOT)
+                seq.metrics.finish_s = now
+        if record.feeds_prompt:  # its verification prefilled a prompt, a draft model's drafting too: a cost
+            times = engine.times  # of the first token, which bench's decode and draft costs leave out
+            times.prefill_s += record.times.target_s
+            times.prefill_steps += len(record.seqs)
+            times.draft_prefill_s += record.times.draft_s
+            times.prefill_drafted += sum(r.num_drafted for r in record.results)

@@ -23,9 +23,11 @@ and skip a draft, which under the standard rule changes what a seeded request sa
 
 How it plugs in. The pools' allocator is a `CachingAllocator` (a PageAllocator subclass) and each
 sequence's tables are `PrefixTable`s (a BlockTable subclass that remembers the keys of its
-registered pages and refuses a rollback into them); `PrefixCache` is the scheduler's admission
-hook (`Admission`: `attach` shares the cached pages of a sequence being admitted, `admitted`
-counts the hit), and the engine calls `commit` after each step's rollback.
+registered pages and refuses a rollback into them). `PrefixCache` plugs into two extension
+points: it is the scheduler's `Admission` (`attach` shares the cached pages of a sequence being
+admitted, `admitted` counts the hit) and the engine's `StepFeature` (runtime/step_feature.py:
+after each step, once its rollback is done and before finished sequences free their pages, it
+`commit`s what each sequence has cached). `prefix_cache` builds it over an engine's pools.
 
 Pages. `CachingAllocator` counts the block tables holding each page. At 0 a registered page is
 kept, evictable, least recently used first; allocation takes a free page first and evicts only
@@ -37,11 +39,17 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .kv_cache import BlockTable, KVPoolExhausted, PageAllocator
 from .scheduler import Admission
+from .step_feature import StepFeature, StepRecord
+
+if TYPE_CHECKING:
+    from ..drafters.base import Drafter
+    from .runner import ModelRunner
 
 
 def page_keys(tokens: list[int], page_size: int, num_pages: int, lookahead: int = 0, parent: bytes = b"",
@@ -198,11 +206,11 @@ class PrefixTable(BlockTable):
         self.keys = []
 
 
-class PrefixCache(Admission):
+class PrefixCache(Admission, StepFeature):
     """Prefix caching over a sequence's pools: one `CachingAllocator` each, and the lookahead of
     each pool's keys. `attach` gives a sequence being admitted the pages it can share; `commit`
-    registers the pages a step filled with committed K/V. Counts tokens looked up and found
-    (vLLM's `prefix_cache_queries` / `prefix_cache_hits`)."""
+    (after each step) registers the pages a step filled with committed K/V. Counts tokens looked
+    up and found (vLLM's `prefix_cache_queries` / `prefix_cache_hits`)."""
 
     def __init__(self, pools: list[tuple[str, CachingAllocator, int]], page_size: int, min_fed: int = 1):
         """pools: ("target" | "draft", its allocator, its lookahead); min_fed: the newest tokens a
@@ -255,3 +263,24 @@ class PrefixCache(Admission):
                 table.keys += page_keys(tokens, P, full, lookahead, table.keys[-1] if done else b"", first=done)
                 for page, key in zip(table.pages[done:full], table.keys[done:full]):
                     allocator.register(page, key)
+
+    def after(self, engine, record: StepRecord) -> None:
+        """Commit what each of the step's sequences has cached (a failed one's K/V are not trusted)."""
+        for seq in record.seqs:
+            if seq.finish_reason != "error":
+                self.commit(seq)
+
+
+def prefix_cache(runners: list[tuple[ModelRunner, str]], drafter: Drafter) -> PrefixCache:
+    """The prefix cache over the engine's pools: an EAGLE head's K/V at a position also depend on
+    the next token (lookahead 1), the target's and a draft model's on the tokens up to it; with
+    such a head a hit leaves the two newest tokens to feed (module docstring)."""
+    pools = []
+    for runner, which in runners:
+        if not isinstance(runner.cache.allocator, CachingAllocator):
+            raise ValueError("prefix caching needs KV pools whose allocator is a CachingAllocator (KVCache(..., allocator=...))")
+        pools.append((which, runner.cache.allocator, 1 if which == "draft" and drafter.target_layers else 0))
+    sizes = {runner.cache.page_size for runner, _ in runners}
+    if len(sizes) != 1:
+        raise ValueError(f"prefix caching needs one page size in every pool, got {sorted(sizes)}")
+    return PrefixCache(pools, sizes.pop(), 2 if drafter.target_layers else 1)

@@ -19,6 +19,10 @@ linearly, below the smallest taken as flat (overhead-bound), above the largest a
 to T (compute-bound). With nothing measured yet the full k is drafted; a depth not drafted
 lately keeps its last rate.
 
+How it plugs in: `SpeculationByLoad` is a `StepFeature` (runtime/step_feature.py): its `before`
+chooses the step's k for the batch scheduled, its `after` observes what the step cost (the step's
+own times, not those of the prompt chunks or catch-ups fed before it) and what it accepted.
+
 Why the output stays exact: speculative sampling is exact for any k, and k is chosen before the
 step's drafts, from past timings and acceptance only (the step's own tokens do not enter it).
 """
@@ -28,6 +32,9 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from .sequence import Sequence
+from .step_feature import StepFeature, StepRecord
 
 DECAY = 0.9  # weight of the past in the acceptance counts
 WINDOW = 9  # steps per bucket whose median times are used
@@ -70,8 +77,9 @@ class RecentMedians:
         return pts[-1][1] * x / pts[-1][0]
 
 
-class SpeculationByLoad:
-    """Chooses each step's k in 0..k_max (`choose`) and learns from each step (`observe`)."""
+class SpeculationByLoad(StepFeature):
+    """Chooses each step's k in 0..k_max (`choose`) and learns from each step (`observe`); as the
+    engine's step feature, before and after each step (chains only: see `observe`)."""
 
     def __init__(self, k_max: int):
         self.k_max = k_max
@@ -83,6 +91,14 @@ class SpeculationByLoad:
         self.reached = [2.0] * k_max
         self.passed = [1.0] * k_max
         self.last_k = k_max
+
+    def before(self, engine, seqs: list[Sequence], k: int) -> tuple[list[Sequence], int]:
+        return seqs, self.choose(len(seqs))
+
+    def after(self, engine, record: StepRecord) -> None:
+        results = record.results
+        self.observe(record.num_fed, record.times.target_s, len(record.seqs), max(r.num_drafted for r in results),
+                     record.times.draft_s, [(len(r.drafted), r.num_accepted) for r in results])
 
     def acceptance(self, j: int) -> float:
         """a_j for depth j = 1..k_max."""
