@@ -27,13 +27,9 @@ why it keeps the output exact.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (types only: the engine, the step and the sequence's metrics import this module)
-    from ..engine import LLMEngine
-    from ..speculative import StepResult
-    from .metrics import StepTimes
-    from .sequence import Sequence
+# Types are named in quotes and not imported: the engine, the step, the sequence and its metrics
+# all import this module (the metrics subclass it), so an import back would be a cycle.
 
 
 @dataclass
@@ -42,10 +38,10 @@ class StepRecord:
     stood just before it ran (its outputs so far, its target-cached tokens), the step's own
     costs, and each sequence's result."""
 
-    seqs: list[Sequence]
+    seqs: "list[Sequence]"
     k: int  # the drafts the step asked for (per sequence, never more than it may still emit)
-    times: StepTimes  # this step's drafting and verification only (not the chunks or catch-ups before it)
-    results: list[StepResult] = field(default_factory=list)
+    times: "StepTimes"  # this step's drafting and verification only (not the chunks or catch-ups before it)
+    results: "list[StepResult]" = field(default_factory=list)
     num_output: list[int] = field(init=False)  # per sequence, len(output_ids) before the step
     num_cached: list[int] = field(init=False)  # ... and target_table.num_cached before it
 
@@ -69,10 +65,10 @@ class StepRecord:
 class StepFeature:
     """The engine's step hook: the default changes nothing before the step and does nothing after."""
 
-    def before(self, engine: LLMEngine, seqs: list[Sequence], k: int) -> tuple[list[Sequence], int]:
+    def before(self, engine: "LLMEngine", seqs: "list[Sequence]", k: int) -> "tuple[list[Sequence], int]":
         """The sequences that run this step and the drafts to ask for; seqs: those scheduled (or
         left by the features before this one), in admission order."""
         return seqs, k
 
-    def after(self, engine: LLMEngine, record: StepRecord) -> None:
+    def after(self, engine: "LLMEngine", record: StepRecord) -> None:
         """The step ran (record); its sequences still hold their pages."""
