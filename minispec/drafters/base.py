@@ -288,7 +288,7 @@ class AutoregressiveDrafter(Drafter):
     def feed_ahead(self, seqs: list[Sequence], upload: Upload | None = None) -> list:
         """Before the first forward: a catch-up too long for one forward comes in pieces first.
         Without an upload they run now; with one they are prepared into it and returned as
-        (prepared forward, model arguments), for `run_staged` to run in order. None by default."""
+        (prepared forward, model arguments), for `run_staged` to run in order. No pieces by default."""
         return []
 
     def split(self, out) -> tuple[torch.Tensor, object]:

@@ -119,7 +119,8 @@ class EagleDrafter(AutoregressiveDrafter):
             if not ahead:
                 break
             feeds = [Feed(s.draft_table, s.tokens[s.draft_state.start + 1 : s.draft_state.start + 1 + Q]) for s in ahead]
-            args = {"hidden": torch.cat([s.draft_state.rows[:Q] for s in ahead]), "project": True}  # [len(ahead) * Q, 3H]
+            hidden = torch.cat([s.draft_state.rows[:Q] for s in ahead])  # [len(ahead) * Q, 3H]
+            args = {"hidden": hidden, "project": True}
             for s in ahead:
                 s.draft_state = PendingFeatures(s.draft_state.start + Q, s.draft_state.rows[Q:])
             if upload is None:

@@ -95,7 +95,7 @@ class LookupFirstDrafter(Drafter):
         probs = torch.zeros(B, K + 1, V, device=looked_up.device)  # [B, K+1, V]
         probs[:, : model.probs.shape[1]] = model.probs  # zero in looked-up rows and past the model's drafts
         one_hot = one_hot_q(looked_up.flatten(), V, looked_up.device).view(B, K, V)  # [B, K, V]
-        probs[:, :K] += one_hot.to(probs.device) * from_lookup[..., None]
+        probs[:, :K] += one_hot * from_lookup[..., None]
         return Drafts(tokens, num_draft, probs)
 
     @property
