@@ -68,3 +68,26 @@ def test_a_mixed_greedy_and_sampled_batch(tiny_llama, tiny_llama_draft):
         alone = (plain if p.greedy else llm).generate([prompt], p)[0]
         assert out.token_ids == alone.token_ids
     assert llm.engine.drafter.lookup_drafts > 0 and llm.engine.drafter.model_drafts > 0
+
+
+def test_a_staged_step_proposes_what_the_host_loop_proposes(tiny_llama, tiny_llama_draft, monkeypatch):
+    """The step laid out ahead (`stage` / `run_staged`: lookup's tokens uploaded, the model's drawn
+    on the device, q joined there) and the host loop (`propose`, what `host_step` runs) make the
+    same proposals from the same seeded requests: the same drafts, q equal to float rounding
+    (one-hot at looked-up tokens, the model's q elsewhere), so the same outputs."""
+    params = [SamplingParams(temperature=0.9, top_k=20, max_tokens=12, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    runs = []
+    for host in (False, True):
+        if host:
+            monkeypatch.setattr("minispec.speculative.needs_host", lambda seq: True)
+        llm = LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, kv_cache_gib=0.01,
+                  page_size=8, prompt_lookup_min=2)
+        with recording_proposals(llm.engine.drafter) as seen:
+            outs = llm.generate(PROMPTS, params)
+        runs.append(([o.token_ids for o in outs], seen, llm.engine.drafter))
+    (staged_out, staged, hybrid), (host_out, host, _) = runs
+    assert staged_out == host_out and len(staged) == len(host)
+    for (_, tokens, n, drafts, q), (_, host_tokens, host_n, host_drafts, host_q) in zip(staged, host):
+        assert (tokens, n, drafts) == (host_tokens, host_n, host_drafts)
+        torch.testing.assert_close(q, host_q)
+    assert hybrid.lookup_drafts > 0 and hybrid.model_drafts > 0

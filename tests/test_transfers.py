@@ -85,14 +85,15 @@ def staged(llm: LLM) -> tuple[int, int]:
     return sum(r.staging.uploads for r in runners), sum(r.staging.downloads for r in runners)
 
 
-def step_transfers(llm: LLM, params: list[SamplingParams], monkeypatch, steps: int = 3) -> list[dict]:
+def step_transfers(llm: LLM, params: list[SamplingParams], monkeypatch, steps: int = 3, prompts: list[str] | None = None
+                   ) -> list[dict]:
     """Per engine step after warm-up (every request has emitted its first token): the staging's
     uploads and downloads, and the other transfers the counter saw (with where they happened)."""
     engine = llm.engine
     while engine.has_unfinished():  # (what an earlier call left running)
         engine.step()
     for i, p in enumerate(params):
-        engine.add_request(llm.tokenizer.encode(f"the quick brown fox {i} jumps"), p)
+        engine.add_request(llm.tokenizer.encode(prompts[i] if prompts else f"the quick brown fox {i} jumps"), p)
     while any(not s.output_ids for s in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()
     engine.step()  # (a drafter that reads the target's features drafts from the second step on)
@@ -127,6 +128,65 @@ def test_a_step_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, 
             assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
     if drafter in ("draft", "eagle"):  # (the drafter did draft, on the device)
         assert llm.engine.drafter.runner.forward_counts["static"] > 0
+
+
+REPEATING = ["a b a b a b a b", "the quick brown fox"]  # lookup finds matches in the first, and some steps of the second
+
+
+def lookup_llm(model: str, tiny_llama, tiny_llama_draft, tiny_llama_eagle) -> LLM:
+    """Prompt lookup (of >= 1 token) in front of the draft model or the EAGLE head, static shapes."""
+    draft = {"draft": tiny_llama_draft, "eagle": tiny_llama_eagle}[model]
+    return LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="triton", static_shapes=True, draft_model=str(draft),
+               num_speculative_tokens=3, prompt_lookup_min=1)
+
+
+@pytest.mark.parametrize("model", ["draft", "eagle"])
+def test_lookup_in_front_of_a_model_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, tiny_llama_eagle,
+                                                                       model, monkeypatch):
+    """Prompt lookup in front of a draft model or the EAGLE head (drafters/lookup.py): lookup
+    decides on the host and its tokens ride up; the model drafts on the device for the sequences
+    lookup found nothing for. Greedy then sampled: one upload and one download a step, nothing
+    else, with both lookup and the model drafting."""
+    monkeypatch.setattr("minispec.sampling.PARTIAL_SORT_ON", ())
+    llm = lookup_llm(model, tiny_llama, tiny_llama_draft, tiny_llama_eagle)
+    for params in (GREEDY, SAMPLED):
+        for step in step_transfers(llm, params, monkeypatch, steps=3, prompts=REPEATING):
+            assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
+    assert llm.engine.drafter.lookup_drafts > 0 and llm.engine.drafter.model_drafts > 0
+
+
+@pytest.mark.parametrize("model", ["draft", "eagle"])
+def test_a_catch_up_after_looked_up_steps_rides_in_the_same_upload(tiny_llama, tiny_llama_draft, tiny_llama_eagle,
+                                                                    model, monkeypatch):
+    """After steps that lookup drafted, the model's catch-up is longer than its largest bucket
+    and comes in pieces (`feed_ahead`): in a staged step they are prepared into the step's one
+    upload and run on the device before the first draft forward (the EAGLE head's with their
+    target features), so that step too makes one upload and one download. Lookup is made to
+    leave a sequence's first two steps (the prompt's, and the first the EAGLE head can draft in:
+    warm-up) and every fifth after them to the model, and to draft the others (its last tokens
+    again: what it proposes is not what is tested), so the model's step after 4 looked-up steps
+    catches up on at least 5 tokens, more than the bucket of k + 1."""
+    monkeypatch.setattr("minispec.sampling.PARTIAL_SORT_ON", ())
+    llm = lookup_llm(model, tiny_llama, tiny_llama_draft, tiny_llama_eagle)
+    hybrid, calls, pieces = llm.engine.drafter, {}, []
+
+    def every_fifth_to_the_model(tokens, k):
+        n = calls[tuple(tokens[:2])] = calls.get(tuple(tokens[:2]), -1) + 1  # (the prompts' first tokens differ)
+        return tokens[-k:] if n > 0 and n % 5 != 1 else []
+
+    feed_ahead = hybrid.model_drafter.feed_ahead
+
+    def recorded(seqs, upload=None):
+        staged = feed_ahead(seqs, upload)
+        pieces.extend(staged)
+        return staged
+
+    monkeypatch.setattr(hybrid.lookup, "lookup", every_fifth_to_the_model)
+    monkeypatch.setattr(hybrid.model_drafter, "feed_ahead", recorded)
+    params = [SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=i) for i in range(2)]
+    for step in step_transfers(llm, params, monkeypatch, steps=5, prompts=["one two three", "x y z"]):
+        assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
+    assert pieces, "no catch-up came in pieces"
 
 
 def test_the_counter_sees_a_transfer(tiny_llama, monkeypatch):

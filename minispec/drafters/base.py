@@ -62,7 +62,10 @@ class Staged:
     it: sequence b gets at most lengths[b] drafts; host_tokens[b] are the host's drafts, or
     placeholders when drawn[b] (drawn on the device: the verification reads them there). forwards:
     a model drafter's prepared forwards (active sequences, the forward, its model arguments);
-    inputs: the prefix of its other arrays in the upload; proposal: a host drafter's own."""
+    inputs: the prefix of its other arrays in the upload; proposal: a host drafter's own.
+    ahead: a model drafter's catch-up pieces (prepared forward, model arguments: `feed_ahead`),
+    run in order before its first forward; inner: the staging of a drafter this one stands in
+    front of (drafters/lookup.py)."""
 
     lengths: list[int]
     host_tokens: list[list[int]]
@@ -70,6 +73,8 @@ class Staged:
     forwards: list = field(default_factory=list)
     inputs: str = ""
     proposal: Proposal | None = None
+    ahead: list = field(default_factory=list)
+    inner: Staged | None = None
 
 
 @dataclass
@@ -211,9 +216,10 @@ class AutoregressiveDrafter(Drafter):
         upload.add(prefix + "num_draft", lengths)  # [B]
         greedy = all(s.params.greedy for s in seqs)
         width = self.vocab_size if self.draft_ids is None else len(self.draft_ids)  # V_d, the logits' width
-        forwards, active, previous = [], [b for b, n in enumerate(lengths) if n > 0], []
+        forwards, active, previous, ahead = [], [b for b, n in enumerate(lengths) if n > 0], [], []
         for i in range(max(lengths, default=0)):
             if i == 0:
+                ahead = self.feed_ahead([seqs[b] for b in active], upload)
                 feeds, args = self.first_feeds(seqs, active)
             else:  # each active sequence feeds the token it drew at depth i - 1, on the device
                 feeds, args = [Feed(seqs[b].draft_table, [0], drawn=1) for b in active], None
@@ -226,7 +232,7 @@ class AutoregressiveDrafter(Drafter):
                 upload.add(f"{prefix}u{i}", [uniform(seqs[b].key, len(seqs[b]) + i, Purpose.DRAFT, len(seqs[b]))
                                              for b in active], torch.float64)  # [A_i]
             previous, active = active, [b for b in active if lengths[b] > i + 1]
-        return Staged(lengths, [[0] * n for n in lengths], [n > 0 for n in lengths], forwards, prefix)
+        return Staged(lengths, [[0] * n for n in lengths], [n > 0 for n in lengths], forwards, prefix, ahead=ahead)
 
     def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
         """`propose`'s loop on the device: depth i feeds the tokens depth i - 1 drew (never read on
@@ -241,6 +247,8 @@ class AutoregressiveDrafter(Drafter):
         greedy = all(s.params.greedy for s in seqs)
         probs = None if greedy else torch.zeros(B, K + 1, self.vocab_size, device=device)  # [B, K+1, V]
         carry = None
+        for prepared, args in staged.ahead:  # a long catch-up's first pieces (their logits are unused)
+            self.runner.run(prepared, **args)
         for i, (active, prepared, args) in enumerate(staged.forwards):
             rows = sent[f"{p}rows{i}"]  # [A]
             if i == 0:
@@ -273,8 +281,15 @@ class AutoregressiveDrafter(Drafter):
         return Drafts(tokens, num_draft, probs)
 
     def first_feeds(self, seqs: list[Sequence], active: list[int]) -> tuple[list, dict]:
-        """The feeds and model arguments of the first forward of a step (`first_forward`'s)."""
+        """The feeds and model arguments of the first forward of a step (`first_forward`'s), after
+        `feed_ahead`."""
         raise NotImplementedError
+
+    def feed_ahead(self, seqs: list[Sequence], upload: Upload | None = None) -> list:
+        """Before the first forward: a catch-up too long for one forward comes in pieces first.
+        Without an upload they run now; with one they are prepared into it and returned as
+        (prepared forward, model arguments), for `run_staged` to run in order. No pieces by default."""
+        return []
 
     def split(self, out) -> tuple[torch.Tensor, object]:
         """A forward's output -> (logits [n, V_d], the carry for the next forward, or None)."""
@@ -342,8 +357,9 @@ def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ok[:, None], logits, 0.0), ok
 
 
-def one_hot_q(tokens: list[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """q of a deterministic proposal: [n, V], row i one-hot at tokens[i]."""
-    q = torch.zeros(len(tokens), vocab_size, device=device)
-    q[torch.arange(len(tokens), device=device), torch.tensor(tokens, dtype=torch.int64, device=device)] = 1.0
-    return q
+def one_hot_q(tokens: list[int] | torch.Tensor, vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """q of a deterministic proposal: [n, V], row i one-hot at tokens[i] (host ids, or int64 ids
+    [n] already on the device: then nothing crosses)."""
+    ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.int64, device=device)  # [n]
+    q = torch.zeros(len(ids), vocab_size, device=device)
+    return q.scatter_(1, ids[:, None], 1.0)

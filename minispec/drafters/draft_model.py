@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.layout import Prepared
 from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
+from ..runtime.transfers import Upload
 from .base import AutoregressiveDrafter
 
 
@@ -35,11 +37,11 @@ class ModelDrafter(AutoregressiveDrafter):
         return max(0, min(n, self.runner.max_positions - len(seq) + 1))
 
     def first_feeds(self, seqs: list[Sequence], active: list[int]) -> tuple[list[Feed], dict]:
-        """Catch up on the tokens the draft has not cached (long catch-ups first in pieces)."""
-        self.feed_ahead([seqs[b] for b in active])
+        """Catch up on the tokens the draft has not cached (after `feed_ahead`'s pieces)."""
         return [Feed(seqs[b].draft_table, seqs[b].tokens[seqs[b].draft_table.num_cached :]) for b in active], {}
 
     def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, None]:
+        self.feed_ahead([seqs[b] for b in active])
         feeds, _ = self.first_feeds(seqs, active)
         return self.logits(feeds), None
 
@@ -69,19 +71,25 @@ class ModelDrafter(AutoregressiveDrafter):
             return torch.cat([logits, logits.new_full((logits.shape[0], V - Vd), float("-inf"))], dim=-1)
         return logits
 
-    def feed_ahead(self, seqs: list[Sequence]) -> None:
+    def feed_ahead(self, seqs: list[Sequence], upload: Upload | None = None) -> list[tuple[Prepared, dict]]:
         """Under static shapes, a catch-up past the prompt that is longer than the runner's largest
         query length (the tokens of steps that prompt lookup drafted: drafters/lookup.py) is fed
         in pieces of that length first, so that every forward past a prompt fits a bucket. The
-        K/V are those of one forward; a prompt still goes dynamically, whole."""
-        static = self.runner.static
+        K/V are those of one forward; a prompt still goes dynamically, whole. Without an upload
+        each piece runs now; with one (a staged step) each is prepared into it, to run on the
+        device before the first draft forward (`run_staged`), and they are returned in order."""
+        static, pieces = self.runner.static, []
         while static is not None:
             Q, tables = static.query_len, [s.draft_table for s in seqs]
             feeds = [Feed(t, s.tokens[t.num_cached : t.num_cached + Q]) for s, t in zip(seqs, tables)
                      if t.num_cached >= len(s.prompt_ids) and len(s) - t.num_cached > Q]
             if not feeds:
-                return
-            self.runner.forward(feeds)
+                break
+            if upload is None:
+                self.runner.forward(feeds)
+            else:  # (prepare counts the piece as cached, so the next piece starts after it)
+                pieces.append((self.runner.prepare(feeds, upload), {}))
+        return pieces
 
     def feed_prompt(self, seqs: list[Sequence], ends: list[int]) -> None:
         """Cache the draft's K/V of each prompt up to position ends[b] (the logits are unused)."""

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from ..model.eagle import EagleModel
+from ..runtime.layout import Prepared
 from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
+from ..runtime.transfers import Upload
 from .base import AutoregressiveDrafter
 
 
@@ -83,8 +85,7 @@ class EagleDrafter(AutoregressiveDrafter):
 
     def first_feeds(self, seqs: list[Sequence], active: list[int]) -> tuple[list[Feed], dict]:
         """Catch-up: positions draft.num_cached .. len-2, tokens x_{p+1}, the real target features
-        (consumed: observe() starts anew after the verification)."""
-        self.feed_ahead([seqs[b] for b in active])
+        (consumed: observe() starts anew after the verification), after `feed_ahead`'s pieces."""
         feeds = [Feed(seqs[b].draft_table, seqs[b].tokens[seqs[b].draft_table.num_cached + 1 :]) for b in active]
         hidden = torch.cat([seqs[b].draft_state.rows for b in active])  # [sum, 3H]
         for b in active:
@@ -93,6 +94,7 @@ class EagleDrafter(AutoregressiveDrafter):
 
     def first_forward(self, seqs: list[Sequence], active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The catch-up's logits [n, V_d] and g [n, H]."""
+        self.feed_ahead([seqs[b] for b in active])
         feeds, args = self.first_feeds(seqs, active)
         return self.runner.forward(feeds, **args)
 
@@ -102,23 +104,30 @@ class EagleDrafter(AutoregressiveDrafter):
     def chain_args(self, carry: torch.Tensor) -> dict:
         return {"hidden": carry, "project": False}
 
-    def feed_ahead(self, seqs: list[Sequence]) -> None:
+    def feed_ahead(self, seqs: list[Sequence], upload: Upload | None = None) -> list[tuple[Prepared, dict]]:
         """Under static shapes, a catch-up past the prompt that is longer than the runner's largest
         query length (pending features of steps that prompt lookup drafted: drafters/lookup.py)
         is fed in pieces of that length first, consuming their features, so that every forward
         past a prompt fits a bucket. The K/V are those of one forward; a prompt's catch-up still
-        goes dynamically, whole."""
-        static = self.runner.static
+        goes dynamically, whole. Without an upload each piece runs now; with one (a staged step)
+        each is prepared into it and returned in order with its features as model arguments, to
+        run on the device before the first draft forward (`run_staged`)."""
+        static, pieces = self.runner.static, []
         while static is not None:
             Q = static.query_len
             ahead = [s for s in seqs if s.draft_table.num_cached >= len(s.prompt_ids) and s.draft_state.rows.shape[0] > Q]
             if not ahead:
-                return
+                break
             feeds = [Feed(s.draft_table, s.tokens[s.draft_state.start + 1 : s.draft_state.start + 1 + Q]) for s in ahead]
             hidden = torch.cat([s.draft_state.rows[:Q] for s in ahead])  # [len(ahead) * Q, 3H]
+            args = {"hidden": hidden, "project": True}
             for s in ahead:
                 s.draft_state = PendingFeatures(s.draft_state.start + Q, s.draft_state.rows[Q:])
-            self.runner.forward(feeds, hidden=hidden, project=True)
+            if upload is None:
+                self.runner.forward(feeds, **args)
+            else:  # (prepare counts the piece as cached, so the next piece starts after it)
+                pieces.append((self.runner.prepare(feeds, upload), args))
+        return pieces
 
     def next_forward(self, seqs: list[Sequence], active: list[int], tokens: list[list[int]], carry: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,11 @@ distribution otherwise; the verifier is told that q, so the output law is the ta
 (speculative.py). Looked-up steps draw no random numbers: a seeded request stays reproducible.
 The model drafter skips the looked-up steps: a draft model catches up on their tokens, an EAGLE
 head on their target features, the next time it drafts (both already catch up every step).
+
+In a step laid out ahead (`stage` / `run_staged`, speculative.py), lookup decides on the host and
+its tokens ride up in the step's one upload; the model drafter is staged for the other sequences
+and draws on the device; the two are joined there, q included (one-hot rows scattered from the
+uploaded tokens), so the step still makes one upload and one download.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime.sequence import Sequence
-from .base import AutoregressiveDrafter, Drafter, Proposal, one_hot_q
+from ..runtime.transfers import Upload
+from .base import AutoregressiveDrafter, Drafter, Drafts, Proposal, Staged, one_hot_q
 from .ngram import NgramDrafter
 from .tree import DraftTree
 
@@ -34,7 +40,9 @@ class LookupFirstDrafter(Drafter):
         self.model_drafter = model_drafter
         self.target_layers = model_drafter.target_layers  # what the model drafter reads, it still reads
         self.lookup = NgramDrafter(max(max_match or min_match, min_match), min_match)
-        self.lookup_drafts = self.model_drafts = 0  # sequence-steps drafted by each (what bench reports)
+        # Sequence-steps drafted by each (what bench reports). A staged step counts the sequences the
+        # model was staged for (before the device knows whether a non-finite row stops one at 0).
+        self.lookup_drafts = self.model_drafts = 0
 
     def propose(self, seqs: list[Sequence], num_draft: list[int]) -> Proposal:
         """Lookup's tokens for the sequences with a match, the model's for the others; q one-hot
@@ -55,6 +63,40 @@ class LookupFirstDrafter(Drafter):
             if found:
                 probs[b, : len(found)] = one_hot_q(found, V, device)
         return Proposal(tokens, probs)
+
+    def stage(self, seqs: list[Sequence], num_draft: list[int], upload: Upload) -> Staged:
+        """`propose`'s choice, laid out: lookup's tokens ride up ([B, K] and their counts [B]); the
+        model drafter is staged for the sequences lookup found nothing for (0 drafts for the others)."""
+        looked_up = [self.lookup.lookup(s.tokens, n) if n > 0 else [] for s, n in zip(seqs, num_draft)]
+        model = self.model_drafter.stage(seqs, [0 if found else n for found, n in zip(looked_up, num_draft)], upload)
+        self.lookup_drafts += sum(1 for found in looked_up if found)
+        self.model_drafts += sum(1 for n in model.lengths if n > 0)
+        lengths = [len(found) or n for found, n in zip(looked_up, model.lengths)]
+        K, prefix = max(lengths, default=0), upload.scope()
+        upload.add(prefix + "tokens", [found + [0] * (K - len(found)) for found in looked_up])  # [B, K]
+        upload.add(prefix + "num_draft", [len(found) for found in looked_up])  # [B]
+        host_tokens = [found or placeholders for found, placeholders in zip(looked_up, model.host_tokens)]
+        return Staged(lengths, host_tokens, model.drawn, inputs=prefix, inner=model)
+
+    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
+        """The model drafter's drafts on the device, joined with lookup's from the upload: row b
+        holds lookup's tokens where it found some, the model's otherwise; q (unless every request
+        is greedy) is one-hot at each looked-up token and the model's q elsewhere, as `propose`'s."""
+        model = self.model_drafter.run_staged(seqs, staged.inner, sent)
+        looked_up, num_looked_up = sent[staged.inputs + "tokens"], sent[staged.inputs + "num_draft"]  # [B, K], [B]
+        B, K = looked_up.shape
+        from_lookup = torch.arange(K, device=looked_up.device)[None, :] < num_looked_up[:, None]  # [B, K]
+        model_tokens = torch.nn.functional.pad(model.tokens, (0, K - model.tokens.shape[1]))  # [B, K]
+        tokens = torch.where(from_lookup, looked_up, model_tokens)  # [B, K]
+        num_draft = num_looked_up + model.num_draft  # [B] (one of the two is 0)
+        if model.probs is None:  # every request is greedy: every q is one-hot
+            return Drafts(tokens, num_draft, None)
+        V = self.model_drafter.vocab_size
+        probs = torch.zeros(B, K + 1, V, device=looked_up.device)  # [B, K+1, V]
+        probs[:, : model.probs.shape[1]] = model.probs  # zero in looked-up rows and past the model's drafts
+        one_hot = one_hot_q(looked_up.flatten(), V, looked_up.device).view(B, K, V)  # [B, K, V]
+        probs[:, :K] += one_hot * from_lookup[..., None]
+        return Drafts(tokens, num_draft, probs)
 
     @property
     def drafts_trees(self) -> bool:
