@@ -393,6 +393,12 @@ class ScriptedTarget:
         self.cache = type("Cache", (), {"allocator": PageAllocator(64)})()
         self.staging = Staging(self.device)
 
+    def prepare(self, feeds, upload):
+        return feeds  # (nothing to lay out: the rows below depend on the feeds alone)
+
+    def run(self, feeds, drawn=None, **kwargs):
+        return self.forward(feeds)
+
     def forward(self, feeds, upload=None, **kwargs):
         if upload is not None:  # what the step sends with the forward's metadata
             self.staging.send(upload)
@@ -513,13 +519,13 @@ def test_the_draft_models_context_limit_is_respected(tiny_llama, checkpoint_fact
     plain = LLM(model=tiny_llama, kv_cache_gib=0.01)
     llm = LLM(model=tiny_llama, draft_model=short, num_speculative_tokens=4, kv_cache_gib=0.01)
     runner, fed = llm.engine.drafter.runner, []
-    forward = runner.forward
+    prepare = runner.prepare  # (every forward's host half: a step's and a prompt's)
 
-    def recording_forward(feeds, **kwargs):
+    def recording_prepare(feeds, upload):
         fed.extend(f.table.num_cached + len(f.tokens) for f in feeds)  # positions used: < this
-        return forward(feeds, **kwargs)
+        return prepare(feeds, upload)
 
-    runner.forward = recording_forward
+    runner.prepare = recording_prepare
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9, 10]
     out = llm.generate([prompt], params)[0]

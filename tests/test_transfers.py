@@ -10,9 +10,10 @@ On a CPU there is no device to wait for, so the test counts what WOULD be a tran
   * a tensor read on the host: aten `_local_scalar_dense` (item, bool, int, float), and
     Tensor.tolist / Tensor.numpy, which dispatch nothing and are wrapped here;
 except inside runtime/transfers.py, whose `Staging` counts its own uploads and downloads, and
-inside Triton's interpreter (it stands for the GPU's kernels). The model runs on the Triton
-backend with static shapes, the path a GPU runs (the torch backend's CPU twin plans attention on
-the host from the metadata, which is a CPU choice).
+inside what stands for the GPU's attention kernels on a CPU: Triton's interpreter, and the torch
+backend's CPU attention plans (fast/attention_plans.py plans on the host from the metadata, a CPU
+choice). Static shapes, as on a GPU. Plain decoding runs on the Triton backend (its launchers are
+what a GPU runs); the drafters on the torch backend (the same step code, far faster under test).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from minispec import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-EXEMPT = ("runtime/transfers.py", "triton/runtime/interpreter.py", "triton/language")
+EXEMPT = ("runtime/transfers.py", "triton/runtime/interpreter.py", "triton/language", "fast/attention_plans.py")
 
 
 def exempt_caller() -> bool:
@@ -122,7 +123,8 @@ def test_a_step_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, 
     args = {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3),
             "draft": dict(draft_model=str(tiny_llama_draft), num_speculative_tokens=3),
             "eagle": dict(draft_model=str(tiny_llama_eagle), num_speculative_tokens=3)}[drafter]
-    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="triton", static_shapes=True, **args)
+    backend = "triton" if drafter == "none" else "torch"
+    llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend=backend, static_shapes=True, **args)
     for params in (GREEDY, SAMPLED):
         for step in step_transfers(llm, params, monkeypatch, steps=2):
             assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
@@ -136,7 +138,7 @@ REPEATING = ["a b a b a b a b", "the quick brown fox"]  # lookup finds matches i
 def lookup_llm(model: str, tiny_llama, tiny_llama_draft, tiny_llama_eagle) -> LLM:
     """Prompt lookup (of >= 1 token) in front of the draft model or the EAGLE head, static shapes."""
     draft = {"draft": tiny_llama_draft, "eagle": tiny_llama_eagle}[model]
-    return LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="triton", static_shapes=True, draft_model=str(draft),
+    return LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="torch", static_shapes=True, draft_model=str(draft),
                num_speculative_tokens=3, prompt_lookup_min=1)
 
 
