@@ -248,13 +248,14 @@ HIDDEN_SIZES = (576, 1536, 4096)  # SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B: add_
 INTERMEDIATE_SIZES = (1536, 8960, 14336)  # the same models' MLPs: silu_mul's rows
 
 
-def default_configs(all_: bool = False) -> list[Config]:
+def default_configs(all_: bool = False, dtypes: tuple[str, ...] = ("bfloat16", "float16")) -> list[Config]:
     """What the engine launches for the supported models (bf16 / fp16 on GPU; decode, a k = 4
     verification, tree verifications of 8, 16 and 32 nodes, prefill; one split, 4, and the 16
     a batch-1 step on a large GPU gets; the fused layer kernels at the models' widths).
     all_ adds fp32, head dims 16..256,
-    every group 1..8 and more query lengths and split counts."""
-    dtypes = ["bfloat16", "float16"] + (["float32"] if all_ else [])
+    every group 1..8 and more query lengths and split counts. dtypes: the half-precision types
+    (the suite compiles bf16, what bench and the GPU check launch; by hand, both)."""
+    dtypes = list(dtypes) + (["float32"] if all_ else [])
     shapes = sorted(set(MODELS.values())) if not all_ else [(d, g) for d in (16, 32, 64, 128, 256) for g in range(1, 9)]
     configs = []
     for dtype in dtypes:
