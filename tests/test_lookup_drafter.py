@@ -5,6 +5,7 @@ the EAGLE head's catch-up after looked-up steps in test_eagle.py.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minispec import LLM, SamplingParams
@@ -70,18 +71,21 @@ def test_a_mixed_greedy_and_sampled_batch(tiny_llama, tiny_llama_draft):
     assert llm.engine.drafter.lookup_drafts > 0 and llm.engine.drafter.model_drafts > 0
 
 
-def test_a_staged_step_proposes_what_the_host_loop_proposes(tiny_llama, tiny_llama_draft, monkeypatch):
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_a_staged_step_proposes_what_the_host_loop_proposes(tiny_llama, tiny_llama_draft, monkeypatch, threshold):
     """The step laid out ahead (`stage` / `run_staged`: lookup's tokens uploaded, the model's drawn
     on the device, q joined there) and the host loop (`propose`, what `host_step` runs) make the
     same proposals from the same seeded requests: the same drafts, q equal to float rounding
-    (one-hot at looked-up tokens, the model's q elsewhere), so the same outputs."""
+    (one-hot at looked-up tokens, the model's q elsewhere), so the same outputs. With a confidence
+    threshold the model drafts on the host inside the staged step and may stop short of k: its q
+    has rows past the step's longest draft (a shape the join once refused)."""
     params = [SamplingParams(temperature=0.9, top_k=20, max_tokens=12, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
     runs = []
     for host in (False, True):
         if host:
             monkeypatch.setattr("minispec.speculative.needs_host", lambda seq: True)
         llm = LLM(model=tiny_llama, draft_model=tiny_llama_draft, num_speculative_tokens=3, kv_cache_gib=0.01,
-                  page_size=8, prompt_lookup_min=2)
+                  page_size=8, prompt_lookup_min=2, draft_confidence_threshold=threshold)
         with recording_proposals(llm.engine.drafter) as seen:
             outs = llm.generate(PROMPTS, params)
         runs.append(([o.token_ids for o in outs], seen, llm.engine.drafter))

@@ -89,11 +89,13 @@ class LookupFirstDrafter(Drafter):
         model_tokens = torch.nn.functional.pad(model.tokens, (0, K - model.tokens.shape[1]))  # [B, K]
         tokens = torch.where(from_lookup, looked_up, model_tokens)  # [B, K]
         num_draft = num_looked_up + model.num_draft  # [B] (one of the two is 0)
-        if model.probs is None:  # every request is greedy: every q is one-hot
+        if all(s.params.greedy for s in seqs):  # every q is one-hot
             return Drafts(tokens, num_draft, None)
         V = self.model_drafter.vocab_size
         probs = torch.zeros(B, K + 1, V, device=looked_up.device)  # [B, K+1, V]
-        probs[:, : model.probs.shape[1]] = model.probs  # zero in looked-up rows and past the model's drafts
+        if model.probs is not None:  # (None: the model drafted for no sequence)
+            width = min(K + 1, model.probs.shape[1])  # (a host loop that stopped early leaves zero rows past K)
+            probs[:, :width] = model.probs[:, :width]  # zero in looked-up rows and past the model's drafts
         one_hot = one_hot_q(looked_up.flatten(), V, looked_up.device).view(B, K, V)  # [B, K, V]
         probs[:, :K] += one_hot * from_lookup[..., None]
         return Drafts(tokens, num_draft, probs)
