@@ -52,7 +52,7 @@ from .drafters.base import Drafter, Drafts, Proposal, Staged, one_hot_q
 from .nonfinite import guard_nonfinite
 from .outputs import Logprob
 from .pathwise import verify as pathwise_verify
-from .randomness import Purpose, uniform, uniforms
+from .randomness import Purpose, uniform
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
@@ -188,10 +188,19 @@ def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size:
     if not all(s.params.greedy for s in seqs):
         for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(K + 1)], vocab_size).items():
             upload.add("warp." + name, values, WARP_DTYPES[name])  # [B * (K+1)]
-        upload.add("accept_u", [[uniform(s.key, len(s) + i, Purpose.ACCEPT, len(s)) for i in range(K)] for s in seqs],
-                   torch.float64)  # [B, K]
-        upload.add("token_u", [[uniform(s.key, len(s) + i, Purpose.TOKEN) for i in range(K + 1)] for s in seqs],
-                   torch.float64)  # [B, K+1]
+        accept, token = rule_uniforms(seqs, K)
+        upload.add("accept_u", accept, torch.float64)  # [B, K]
+        upload.add("token_u", token, torch.float64)  # [B, K+1]
+
+
+def rule_uniforms(seqs: list[Sequence], K: int) -> tuple[list[list[float]], list[list[float]]]:
+    """The rejection rule's keyed draws for a step of up to K drafts (randomness.py), on the host:
+    accept[b][i] tests draft i at position len(s) + i (keyed by the step too: its drafts may reach
+    that position again later), token[b][i] draws the final token should the step end at i. The
+    device step uploads them, the host step makes tensors of them: the same numbers either way."""
+    accept = [[uniform(s.key, len(s) + i, Purpose.ACCEPT, len(s)) for i in range(K)] for s in seqs]
+    token = [[uniform(s.key, len(s) + i, Purpose.TOKEN) for i in range(K + 1)] for s in seqs]
+    return accept, token
 
 
 def staged_warp(seqs: list[Sequence], sent: dict[str, torch.Tensor], vocab_size: int) -> WarpParams:
@@ -373,11 +382,9 @@ def standard_verify(flat_target_probs: torch.Tensor, seqs: list[Sequence], draft
             draft_probs[b, : len(d)] = one_hot_q(d, V, device)
     else:
         draft_probs = draft_probs[:, : K + 1].to(device)
-    keys = [s.key for s in seqs for _ in range(K + 1)]
-    positions = [len(s) + i for s in seqs for i in range(K + 1)]
-    steps = [len(s) for s in seqs for _ in range(K + 1)]
-    accept_u = uniforms(keys, positions, Purpose.ACCEPT, device, steps).view(B, K + 1)[:, :K]  # [B, K]
-    token_u = uniforms(keys, positions, Purpose.TOKEN, device).view(B, K + 1)  # [B, K+1]
+    accept, token = rule_uniforms(seqs, K)
+    accept_u = torch.tensor(accept, dtype=torch.float64, device=device).view(B, K)  # [B, K]
+    token_u = torch.tensor(token, dtype=torch.float64, device=device).view(B, K + 1)  # [B, K+1]
     tokens, num_accepted = rejection_sample(
         draft_tokens, torch.tensor(num_draft, device=device), draft_probs, target_probs, accept_u, token_u)
     return tokens.tolist(), num_accepted.tolist()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..pathwise import gumbel_max
-from ..randomness import Purpose, uniform, uniforms
+from ..randomness import Purpose, uniform
 from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
@@ -236,8 +236,7 @@ class AutoregressiveDrafter(Drafter):
             if not greedy:
                 for name, values in WarpParams.arrays([seqs[b].params for b in active], width).items():
                     upload.add(f"{prefix}warp{i}.{name}", values, WARP_DTYPES[name])
-                upload.add(f"{prefix}u{i}", [uniform(seqs[b].key, len(seqs[b]) + i, Purpose.DRAFT, len(seqs[b]))
-                                             for b in active], torch.float64)  # [A_i]
+                upload.add(f"{prefix}u{i}", draft_uniforms([seqs[b] for b in active], i), torch.float64)  # [A_i]
             previous, active = active, [b for b in active if lengths[b] > i + 1]
         return Staged(lengths, [[0] * n for n in lengths], [n > 0 for n in lengths], forwards, prefix, ahead=ahead)
 
@@ -338,13 +337,18 @@ class AutoregressiveDrafter(Drafter):
         return host[0], [bool(x) for x in host[1]], confident_rows, q
 
 
+def draft_uniforms(seqs: list[Sequence], depth: int) -> list[float]:
+    """Each sequence's DRAFT uniform for its draft at position len(s) + depth, keyed by the step
+    (its first position len(s)) as well (randomness.py): the host loop's and the device loop's."""
+    return [uniform(s.key, len(s) + depth, Purpose.DRAFT, len(s)) for s in seqs]
+
+
 def draw_from(q: torch.Tensor, seqs: list[Sequence], depth: int, draft_ids: torch.Tensor | None) -> torch.Tensor:
     """Row r's draft from q [n, V_d] (column j is target id draft_ids[j]; None: j itself), at
     position len(seqs[r]) + depth: by inverse CDF with the request's DRAFT uniform there (keyed by
     the step as well: randomness.py), or, for a pathwise request, by Gumbel-max with the target's
     own noise at that position (pathwise.py). Returns [n] int64 column indices."""
-    drawn = sample(q, uniforms([s.key for s in seqs], [len(s) + depth for s in seqs], Purpose.DRAFT, q.device,
-                               [len(s) for s in seqs]))  # [n]
+    drawn = sample(q, torch.tensor(draft_uniforms(seqs, depth), dtype=torch.float64, device=q.device))  # [n]
     pathwise = [r for r, s in enumerate(seqs) if s.pathwise]
     if pathwise:
         rows = torch.tensor(pathwise, device=q.device)
