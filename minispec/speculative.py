@@ -1,44 +1,21 @@
-"""Speculative decoding: one step, top to bottom (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2).
+"""The production speculative step: the core's four steps, laid out for a device, with vLLM's options.
 
-For every running sequence whose last token is x_L:
-  1. Draft. The drafter proposes n <= k tokens d_1..d_n with draft distributions
-     draft_probs_i = q_i(.) (a model drafter samples d_i ~ q_i; the n-gram drafter's q_i is one-hot).
-  2. Verify. The target scores all n+1 positions in ONE forward pass over [x_L, d_1, .., d_n],
-     giving target_probs_i = p_i(.) for i = 1..n+1 (p_{n+1} is the distribution after d_n).
-  3. Accept / reject. Token d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)), left
-     to right, until the first rejection. At a rejection at position i, the recovered token is
-     sampled from the residual norm(max(0, p_i - q_i)); if all n are accepted, a bonus token is
-     sampled from p_{n+1}. Either way every step emits num_accepted + 1 tokens, and each token
-     is distributed exactly as the target alone would have sampled it.
-  4. Roll back. The target cached K/V for [x_L, d_1..d_n]; positions past the accepted drafts
-     are truncated (no copy). The drafter truncates its own cache the same way.
+Read minispec/core/speculative.py first: it is the step (draft, verify, accept / reject, roll
+back), the rejection rule and why it is exact, and greedy verification; this file imports the rule
+from there. What it adds, each without changing the law of an emitted token:
 
-`speculative_step` below is these four steps; the rule of step 3 follows it (`rejection_sample`),
-then the helpers (penalties per position, greedy verification, logprobs; non-finite target logits
-are handled by nonfinite.py).
-
-p and q are both warped by `warp_probs` (temperature, top-k, top-p) with the request's params,
-after the request's penalties and min_tokens (`sampling.penalize`) are applied to each position's
-logits with the tokens before that position, the drafts before it included.
-Temperature 0 makes both one-hot, and the same rule becomes greedy verification: accept while
-d_i == argmax p_i, then emit argmax p at the first mismatch. Plain autoregressive decoding is this
-step with the no-op drafter (n = 0): the target samples one token from p_1.
-
-Randomness: every number a request uses is keyed by its seed and the position of the token it
-decides (randomness.py): the drafter's samples, the acceptance uniforms and the final token's,
-never a stream whose place depends on what came before. So a seeded request emits the same
-tokens whatever else is in the batch, repeated, after a preemption, with prefix caching, as long
-as the drafter and k are the same: another drafter or k (speculation by load chooses k from
-timings) drafts other tokens in other steps, and under this rule the drafts steer which token is
-emitted (never its law). A request with `pathwise` sampling (pathwise.py) is verified by its
-Gumbel-max tokens instead, and then nothing a drafter does changes its tokens.
-
-Why it is exact (one position): the emitted token x has probability
-q(x) min(1, p(x)/q(x)) + P(reject) r(x) = min(p, q)(x) + (p - q)^+(x) = p(x), since
-P(reject) = sum (q - p)^+ = sum (p - q)^+ is the mass that normalises r. tests/test_speculative_exact.py
-checks this on the functions below; tests/test_speculative_statistical.py on the whole pipeline.
-
-Notation: we never write bare p/q in code; `target_probs` and `draft_probs` name them.
+  * one upload, one download a step (`speculative_step`): the host lays the whole step out (the
+    drafter's forwards, the verification, the rule's keyed uniforms and warp), sends it in ONE
+    copy from pinned staging (runtime/transfers.py), the device drafts, verifies and decides
+    (`accept_on_device`: the same `rejection_sample` and greedy argmax), and ONE copy brings the
+    verdict back;
+  * the host path (`host_step`) for requests whose options read tokens in the middle of a step:
+    penalties and min_tokens (`sampling.penalize`, applied alike to p and q at each position with
+    the tokens before it, so the law is the penalised target's), logprobs, and pathwise sampling
+    (pathwise.py: verified by its Gumbel-max tokens, so nothing a drafter does changes them);
+  * non-finite target rows (nonfinite.py): a sequence whose final token would come from one
+    finishes with an error instead of emitting a token drawn from garbage;
+  * the engine's `emit`, which also checks stop strings and records logprobs and metrics.
 """
 
 from __future__ import annotations
@@ -48,16 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.base import Drafter, Drafts, Proposal, Staged, one_hot_q
+from .core import speculative as rule  # the rule itself: rejection_sample, standard_verify, greedy_verify
+from .core.speculative import StepResult, greedy_verify, rule_uniforms
+from .drafters.base import Drafter, Drafts, Proposal, Staged
 from .nonfinite import guard_nonfinite
 from .outputs import Logprob
 from .pathwise import verify as pathwise_verify
-from .randomness import Purpose, uniform
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
-from .sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, sample, warp_probs
+from .sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, warp_probs
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
@@ -139,19 +117,6 @@ def conclude(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, verdic
 
 
 @dataclass
-class StepResult:
-    """What one step did for one sequence (the engine reports it; metrics and speculation by
-    load learn from it): drafted, the draft tokens verified (a tree's: its accepted path, then the
-    draft's first choice that was rejected below it); num_accepted, how many of them the target
-    accepted (the emitted tokens begin with them); num_drafted, the positions drafted: all of a
-    chain's tokens, a tree's depth."""
-
-    drafted: list[int]
-    num_accepted: int
-    num_drafted: int
-
-
-@dataclass
 class Verdict:
     """What verification decided, per sequence b: drafts[b], the drafts verified (a proposal cut at
     a non-finite target row keeps those before it); tokens[b], its accepted drafts then the final
@@ -193,16 +158,6 @@ def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size:
         upload.add("token_u", token, torch.float64)  # [B, K+1]
 
 
-def rule_uniforms(seqs: list[Sequence], K: int) -> tuple[list[list[float]], list[list[float]]]:
-    """The rejection rule's keyed draws for a step of up to K drafts (randomness.py), on the host:
-    accept[b][i] tests draft i at position len(s) + i (keyed by the step too: its drafts may reach
-    that position again later), token[b][i] draws the final token should the step end at i. The
-    device step uploads them, the host step makes tensors of them: the same numbers either way."""
-    accept = [[uniform(s.key, len(s) + i, Purpose.ACCEPT, len(s)) for i in range(K)] for s in seqs]
-    token = [[uniform(s.key, len(s) + i, Purpose.TOKEN) for i in range(K + 1)] for s in seqs]
-    return accept, token
-
-
 def staged_warp(seqs: list[Sequence], sent: dict[str, torch.Tensor], vocab_size: int) -> WarpParams:
     """The verification rows' warp, its tensors from the upload (`stage_rule`)."""
     return WarpParams.of([s.params for s in seqs], vocab_size, None, {name: sent["warp." + name] for name in WARP_DTYPES})
@@ -241,7 +196,7 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts
         draft_probs = torch.zeros_like(target_probs)
         draft_probs[:, :K].scatter_(-1, draft_tokens[..., None], 1.0)
     draft_probs = draft_probs[:, : K + 1].to(target_probs.device) * kept  # [B, K+1, V], zero past the drafts
-    tokens, num_accepted = rejection_sample(draft_tokens, num_draft, draft_probs, target_probs, sent["accept_u"],
+    tokens, num_accepted = rule.rejection_sample(draft_tokens, num_draft, draft_probs, target_probs, sent["accept_u"],
                                             sent["token_u"])
     return tokens, num_accepted, cut
 
@@ -265,66 +220,6 @@ def verify_on_host(target: ModelRunner, feeds: list[Feed], seqs: list[Sequence],
 
 
 # --- 3. The accept / reject rule ----------------------------------------------------------------
-
-
-def accept_probability(target_prob: torch.Tensor, draft_prob: torch.Tensor) -> torch.Tensor:
-    """min(1, p(d) / q(d)) elementwise.
-
-    A drafter only proposes tokens with q(d) > 0; should q(d) be 0 anyway (a drafter's rounding),
-    d is accepted iff p(d) > 0, so a token the target can never emit is never accepted.
-    """
-    ratio = (target_prob / draft_prob.clamp(min=torch.finfo(draft_prob.dtype).tiny)).clamp(max=1.0)
-    return torch.where(draft_prob > 0, ratio, (target_prob > 0).to(ratio.dtype))
-
-
-def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) over the last axis: where the target puts more mass than the draft.
-
-    With q = 0 (no draft at this position) this is p itself, which is how the bonus token is
-    drawn by the same code. If p <= q everywhere (p == q up to rounding), rejection has
-    probability zero; we then return p so the result stays a distribution.
-    """
-    residual = (target_probs - draft_probs).clamp(min=0)  # [..., V]
-    mass = residual.sum(-1, keepdim=True)
-    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), target_probs)
-
-
-def rejection_sample(
-    draft_tokens: torch.Tensor,
-    num_draft: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    accept_u: torch.Tensor,
-    token_u: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The accept/reject rule for a batch of sequences with different draft lengths.
-
-    draft_tokens: [B, K] int64 (rows padded past num_draft[b]); num_draft: [B] int64 (<= K)
-    draft_probs:  [B, K+1, V], q at each drafted position, ZERO rows at positions >= num_draft[b]
-    target_probs: [B, K+1, V], p at each of the K+1 verified positions
-    accept_u:     [B, K] fp64, the uniform that tests draft i; token_u: [B, K+1] fp64, the uniform
-                  that draws the final token should the step end at position i (randomness.py)
-    Returns (tokens [B, K+1], num_accepted [B]): row b emits tokens[b, :num_accepted[b] + 1].
-    """
-    B, K = draft_tokens.shape
-    device = target_probs.device
-    rows = torch.arange(B, device=device)
-    drafted = torch.arange(K, device=device)[None, :] < num_draft[:, None]  # [B, K]
-
-    # 3a. Accept d_i when u_i < min(1, p_i(d_i) / q_i(d_i)).
-    target_prob = target_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
-    draft_prob = draft_probs[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
-    accepted = (accept_u.to(device) < accept_probability(target_prob, draft_prob)) & drafted  # [B, K]
-    num_accepted = accepted.long().cumprod(-1).sum(-1)  # [B] length of the leading accepted run
-
-    # 3b. One more token at position num_accepted: from the residual after a rejection, or the
-    # bonus from p_{n+1} (whose draft row is zero, so the residual is p itself).
-    final_dist = residual_distribution(target_probs[rows, num_accepted], draft_probs[rows, num_accepted])  # [B, V]
-    final_token = sample(final_dist, token_u.to(device)[rows, num_accepted])  # [B]
-
-    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
-    tokens[rows, num_accepted] = final_token
-    return tokens, num_accepted
 
 
 def sample_verify(logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal) -> tuple[list[list[int]], list[int]]:
@@ -351,63 +246,10 @@ def sample_verify(logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal
             logits = logits[[r for b in standard for r in range(firsts[b], firsts[b + 1])]]
             draft_probs = None if draft_probs is None else draft_probs[torch.tensor(standard, device=draft_probs.device)]
         params = [seqs[b].params for b in standard for _ in range(len(draft_lists[b]) + 1)]
-        verdicts = standard_verify(warp_probs(logits, params), [seqs[b] for b in standard], [draft_lists[b] for b in standard],
+        verdicts = rule.standard_verify(warp_probs(logits, params), [seqs[b] for b in standard], [draft_lists[b] for b in standard],
                                    draft_probs)
         for b, t, n in zip(standard, *verdicts):
             tokens[b], num_accepted[b] = t, n
-    return tokens, num_accepted
-
-
-def standard_verify(flat_target_probs: torch.Tensor, seqs: list[Sequence], draft_lists: list[list[int]],
-                    draft_probs: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
-    """Lay p [sum(n_b + 1), V] out as [B, K+1, V] next to the draft's q (one-hot at each drafted
-    token where the proposal has no probs) and apply `rejection_sample` with each request's keyed
-    uniforms: draft i (at position len(s) + i) is tested by U(ACCEPT, keyed by the step too, whose
-    drafts may reach a position again in a later step), the final token drawn by U(TOKEN) of the
-    position where the step ends. Returns (tokens per sequence, num_accepted per sequence)."""
-    device = flat_target_probs.device
-    num_draft = [len(d) for d in draft_lists]
-    K, V = max(num_draft), flat_target_probs.shape[-1]
-    B = len(seqs)
-    target_probs = flat_target_probs.new_zeros(B, K + 1, V)  # [B, K+1, V]
-    draft_tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
-    row = 0
-    for b, d in enumerate(draft_lists):
-        target_probs[b, : len(d) + 1] = flat_target_probs[row : row + len(d) + 1]
-        draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-        row += len(d) + 1
-    if draft_probs is None:  # q is one-hot at each drafted token
-        draft_probs = torch.zeros_like(target_probs)
-        for b, d in enumerate(draft_lists):
-            draft_probs[b, : len(d)] = one_hot_q(d, V, device)
-    else:
-        draft_probs = draft_probs[:, : K + 1].to(device)
-    accept, token = rule_uniforms(seqs, K)
-    accept_u = torch.tensor(accept, dtype=torch.float64, device=device).view(B, K)  # [B, K]
-    token_u = torch.tensor(token, dtype=torch.float64, device=device).view(B, K + 1)  # [B, K+1]
-    tokens, num_accepted = rejection_sample(
-        draft_tokens, torch.tensor(num_draft, device=device), draft_probs, target_probs, accept_u, token_u)
-    return tokens.tolist(), num_accepted.tolist()
-
-
-def greedy_verify(logits: torch.Tensor, draft_lists: list[list[int]], best: list[int] | None = None
-                  ) -> tuple[list[list[int]], list[int]]:
-    """The accept/reject rule at temperature 0, where p and q are one-hot: accept d_i while it is
-    the target's argmax at position i, then emit the argmax at the first mismatch (or the bonus
-    argmax after n accepted drafts). One argmax over the flat logits [sum(n_b + 1), V]; no
-    softmax, one-hot or sampling (it equals `rejection_sample` on the warped one-hot rows, and
-    draws no random numbers). `best`: that argmax, when the caller already has it on the host.
-    Returns (tokens per sequence, num_accepted per sequence)."""
-    if best is None:
-        best = logits.argmax(-1).tolist()  # [sum(n_b + 1)]: the lowest id among tied maxima, as warp_probs
-    tokens, num_accepted, row = [], [], 0
-    for drafts in draft_lists:
-        n_acc = 0
-        while n_acc < len(drafts) and drafts[n_acc] == best[row + n_acc]:
-            n_acc += 1
-        tokens.append(drafts[:n_acc] + [best[row + n_acc]])
-        num_accepted.append(n_acc)
-        row += len(drafts) + 1
     return tokens, num_accepted
 
 

@@ -38,7 +38,7 @@ from minispec.fast.cpu_linear import (
 from minispec.fast.cpu_caps import cpu_caps
 from minispec.io.eagle_checkpoint import load_eagle
 from minispec.sampling import warp_probs
-from minispec.speculative import greedy_verify, rejection_sample
+from minispec.core.speculative import greedy_verify, rejection_sample
 from minispec_kernels.paged_attention import paged_attention_ref
 from test_kernels import PagedBatch, head_shapes, seeds, windows
 

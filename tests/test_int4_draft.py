@@ -35,7 +35,7 @@ from minispec.fast.int4 import (
     quantize_int4_model,
 )
 from minispec.options import EngineOptions
-from minispec.speculative import accept_probability, residual_distribution
+from minispec.core.speculative import accept_probability, residual_distribution
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu_int4_available(), reason="this torch build has no CPU int4 kernel")]

@@ -26,7 +26,7 @@ from minispec import sampling
 from minispec.drafters.base import AutoregressiveDrafter
 from minispec.randomness import Purpose, request_key, uniform, uniforms
 from minispec.sampling import SamplingParams, penalize, sample, warp_probs
-from minispec.speculative import accept_probability, rejection_sample, residual_distribution
+from minispec.core.speculative import accept_probability, rejection_sample, residual_distribution
 from test_speculative_statistical import ALPHA, pooled_chi_square
 
 settings.register_profile("speculative", derandomize=True, deadline=None, max_examples=100,

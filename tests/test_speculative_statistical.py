@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 import minispec.drafters.base
 import minispec.drafters.lookup
+import minispec.core.speculative
 import minispec.speculative
 from minispec import LLM, AttentionBackend, BatchMetadata, ModelConfig, SamplingParams, Tokenizer, Transformer
 from minispec.drafters.base import Drafter
@@ -454,17 +455,17 @@ def _untempered(params: list[SamplingParams] | WarpParams) -> list[SamplingParam
 
 def no_residual(monkeypatch):
     """(a) after a rejection, resample from p instead of norm(max(0, p - q))."""
-    monkeypatch.setattr(minispec.speculative, "residual_distribution", lambda target_probs, draft_probs: target_probs)
+    monkeypatch.setattr(minispec.core.speculative, "residual_distribution", lambda target_probs, draft_probs: target_probs)
 
 
 def always_accept(monkeypatch):
     """(b) accept every draft token."""
-    monkeypatch.setattr(minispec.speculative, "accept_probability", lambda t, d: torch.ones_like(t))
+    monkeypatch.setattr(minispec.core.speculative, "accept_probability", lambda t, d: torch.ones_like(t))
 
 
 def bonus_off_by_one(monkeypatch):
     """(c) when all n drafts are accepted, draw the bonus from p_n instead of p_{n+1}."""
-    original = minispec.speculative.rejection_sample
+    original = minispec.core.speculative.rejection_sample
 
     def broken(draft_tokens, num_draft, draft_probs, target_probs, accept_u, token_u):
         target_probs = target_probs.clone()
@@ -472,7 +473,7 @@ def bonus_off_by_one(monkeypatch):
         target_probs[rows, num_draft[rows]] = target_probs[rows, num_draft[rows] - 1]
         return original(draft_tokens, num_draft, draft_probs, target_probs, accept_u, token_u)
 
-    monkeypatch.setattr(minispec.speculative, "rejection_sample", broken)
+    monkeypatch.setattr(minispec.core.speculative, "rejection_sample", broken)
 
 
 def target_ignores_temperature(monkeypatch):

@@ -31,29 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core import drafters as core
+from ..core.drafters import Proposal, draft_uniforms
 from ..pathwise import gumbel_max
-from ..randomness import Purpose, uniform
 from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
 from ..sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, sample, warp_probs
-
-
-@dataclass
-class Proposal:
-    """What a drafter proposes for a batch of B sequences.
-
-    tokens: per sequence, the drafted ids (n_b <= num_draft[b] of them).
-    probs:  [B, K+1, V] (K = max n_b, V the target's vocabulary): row b holds q at each drafted
-            position and zeros after. None means q is one-hot at each drafted token: a model-free
-            drafter, or a batch of greedy requests only (where every q is one-hot)."""
-
-    tokens: list[list[int]]
-    probs: torch.Tensor | None = None
-
-    @classmethod
-    def empty(cls, batch: int) -> "Proposal":
-        return cls([[] for _ in range(batch)])
 
 
 @dataclass
@@ -88,7 +72,7 @@ class Drafts:
     probs: torch.Tensor | None
 
 
-class Drafter:
+class Drafter(core.Drafter):
     """The interface (see the module docstring); the defaults suit a drafter with no state."""
 
     def stage(self, seqs: list[Sequence], num_draft: list[int], upload: Upload) -> Staged:
@@ -124,9 +108,6 @@ class Drafter:
     def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:
         """hidden: [sum(num_fed), len(target_layers) * H], the target's features for the positions
         it was just fed (sequence b: starts[b] .. starts[b] + num_fed[b] - 1)."""
-
-    def rollback(self, seqs: list[Sequence]) -> None:
-        """Forget draft state past each sequence's accepted tokens."""
 
     def feed_prompt(self, seqs: list[Sequence], ends: list[int]) -> None:
         """The target was just fed a chunk of each sequence's prompt, up to position ends[b]
@@ -337,12 +318,6 @@ class AutoregressiveDrafter(Drafter):
         return host[0], [bool(x) for x in host[1]], confident_rows, q
 
 
-def draft_uniforms(seqs: list[Sequence], depth: int) -> list[float]:
-    """Each sequence's DRAFT uniform for its draft at position len(s) + depth, keyed by the step
-    (its first position len(s)) as well (randomness.py): the host loop's and the device loop's."""
-    return [uniform(s.key, len(s) + depth, Purpose.DRAFT, len(s)) for s in seqs]
-
-
 def draw_from(q: torch.Tensor, seqs: list[Sequence], depth: int, draft_ids: torch.Tensor | None) -> torch.Tensor:
     """Row r's draft from q [n, V_d] (column j is target id draft_ids[j]; None: j itself), at
     position len(seqs[r]) + depth: by inverse CDF with the request's DRAFT uniform there (keyed by
@@ -363,11 +338,3 @@ def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     and which rows are usable. logits: [n, V] -> ([n, V], [n] bool), no host copy."""
     ok = finite_rows(logits)  # [n]
     return torch.where(ok[:, None], logits, 0.0), ok
-
-
-def one_hot_q(tokens: list[int] | torch.Tensor, vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """q of a deterministic proposal: [n, V], row i one-hot at tokens[i] (host ids, or int64 ids
-    [n] already on the device: then nothing crosses)."""
-    ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.int64, device=device)  # [n]
-    q = torch.zeros(len(ids), vocab_size, device=device)
-    return q.scatter_(1, ids[:, None], 1.0)

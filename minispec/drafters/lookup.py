@@ -28,7 +28,8 @@ import torch
 
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
-from .base import AutoregressiveDrafter, Drafter, Drafts, Proposal, Staged, one_hot_q
+from ..core.speculative import one_hot_q
+from .base import AutoregressiveDrafter, Drafter, Drafts, Proposal, Staged
 from .ngram import NgramDrafter
 from .tree import DraftTree
 
