@@ -64,7 +64,8 @@ class ModelConfig:
         """Weights the config implies (biases left out): embedding, an untied LM head, and per
         layer q/k/v/o ((Hq + 2 Hkv) D H + Hq D H), gate/up/down (3 H I) and two norms."""
         h, d = self.hidden_size, self.head_dim
-        layer = (2 * self.num_heads + 2 * self.num_kv_heads) * d * h + 3 * h * self.intermediate_size + 2 * h
+        attention = (2 * self.num_heads + 2 * self.num_kv_heads) * d * h
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + head + self.num_layers * layer + h
 
@@ -78,14 +79,16 @@ def check_rope_scaling(scaling: dict) -> None:
     """Each scaling type's parameters are positive numbers (llama3: high > low factor)."""
     kind = scaling.get("rope_type", "default")
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        raise ValueError(f"rope scaling type {kind!r} is not supported "
+                         f"(supported: {SUPPORTED_ROPE_TYPES})")
     needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
     for key in needed.get(kind, ()):
         value = scaling.get(key)
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
             raise ValueError(f"rope scaling {kind!r} needs a positive number {key!r}, got {value!r}")
     if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-        raise ValueError(f"rope scaling 'llama3' needs high_freq_factor > low_freq_factor, got {scaling}")
+        raise ValueError("rope scaling 'llama3' needs high_freq_factor > low_freq_factor, "
+                         f"got {scaling}")
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -35,7 +35,8 @@ from minispec_kernels._checks import SUPPORTED_HEAD_DIMS
 
 from .config import ModelConfig, rope_inv_freq
 
-KVLayer = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_pool, v_pool), each [num_pages, page_size, Hkv, D]
+# One layer's KV pools (k_pool, v_pool), each [num_pages, page_size, Hkv, D].
+KVLayer = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -43,7 +44,8 @@ class BatchMetadata:
     """Where the T packed new tokens of B sequences sit.
 
     positions:       [T] int64, position of each new token in its sequence
-    query_start_loc: [B+1] int32, sequence b's new tokens are rows query_start_loc[b]:query_start_loc[b+1]
+    query_start_loc: [B+1] int32, sequence b's new tokens are rows
+                     query_start_loc[b]:query_start_loc[b+1]
     seq_lens:        [B] int32, context length of each sequence INCLUDING its new tokens
     max_query_len, max_seq_len: host ints (launch sizes; no device sync needed)
     slot_mapping:    [T] int64, pool slot (page * page_size + offset) for each new token's K/V, or None
@@ -91,17 +93,20 @@ class AttentionBackend:
     names: tuple[str, ...] = ("triton", "torch")
 
     def __init__(self, name: str | None = None):
-        name = name or os.environ.get("MINISPEC_BACKEND") or ("triton" if torch.cuda.is_available() else "torch")
+        default = "triton" if torch.cuda.is_available() else "torch"
+        name = name or os.environ.get("MINISPEC_BACKEND") or default
         if name not in self.names:
             *others, last = self.names
-            raise ValueError(f"unknown attention backend {name!r} (use {', '.join(map(repr, others))} or {last!r})")
+            choices = f"{', '.join(map(repr, others))} or {last!r}"
+            raise ValueError(f"unknown attention backend {name!r} (use {choices})")
         self.name = name
         if name == "triton":
             self._prefill, self._paged = flash_prefill.flash_prefill, paged_attention.paged_attention
             self._add_rmsnorm, self._rope_write = add_rmsnorm.add_rmsnorm, rope_write.rope_write
             self._silu_mul = silu_mul.silu_mul
         else:
-            self._prefill, self._paged = flash_prefill.flash_prefill_ref, paged_attention.paged_attention_ref
+            self._prefill = flash_prefill.flash_prefill_ref
+            self._paged = paged_attention.paged_attention_ref
             self._add_rmsnorm, self._rope_write = add_rmsnorm.add_rmsnorm_ref, rope_write.rope_write_ref
             self._silu_mul = silu_mul.silu_mul_ref
 
@@ -142,7 +147,8 @@ class AttentionBackend:
               sliding_window: int | None, **options) -> torch.Tensor:
         """Attention over the page pool (kernels/paged_attention.py): each query row sees its own
         sequence's keys up to its position. `options` go to the kernel as keyword arguments."""
-        return self._paged(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        k_pool, v_pool = kv_cache
+        return self._paged(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                            meta.max_query_len, meta.max_seq_len, sm_scale=sm_scale,
                            sliding_window=sliding_window, validate=False, **options)
 
@@ -189,7 +195,8 @@ class Attention(nn.Module):
         self.cfg = cfg
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         if d not in SUPPORTED_HEAD_DIMS:  # refused at load, not at the first forward
-            raise ValueError(f"head_dim {d} is not supported by the attention kernels (supported: {SUPPORTED_HEAD_DIMS})")
+            raise ValueError(f"head_dim {d} is not supported by the attention kernels "
+                             f"(supported: {SUPPORTED_HEAD_DIMS})")
         width = input_size or cfg.hidden_size
         self.q_proj = nn.Linear(width, hq * d, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(width, hkv * d, bias=cfg.qkv_bias)
@@ -213,7 +220,8 @@ class Attention(nn.Module):
         # q and k side by side: one RoPE for both (a decode row's ops are its cost). Strided views.
         qk = qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d)  # [T, Hq + Hkv, D]
         v = qkv[:, (hq + hkv) * d :].view(T, hkv, d)  # [T, Hkv, D]
-        qk = backend.rope_write(qk, v, cos, sin, kv_cache, meta)  # RoPE'd [T, Hq + Hkv, D]; new K/V now in the cache
+        # RoPE'd [T, Hq + Hkv, D]; the new K/V are now in the cache
+        qk = backend.rope_write(qk, v, cos, sin, kv_cache, meta)
         out = backend(qk[:, :hq], qk[:, hq:], v, kv_cache, meta, d**-0.5, cfg.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, hq * d))
 
@@ -238,7 +246,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, backend: AttentionBackend | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden]; without a backend (training) in plain torch ops."""
         gate_up = self.project(x)  # [..., 2I]
-        return self.down_proj(silu_mul.silu_mul_ref(gate_up) if backend is None else backend.silu_mul(gate_up))
+        hidden = silu_mul.silu_mul_ref(gate_up) if backend is None else backend.silu_mul(gate_up)  # [..., I]
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -254,7 +263,8 @@ class DecoderLayer(nn.Module):
         residual: [T, hidden] the residual stream before it (None for the first layer), updated in
         place. Returns (this layer's MLP output, residual): the stream after it is their sum."""
         norm = self.input_layernorm
-        h, residual = backend.add_rmsnorm(x, residual, norm.weight, norm.eps)  # residual += x; h = norm(residual)
+        # residual += x; h = norm(residual)
+        h, residual = backend.add_rmsnorm(x, residual, norm.weight, norm.eps)
         x = self.self_attn(h, cos, sin, meta, kv_cache, backend)  # [T, hidden]
         norm = self.post_attention_layernorm
         h, residual = backend.add_rmsnorm(x, residual, norm.weight, norm.eps)
@@ -312,7 +322,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if visit is not None:
                 visit(i, x, residual)
-            x, residual = layer(x, residual, cos, sin, meta, None if kv_caches is None else kv_caches[i], self.backend)
+            kv_cache = None if kv_caches is None else kv_caches[i]
+            x, residual = layer(x, residual, cos, sin, meta, kv_cache, self.backend)
         if visit is not None:
             visit(len(self.layers), x, residual)
         return x, residual
