@@ -1,4 +1,5 @@
-"""Model configuration: one dataclass, built from a Hugging Face `config.json` dict and validated.
+"""Model configuration: the core's dataclass (core/config.py), built from a Hugging Face
+`config.json` dict; the dict is checked here, the numbers by the dataclass.
 
 Both config styles are accepted: transformers >= 5 writes `rope_parameters` and `dtype`; older
 checkpoints have top-level `rope_theta`, `rope_scaling` and `torch_dtype`.
@@ -7,10 +8,13 @@ checkpoints have top-level `rope_theta`, `rope_scaling` and `torch_dtype`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
+from ..core.config import SUPPORTED_ROPE_TYPES, rope_inv_freq
+from ..core.config import ModelConfig as CoreModelConfig
+
+__all__ = ["DTYPES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "as_id_list", "hf_family", "hf_rope", "rope_inv_freq"]
 
 # architecture name in config.json -> model family
 ARCHITECTURES = {
@@ -21,75 +25,9 @@ ARCHITECTURES = {
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-
-@dataclass
-class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder. Shapes below use these names."""
-
-    architecture: str  # "llama" | "mistral" | "qwen2"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # key j is visible to query i iff i - j < sliding_window
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    dtype: torch.dtype = torch.float32  # the checkpoint's dtype
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)  # every end token; the first is THE EOS (the tokenizer's)
-
-    def __post_init__(self) -> None:
-        checks = {
-            "vocab_size": self.vocab_size > 0,
-            "hidden_size": self.hidden_size > 0,
-            "num_layers": self.num_layers > 0,
-            "num_heads": self.num_heads > 0,
-            "num_kv_heads (must divide num_attention_heads)": self.num_kv_heads > 0
-            and self.num_heads % self.num_kv_heads == 0,
-            "head_dim": self.head_dim > 0 and self.head_dim % 2 == 0,
-            "sliding_window": self.sliding_window is None or self.sliding_window > 0,
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"invalid model config: bad {', '.join(bad)} in {self}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", "default")
-            if kind not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"rope scaling type {kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
-                )
-            needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(kind, ())
-            for key in needed:
-                value = self.rope_scaling.get(key)
-                if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-                    raise ValueError(f"rope scaling {kind!r} needs a positive number {key!r}, got {value!r}")
-            if kind == "llama3" and not self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"]:
-                raise ValueError(f"rope scaling 'llama3' needs high_freq_factor > low_freq_factor, got {self.rope_scaling}")
-
-    @property
-    def num_parameters(self) -> int:
-        """Weights the config implies (biases left out): embedding, an untied LM head, and per
-        layer q/k/v/o ((Hq + 2 Hkv) D H + Hq D H), gate/up/down (3 H I) and two norms."""
-        h, d = self.hidden_size, self.head_dim
-        layer = (2 * self.num_heads + 2 * self.num_kv_heads) * d * h + 3 * h * self.intermediate_size + 2 * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + head + self.num_layers * layer + h
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.num_heads // self.num_kv_heads
+class ModelConfig(CoreModelConfig):
+    """The core's ModelConfig (core/config.py), built from a Hugging Face `config.json` dict."""
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -190,26 +128,3 @@ def as_id_list(value, what: str) -> list[int]:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{what} must be a token id or a list of them, got {value!r}")
     return list(ids)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d), i < d/2, with linear or Llama-3.1 scaling. Returns [head_dim // 2] fp32,
-    on the CPU whatever the default device (on the meta device, where the loaders build a model's
-    skeleton, these ops would import torch's compiler stack: ~1 s of every load)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))  # [d/2], fp32 as in HF
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling.get("original_max_position_embeddings", cfg.max_position_embeddings))
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, blended, scaled)

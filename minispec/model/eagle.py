@@ -87,7 +87,7 @@ class EagleLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, in_features=2 * c.hidden_size)
+        self.self_attn = Attention(c, input_size=2 * c.hidden_size)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 

@@ -1,0 +1,17 @@
+"""The core: a complete small speculative-decoding engine, read top to bottom in this order.
+
+    config.py       ModelConfig: a Llama-family decoder's hyper-parameters, validated; RoPE frequencies
+    model.py        BatchMetadata, AttentionBackend (Triton kernels or their torch twins), the decoder
+    kv_cache.py     the paged KV cache: page allocator, block tables, the pools
+    sequence.py     a request's tokens, pages and status
+    scheduler.py    continuous batching with preemption
+    randomness.py   keyed uniforms: each request's draws independent of the batch
+    sampling.py     SamplingParams, temperature / top-k / top-p, sampling
+    runner.py       ModelRunner: packs a step's sequences into one forward
+    speculative.py  the speculative step and its rejection rule
+    drafters.py     the drafter interface, a draft model and n-gram drafting
+    engine.py       Engine: the loop
+
+The core imports only torch, numpy, the standard library, minispec_kernels and itself; the
+production engine around it (the rest of minispec) subclasses and extends these classes.
+"""
