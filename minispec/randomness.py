@@ -1,41 +1,12 @@
-"""Position-keyed randomness: every random number a request uses is a function of its seed, the
-absolute position of the token it helps decide, what it is for, and an index; never of how many
-numbers were drawn before it.
+"""Position-keyed randomness, as the extensions use it.
 
-Why. A stream of draws from a per-request generator makes a request's tokens depend on how many
-draws each step took: on k, on the drafter, on whether an EAGLE head drafted in the step after a
-preemption, and, with speculation by load, on the machine's timings. Keyed draws remove that
-dependence: the same keys give the same numbers whatever the batch, the step or the device.
-
-The draw. u = U(key, position, purpose, step, index) in (0, 1), 52 random bits:
-    key          two 32-bit lanes made from the request's 64-bit seed once (`request_key`)
-    position     the absolute position (in prompt + output) of the token being decided
-    purpose      `Purpose` below: what the number decides
-    step         for ACCEPT, DRAFT and BRANCH: the position of the first token of the step that
-                 consults it (0 otherwise); see "one step, one use" below
-    index        a token id (Gumbel noise), a sibling's rank (a tree's tests), else 0
-Each lane absorbs the words one at a time, h <- mix(h ^ word), and each number takes one more
-mix per lane of h ^ spread(index); the two lanes give the high 32 and low 20 bits. `mix` is a
-two-round multiply-xorshift bijection of [0, 2^32) (the shape of Wellons' lowbias32), with odd
-multipliers below 2^31, so that x * c < 2^63 never overflows int64 and >> never meets a sign
-bit: the same integer operations give the same numbers on Python ints, on CPU tensors and on
-CUDA tensors. `spread` mixes the index before it meets the row's lanes, so two rows whose lanes
-differ in low bits do not share their numbers at shifted indices. This is a counter-based hash,
-not a cryptographic one; tests/test_randomness.py checks uniformity and independence.
-
-Per row the lanes are computed on the host (a few Python integer operations); one number per row
-(the standard rule's draws) is finished there too and sent as one fp64 tensor. The Gumbel noise
-of pathwise sampling needs a number per token of the vocabulary, so its last mix runs on the
-device, vectorized over the vocabulary (`noise`).
-
-One step, one use. A uniform that one step consulted must not be consulted again by a later
-step: the later step's k (speculation by load) is chosen from timings and draft lengths that
-may depend on it, and a number that is not independent of the choice of k would bias the
-standard rule. Draft samples and acceptance tests at a position are consulted by every step
-whose drafts reach that position, so they are keyed by the step too (its first position, which
-only grows); a token's own draw (TOKEN) is consulted by the one step that emits that position.
-Pathwise noise (NOISE) is shared by every step and every drafter by design: there the emitted
-token is a fixed function of the noise (pathwise.py), whatever k is.
+The hash, the request key and one number per row are the core's (minispec/core/randomness.py,
+which says why every draw is keyed by seed and position). Here are the two purposes only the
+extensions use, with the values after the core's: a tree walk's BRANCH tests (speculative_tree.py)
+and pathwise sampling's NOISE (pathwise.py), a number per token of the vocabulary whose last mix
+runs on the device, vectorized over the vocabulary (`noise`). Pathwise noise is shared by every
+step and every drafter by design: there the emitted token is a fixed function of the noise,
+whatever k is. The BRANCH draws are keyed by the step, as the core's ACCEPT and DRAFT are.
 """
 
 from __future__ import annotations
@@ -44,80 +15,19 @@ import enum
 
 import torch
 
-MASK32 = 0xFFFFFFFF
-LANES = (0x243F6A88, 0x85A308D3)  # the two lanes' starting words (digits of pi): independent streams
-Key = tuple[int, int]  # a request's two 32-bit lanes
+from .core.randomness import LANES, MASK32, Key, finish, mix, request_key, row_lanes, spread, uniform, uniforms
+
+__all__ = ["LANES", "MASK32", "Key", "Purpose", "finish", "mix", "noise", "request_key", "row_lanes", "spread", "uniform", "uniforms"]
 
 
 class Purpose(enum.IntEnum):
-    """What a number decides (a word of its key)."""
+    """What a number decides (a word of its key): the core's three, then the extensions'."""
 
     TOKEN = 1  # the standard rule's draw of the token emitted at a position (inverse CDF)
     ACCEPT = 2  # the standard rule's acceptance test of the draft at a position
     DRAFT = 3  # the standard rule's draft sample at a position
     BRANCH = 4  # a tree walk's test of a child at a position (index: its rank among its siblings)
     NOISE = 5  # pathwise sampling's Gumbel noise at a position (index: the token id), shared by target and drafts
-
-
-def mix(x):
-    """A bijection of [0, 2^32), for a Python int or an int64 tensor of values in [0, 2^32). (A
-    tensor is copied by the first line and updated in place after it: the vocabulary-wide noise
-    makes large temporaries.)"""
-    x = x ^ (x >> 16)
-    x *= 0x21F0AAAD
-    x &= MASK32
-    x ^= x >> 15
-    x *= 0x735A2D97
-    x &= MASK32
-    x ^= x >> 15
-    return x
-
-
-def request_key(seed: int) -> Key:
-    """The two lanes of a seed in [-2^63, 2^64) (taken mod 2^64)."""
-    seed %= 2**64
-    low, high = seed & MASK32, seed >> 32
-    return tuple(mix(mix(low ^ lane) ^ high) for lane in LANES)
-
-
-def row_lanes(key: Key, position: int, purpose: Purpose, step: int = 0) -> Key:
-    """The lanes of one row of draws: the key with (position, purpose, step) absorbed."""
-    lanes = []
-    for h in key:
-        for word in (position, int(purpose), step):
-            h = mix(h ^ (word & MASK32))
-        lanes.append(h)
-    return tuple(lanes)
-
-
-def spread(index):
-    """The index word, mixed before it meets a row's lanes (int or int64 tensor in [0, 2^32))."""
-    return mix(index ^ 0x9E3779B9)
-
-
-def finish(lane_a, lane_b, spread_index):
-    """52 random bits m -> u = (m + 1/2) / 2^52, exact in fp64 and strictly inside (0, 1) (so
-    log u and log(-log u) are finite). Ints or int64 tensors (then an fp64 tensor)."""
-    bits = mix(lane_a ^ spread_index)
-    bits <<= 20
-    bits |= mix(lane_b ^ spread_index) >> 12  # [0, 2^52)
-    if isinstance(bits, torch.Tensor):
-        return bits.double().add_(0.5).mul_(2.0**-52)
-    return (bits + 0.5) * 2.0**-52
-
-
-def uniform(key: Key, position: int, purpose: Purpose, step: int = 0, index: int = 0) -> float:
-    """One number, on the host."""
-    return finish(*row_lanes(key, position, purpose, step), spread(index))
-
-
-def uniforms(keys: list[Key], positions: list[int], purpose: Purpose, device: torch.device | str,
-             steps: list[int] | None = None, indices: list[int] | None = None) -> torch.Tensor:
-    """One number per row, computed on the host: [N] fp64 on `device`."""
-    steps = steps or [0] * len(keys)
-    indices = indices or [0] * len(keys)
-    values = [uniform(k, p, purpose, s, i) for k, p, s, i in zip(keys, positions, steps, indices)]
-    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 def noise(keys: list[Key], positions: list[int], token_ids: torch.Tensor) -> torch.Tensor:

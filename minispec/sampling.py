@@ -1,9 +1,10 @@
-"""Sampling parameters and the logits -> probabilities warp shared by target and draft.
+"""vLLM's sampling options, built on the core's warp (core/sampling.py).
 
-Speculative sampling is exact only if the draft's q and the target's p are warped the same way
-(temperature, then top-k, then top-p), so both go through `warp_probs`. Temperature 0 is greedy:
-the warp returns a one-hot distribution at the argmax, and the rejection rule in
-`speculative.py` then reduces to "accept while the draft token equals the target argmax".
+The core warps logits into probabilities (temperature, top-k, top-p; greedy one-hot) for target
+and draft alike, which is what keeps speculative sampling exact. Here are the options a
+production API adds (n, min_tokens, stop strings and tokens, penalties, logprobs, pathwise
+sampling), the penalties applied to logits before the warp (`penalize`), and a faster way to find
+the top-k / top-p cut-off on a CPU (`partial_sort_cutoff`, the same cut-off as the core's sort).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from .core import sampling as core_sampling
+from .core.sampling import GREEDY_TEMPERATURE, sample
 
 
 @dataclass
@@ -121,9 +125,6 @@ class SamplingParams:
                 or self.min_tokens > 0)
 
 
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
-
-
 def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[int], list[int]]]) -> torch.Tensor:
     """vLLM's logit adjustments, row by row, before the warp. logits [N, V]; rows[i] = (params,
     prompt length, the tokens before row i's position: prompt, output, and in a speculative step
@@ -163,21 +164,12 @@ def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[in
 WARP_DTYPES = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64, "greedy": torch.bool}
 
 
-@dataclass
-class WarpParams:
-    """The warp's per-row parameters as device tensors [N], and the two facts about them the host
-    knows without asking the device (a GPU step must not wait for it: runtime/transfers.py)."""
-
-    temperature: torch.Tensor  # [N] fp64, 1 on greedy rows (used in the logits' dtype)
-    top_k: torch.Tensor  # [N] int64 in 1..V (V: no top-k)
-    top_p: torch.Tensor  # [N] fp64 in (0, 1] (used in the logits' dtype)
-    greedy: torch.Tensor  # [N] bool
-    truncates: bool  # some row has a top-k or a top-p
-    any_greedy: bool
+class WarpParams(core_sampling.WarpParams):
+    """The core's per-row warp tensors, built from a step's one upload too (runtime/transfers.py)."""
 
     @staticmethod
     def arrays(params: list[SamplingParams], vocab_size: int) -> dict[str, list]:
-        """Each row's parameters as host lists (for `of`, or for a step's upload)."""
+        """Each row's parameters as host lists (for a step's upload)."""
         return {"temperature": [p.temperature if not p.greedy else 1.0 for p in params],
                 "top_k": [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
                 "top_p": [p.top_p for p in params], "greedy": [p.greedy for p in params]}
@@ -194,43 +186,36 @@ class WarpParams:
 
 
 def warp_probs(logits: torch.Tensor, params: list[SamplingParams] | WarpParams) -> torch.Tensor:
-    """logits: [N, V] fp32, one row per entry of `params` -> probabilities [N, V].
-
-    Greedy rows become one-hot at the argmax (the lowest id among tied maxima). Others:
-    softmax(logits / T), keep the top_k most likely tokens, then the smallest set of most likely
-    tokens whose mass reaches top_p (the token crossing it included), renormalise. Ties are kept
-    or dropped together (a token is kept iff fewer than top_k tokens, and less than top_p of the
-    mass, are strictly more likely), so the result depends on the distribution only, not on
-    token order or sort stability; top-k may therefore keep more than k tokens when they tie.
-    """
-    N, V = logits.shape
+    """The core's warp (core/sampling.py: temperature, top-k, top-p, greedy one-hot), with the
+    top-k / top-p cut-off found by a partial sort on a CPU (`partial_sort_cutoff`)."""
     if not isinstance(params, WarpParams):
-        params = WarpParams.of(params, V, logits.device)
-    logits = logits / params.temperature.to(logits.dtype)[:, None]  # [N, V]
-    top_k, top_p = params.top_k, params.top_p.to(logits.dtype)  # [N], [N]
-    if params.truncates:
-        # On a GPU the cut-off is found in one full sort. On a CPU a full sort of a large
-        # vocabulary costs far more than a top-64: the cut-off is looked for among the most likely
-        # CANDIDATES[0] tokens first, and rows whose cut-off may lie beyond them are redone with the
-        # next count, the last time over the whole vocabulary, so the result is the same whichever
-        # count decides (the check is a host sync, free on a CPU).
-        counts = ([c for c in CANDIDATES if c < V] if logits.device.type in PARTIAL_SORT_ON else []) + [V]
-        cutoff, decided = truncation_cutoff(logits, top_k, top_p, counts[0])  # [N, 1], [N]
-        for count in counts[1:]:
-            if bool(decided.all()):
-                break
-            redo = (~decided).nonzero().squeeze(1)  # [R]
-            cutoff[redo], decided[redo] = truncation_cutoff(logits[redo], top_k[redo], top_p[redo], count)
-        logits = logits.masked_fill(logits < cutoff, float("-inf"))
-    probs = logits.softmax(dim=-1)  # [N, V]
-    if params.any_greedy:
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [N, V]
-        probs = torch.where(params.greedy[:, None], one_hot, probs)
-    return probs
+        params = WarpParams.of(params, logits.shape[-1], logits.device)
+    cpu = logits.device.type in PARTIAL_SORT_ON and logits.shape[-1] > CANDIDATES[0]
+    return core_sampling.warp_probs(logits, params, partial_sort_cutoff if cpu else core_sampling.truncation_cutoff)
 
 
 CANDIDATES = (64, 1024)  # tokens sorted first, then next, when looking for the top-k / top-p cut-off
 PARTIAL_SORT_ON = ("cpu",)  # device types that look among CANDIDATES first (elsewhere: one full sort, no host check)
+
+
+def partial_sort_cutoff(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The core's `truncation_cutoff`, found faster on a CPU, where a full sort of a large
+    vocabulary costs far more than a top-64: the cut-off is looked for among the most likely
+    CANDIDATES[0] tokens first, and rows whose cut-off may lie beyond them are redone with the
+    next count, the last time over the whole vocabulary by the core's sort, so the result is the
+    same whichever count decides (the check is a host sync, free on a CPU)."""
+    V = logits.shape[-1]
+    counts = [c for c in CANDIDATES if c < V]
+    cutoff, decided = truncation_cutoff(logits, top_k, top_p, counts[0])  # [N, 1], [N]
+    for count in counts[1:] + [V]:
+        if bool(decided.all()):
+            break
+        redo = (~decided).nonzero().squeeze(1)  # [R]
+        if count == V:
+            cutoff[redo] = core_sampling.truncation_cutoff(logits[redo], top_k[redo], top_p[redo])
+            break
+        cutoff[redo], decided[redo] = truncation_cutoff(logits[redo], top_k[redo], top_p[redo], count)
+    return cutoff
 
 
 def truncation_cutoff(
@@ -267,17 +252,3 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> [N] bool: the rows a distribution can be made from (no NaN, no +inf, not
     all -inf). One reduction: amax is NaN if any entry is, +inf if any is, -inf if all are."""
     return logits.amax(-1).isfinite()
-
-
-def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row by inverse CDF: probs [N, V], u [N] fp64 uniforms in (0, 1) (the
-    request's keyed draws, randomness.py) -> tokens [N] int64, the first token whose cumulative
-    mass exceeds u * total. Zero-probability tokens are never drawn (the CDF is flat there), a
-    one-hot row always yields its token, and a row's token depends on its own row and uniform
-    only (batch invariance). fp64 keeps u * total strictly below the total, so no index falls off
-    the end. Rows must be distributions (callers drop non-finite logits first: see `finite_rows`);
-    should one not be, the clamp still keeps the id inside the vocabulary.
-    """
-    cdf = probs.double().cumsum(-1)  # [N, V]
-    threshold = u.to(device=probs.device, dtype=torch.float64)[:, None] * cdf[:, -1:]  # [N, 1]
-    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)  # [N]
