@@ -137,10 +137,6 @@ def test_a_sequence_stops_at_an_end_token_or_at_max_tokens():
     assert length.remaining == 0 and length.tokens == [5, 6, 9, 9] and len(length) == 4
 
 
-# Imports of minispec outside the core that are allowed until their module moves into it.
-NOT_MOVED_YET = {"minispec.randomness"}  # TODO core.randomness
-
-
 @pytest.mark.parametrize("name", ["kv_cache.py", "sequence.py", "scheduler.py"])
 def test_the_core_runtime_imports_nothing_of_minispec_outside_the_core(name):
     tree = ast.parse((CORE / name).read_text())
@@ -157,5 +153,4 @@ def test_the_core_runtime_imports_nothing_of_minispec_outside_the_core(name):
         else:
             continue
         for module in modules:
-            inside = module.split(".")[0] != "minispec" or module.startswith("minispec.core")
-            assert inside or module in NOT_MOVED_YET, (name, module)
+            assert module.split(".")[0] != "minispec" or module.startswith("minispec.core"), (name, module)

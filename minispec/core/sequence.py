@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..randomness import request_key  # TODO core.randomness
 from .kv_cache import BlockTable
+from .randomness import request_key
 
 
 class Status(enum.Enum):
