@@ -4,7 +4,7 @@
 running sequences together), the step's features run before it, one `speculative_step` (or
 `tree_step`) runs on the batch (plain decoding with the no-op drafter), the features run after
 it, and sequences that finished give their pages back at once, so waiting requests join on the
-next step; when pages run out the scheduler preempts (see runtime/scheduler.py). A request that
+next step; when pages run out the scheduler preempts (see core/scheduler.py). A request that
 could never fit, even alone, is refused when it is added.
 
 Production features plug in from outside, through three named extension points, each an object
@@ -45,7 +45,7 @@ from .runtime.kv_cache import BlockTable, KVPoolExhausted
 from .runtime.metrics import RunMetrics, StepMetrics, StepTimes
 from .runtime.prefix_cache import PrefixTable, prefix_cache
 from .runtime.runner import ModelRunner
-from .runtime.scheduler import Scheduler
+from .core.scheduler import Scheduler
 from .runtime.speculation_by_load import SpeculationByLoad
 from .runtime.sequence import Sequence
 from .runtime.step_feature import StepFeature, StepRecord
@@ -89,7 +89,7 @@ class LLMEngine:
         chunked_prefill: a prompt that does not fit a step's max_num_batched_tokens is fed in chunks
         over several steps while the others decode, and the budget bounds every token a step feeds
         the target, drafts included (runtime/chunked_prefill.py); without it, the budget bounds the
-        prompt tokens a step admits (runtime/scheduler.py); pathwise_sampling: which requests that do
+        prompt tokens a step admits (core/scheduler.py); pathwise_sampling: which requests that do
         not say (SamplingParams.pathwise None) sample by Gumbel-max, so that speculation cannot change
         their tokens (pathwise.py): "off" none, "seeded" those with a seed, "on" all."""
         self.target = target
@@ -103,8 +103,8 @@ class LLMEngine:
         self.prefix_cache = prefix_cache(runners, self.drafter) if prefix_caching else None
         self.table_type = PrefixTable if prefix_caching else BlockTable
         budget = TokenBudget(max_num_batched_tokens, 1 + (tree_slots or self.k)) if chunked_prefill else None
-        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, tree_slots, self.prefix_cache,
-                                   budget)
+        self.scheduler = Scheduler(runners, self.k, max_num_seqs, max_num_batched_tokens, extra_slots=tree_slots,
+                                   admission=self.prefix_cache, budget=budget)
         self.load = SpeculationByLoad(self.k) if speculation_by_load and self.k and not self.drafter.drafts_trees else None
         # The step's features, in the order they run: k is chosen before the chunks are planned with it.
         features = [self.load, ChunkedPrefill(max_num_batched_tokens) if chunked_prefill else None, self.prefix_cache,
@@ -133,7 +133,7 @@ class LLMEngine:
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} "
                 f"exceeds the model's context length {self.max_model_len}"
             )
-        positions = total - 1 + self.scheduler.tree_slots  # the final token is never fed (Scheduler.step_tokens)
+        positions = total - 1 + self.scheduler.extra_slots  # the final token is never fed (Scheduler.step_tokens)
         for runner, which in self.runners:
             cache = runner.cache
             need = -(-positions // cache.page_size)
@@ -149,7 +149,7 @@ class LLMEngine:
         smallest KV pool's, whole (the final token is emitted but never fed)."""
         room = self.max_model_len - prompt_len
         for runner, _ in self.runners:
-            room = min(room, runner.cache.num_pages * runner.cache.page_size - prompt_len + 1 - self.scheduler.tree_slots)
+            room = min(room, runner.cache.num_pages * runner.cache.page_size - prompt_len + 1 - self.scheduler.extra_slots)
         return room
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:

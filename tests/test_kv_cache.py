@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import minispec.runtime.kv_cache as kv_cache
+import minispec.core.kv_cache as kv_cache
 from interrupts import every_interrupt
 from minispec.model.config import ModelConfig
 from minispec.runtime.kv_cache import BlockTable, KVCache, KVPoolExhausted, PageAllocator

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minispec import LLM, SamplingParams, load_checkpoint
-import minispec.runtime.kv_cache as kv_cache
+import minispec.core.kv_cache as kv_cache
 import minispec.runtime.prefix_cache as prefix_cache
 from interrupts import every_interrupt
 from minispec.runtime.kv_cache import BlockTable, KVCache, KVPoolExhausted

@@ -279,9 +279,9 @@ def test_an_interrupt_at_points_all_through_a_call_leaks_no_page(cached):
     sharing cached pages, reservations, rollbacks, commits, finishes): after each, once idle, no
     page is held. The unit tests (test_kv_cache.py, test_prefix_cache.py) try every instruction
     of each operation."""
-    import minispec.runtime.kv_cache as kv_cache
+    import minispec.core.kv_cache as kv_cache
+    import minispec.core.scheduler as scheduler
     import minispec.runtime.prefix_cache as prefix_cache
-    import minispec.runtime.scheduler as scheduler
     from interrupts import interrupted
 
     n = 1

@@ -448,7 +448,7 @@ def off_branch_run(tiny_llama, backend: str = "torch"):
     llm = LLM(model=str(tiny_llama), dtype="float32", device="cpu", backend=backend, kv_cache_gib=0.01, page_size=4)
     engine = llm.engine
     engine.drafter, engine.k = OffBranchTrees(want.token_ids, engine.target.model.cfg.vocab_size), 3
-    engine.scheduler.tree_slots = engine.drafter.tree_slots(3)
+    engine.scheduler.extra_slots = engine.drafter.tree_slots(3)
     got = llm.generate([prompt], params)[0]
     return want, got, llm.last_metrics
 

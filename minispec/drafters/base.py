@@ -16,7 +16,7 @@ EAGLE-3 head); for every other drafter it is empty and the target computes no fe
 
 What a drafter remembers of a sequence between steps lives in `seq.draft_state`. It is None
 when the sequence arrives and is set to None again when a preemption frees the sequence's pages
-(runtime/scheduler.py), so None means: start over from the sequence's tokens and tables.
+(`Sequence.preempted`, runtime/sequence.py), so None means: start over from the sequence's tokens and tables.
 
 A tree drafter (`drafts_trees`, drafters/tree.py) proposes with `propose_trees` instead, one
 `DraftTree` per sequence, and is verified by speculative_tree.py; observe and rollback are the same.

@@ -35,7 +35,7 @@ from __future__ import annotations
 from ..drafters.base import Drafter
 from .metrics import StepTimes
 from .runner import Feed, ModelRunner
-from .scheduler import Scheduler, StepBudget
+from ..core.scheduler import Scheduler, StepBudget
 from .sequence import Sequence
 from .step_feature import StepFeature
 
@@ -70,7 +70,7 @@ class ChunkedPrefill(StepFeature):
         self.max_num_batched_tokens = max_num_batched_tokens
 
     def before(self, engine, seqs: list[Sequence], k: int) -> tuple[list[Sequence], int]:
-        chunks = plan_chunks(seqs, self.max_num_batched_tokens, engine.scheduler.tree_slots or k)
+        chunks = plan_chunks(seqs, self.max_num_batched_tokens, engine.scheduler.extra_slots or k)
         if not chunks:
             return seqs, k
         feed_chunks(seqs, chunks, engine.target, engine.drafter, engine.times)

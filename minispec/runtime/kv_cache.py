@@ -1,144 +1,27 @@
-"""Paged KV cache: a pool of fixed-size pages per model, a free-list allocator, and per-sequence
-block tables (as in vLLM's PagedAttention, Kwon et al. 2023).
+"""The paged KV cache of the production engine: the core's (minispec/core/kv_cache.py: the page
+allocator, block tables, the pool) and what only its extensions need, in a `KVCache` subclass:
 
-A sequence's token at position t lives in page `block_table[t // page_size]`, row
-`t % page_size`. Appending allocates a page only when the last one is full; rolling back rejected
-draft tokens is `truncate(n)`: positions >= n are forgotten and pages no longer needed go back to
-the free list. Nothing is copied: stale K/V rows in a kept page are simply overwritten later.
+  * the scratch page: one page more in the pool than the allocator hands out, which no sequence
+    owns, where the padding rows of a static-shape step write their K/V (static_shapes.py); the
+    KV budget counts it;
+  * on CPU the pool's zeros come from numpy's calloc (`zeros`), so a large pool is not written
+    byte by byte before its first use;
+  * `copy_slots`, how a tree verification moves its accepted path's K/V (speculative_tree.py).
 
-Every page has one owner at a time here. A feature that shares pages between tables subclasses the
-allocator and the table; the core only allocates, reserves, truncates on rollback and frees.
+The pool's shape and the page ids handed out are those of a core cache with one more page that
+is never handed out: page ids 0 .. num_pages-1 are the allocator's, page num_pages the scratch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
+from ..core import kv_cache as core
+from ..core.kv_cache import BlockTable, KVPoolExhausted, PageAllocator
 from ..model.config import ModelConfig
 
-
-class KVPoolExhausted(RuntimeError):
-    """Raised when pages are needed and not enough are free (or a request can never fit the pool)."""
-
-
-class PageAllocator:
-    """A free list of page ids. Invariant: a page is on the free list exactly when no table owns it.
-
-    A page moves between the free list and a table's page list in one call (`allocate`,
-    `release`), which keeps the invariant wherever an exception lands inside it (a
-    KeyboardInterrupt from a signal can land between any two instructions): the table's list is
-    the record, and a move stopped half-way has its books made to agree with it (`_settle`; a
-    second interrupt inside that repair is not covered). A page is never in the caller's hands
-    only, where an interrupt would lose it."""
-
-    def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"a page pool needs at least one page, got {num_pages}")
-        self.num_pages = num_pages
-        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
-        self.in_use = [False] * num_pages
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def allocate(self, pages: list[int]) -> int:
-        """Move a free page onto the end of `pages` (a block table's) and return it."""
-        if not self.free:
-            raise KVPoolExhausted(f"KV pool exhausted: all {self.num_pages} pages are in use")
-        page = self.free[-1]
-        try:
-            self.free.pop()
-            self.in_use[page] = True
-            pages.append(page)
-        except BaseException:
-            self._settle(page, int(pages[-1:] == [page]))
-            raise
-        return page
-
-    def release(self, pages: list[int], index: int = -1) -> int:
-        """Move pages[index] back to the free list and return it (releasing a free page is a bug
-        in the caller: refused)."""
-        page = pages[index]
-        if not self.in_use[page]:
-            raise ValueError(f"page {page} released but it is not allocated")
-        try:
-            del pages[index]
-            self.in_use[page] = False
-            self.free.append(page)
-        except BaseException:
-            self._settle(page, int(page in pages))
-            raise
-        return page
-
-    def _settle(self, page: int, holders: int) -> None:
-        """Make the books of `page` say what its holders say (after an exception part-way
-        through a move: the steps done are redone or undone, whichever agrees with the table)."""
-        self.in_use[page] = holders > 0
-        if holders and page in self.free:
-            self.free.remove(page)
-        elif not holders and page not in self.free:
-            self.free.append(page)
-
-
-@dataclass
-class BlockTable:
-    """The pages holding one sequence's cached K/V in one model's pool, and how many tokens are cached.
-
-    `pages` may cover more positions than `num_cached` (pages reserved for the next step);
-    `num_cached` is advanced by whoever writes the K/V (the runner).
-    """
-
-    page_size: int
-    pages: list[int] = field(default_factory=list)
-    num_cached: int = 0  # positions 0..num_cached-1 hold valid K/V
-
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    @property
-    def capacity(self) -> int:
-        """Positions the table's pages can hold."""
-        return len(self.pages) * self.page_size
-
-    def reserve(self, num_tokens: int, allocator: PageAllocator) -> None:
-        """Make room for positions < num_tokens (all-or-nothing when the pool is short: nothing is
-        allocated)."""
-        need = self.pages_for(num_tokens) - len(self.pages)
-        if need <= 0:
-            return
-        if need > allocator.num_free:
-            raise KVPoolExhausted(
-                f"KV pool exhausted: need {need} more pages, {allocator.num_free} of {allocator.num_pages} free"
-            )
-        for _ in range(need):  # (interrupted part-way: the pages taken so far are the table's, freed with it)
-            allocator.allocate(self.pages)
-
-    def truncate(self, num_tokens: int, allocator: PageAllocator) -> None:
-        """Roll back to the first `num_tokens` positions and free the pages past them (no copy)."""
-        if num_tokens < 0:
-            raise ValueError(f"cannot truncate to {num_tokens} tokens")
-        self.num_cached = min(self.num_cached, num_tokens)
-        keep = self.pages_for(num_tokens)
-        while len(self.pages) > keep:
-            allocator.release(self.pages)
-
-    def free(self, allocator: PageAllocator) -> None:
-        """Release every page, first to last (an allocator that keeps released pages sees the first
-        as the least recently used). Interrupted part-way, the pages not released yet are still the table's."""
-        while self.pages:
-            allocator.release(self.pages, 0)
-        self.num_cached = 0
-
-    def slots(self, start: int, end: int) -> list[int]:
-        """Pool slots (page * page_size + offset) of positions start..end-1 (they must be reserved)."""
-        if not 0 <= start <= end <= self.capacity:
-            raise ValueError(f"positions {start}..{end - 1} are outside the {self.capacity} reserved slots")
-        ps = self.page_size
-        return [self.pages[t // ps] * ps + t % ps for t in range(start, end)]
+__all__ = ["BlockTable", "KVCache", "KVPoolExhausted", "PageAllocator", "zeros"]
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -151,67 +34,34 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(raw).view(dtype)
 
 
-class KVCache:
-    """One model's page pool: per layer K and V, each [num_pages, page_size, kv_heads, head_dim]."""
+class KVCache(core.KVCache):
+    """The core pool with the scratch page (page id `scratch_page`, after the allocator's)."""
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-                 allocator: type[PageAllocator] = PageAllocator):
-        """allocator: the page allocator's class (a subclass may share pages between tables)."""
-        if num_pages < 1:
-            raise ValueError(f"KV cache needs at least one page, got {num_pages}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        # One page more than the allocator hands out: the scratch page, which no sequence owns, where
-        # the padding rows of a static-shape step write their K/V (see static_shapes.py).
-        shape = (cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeros, not empty: attention multiplies masked-out rows by 0, and 0 * NaN garbage is NaN.
-        self.pool = zeros(shape, dtype, device)  # [L, 2, pages + 1, page_size, Hkv, D]
-        self.page_size = page_size
-        self.allocator = allocator(num_pages)
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device, allocator: type[PageAllocator] = PageAllocator):
+        super().__init__(cfg, num_pages, page_size, dtype, device, allocator)
         self.scratch_page = num_pages
-        # Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]; built once.
-        self._layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(cfg.num_layers)]
 
-    @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    def new_pool(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        """[L, 2, num_pages + 1, page_size, Hkv, D]: the last page is the scratch page."""
+        shape = (cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
+        return zeros(shape, dtype, device)
 
     @classmethod
-    def from_budget(
-        cls,
-        cfg: ModelConfig,
-        budget_bytes: int,
-        page_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_pages: int | None = None,
-        allocator: type[PageAllocator] = PageAllocator,
-    ) -> "KVCache":
-        """As many pages as fit in budget_bytes beside the scratch page (at most max_pages: more
-        could never be used)."""
+    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype,
+                    device: torch.device, max_pages: int | None = None,
+                    allocator: type[PageAllocator] = PageAllocator) -> KVCache:
+        """As many pages as fit in budget_bytes beside the scratch page (at most max_pages)."""
         page_bytes = cls.bytes_per_page(cfg, page_size, dtype)
-        num_pages = budget_bytes // page_bytes - 1  # the scratch page counts against the budget too
-        if num_pages < 1:
+        if budget_bytes < 2 * page_bytes:  # the scratch page counts against the budget too
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes is smaller than one page of {page_size} tokens "
                 f"({page_bytes} bytes) beside the scratch page; raise kv_cache_gib / gpu_memory_utilization "
                 "or lower page_size"
             )
-        if max_pages is not None:
-            num_pages = min(num_pages, max_pages)
-        return cls(cfg, num_pages, page_size, dtype, device, allocator)
-
-    @property
-    def num_pages(self) -> int:
-        return self.allocator.num_pages
-
-    @property
-    def nbytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
-
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]."""
-        return self._layers
+        return super().from_budget(cfg, budget_bytes - page_bytes, page_size, dtype, device, max_pages,
+                                   allocator)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """K/V of pool slots src -> dst in every layer (all read before any is written): how a

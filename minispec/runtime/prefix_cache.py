@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..core.scheduler import Admission
 from .kv_cache import BlockTable, KVPoolExhausted, PageAllocator
-from .scheduler import Admission
 from .step_feature import StepFeature, StepRecord
 
 if TYPE_CHECKING:
