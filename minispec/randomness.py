@@ -15,7 +15,7 @@ import enum
 
 import torch
 
-from .core.randomness import LANES, MASK32, Key, finish, mix, request_key, row_lanes, spread, uniform, uniforms
+from .core.randomness import LANES, MASK32, Key, finish, mix, request_key, row_lanes, spread, uniform
 
 __all__ = ["LANES", "MASK32", "Key", "Purpose", "finish", "mix", "noise", "request_key", "row_lanes", "spread", "uniform", "uniforms"]
 
@@ -28,6 +28,15 @@ class Purpose(enum.IntEnum):
     DRAFT = 3  # the standard rule's draft sample at a position
     BRANCH = 4  # a tree walk's test of a child at a position (index: its rank among its siblings)
     NOISE = 5  # pathwise sampling's Gumbel noise at a position (index: the token id), shared by target and drafts
+
+
+def uniforms(keys: list[Key], positions: list[int], purpose: int, device: torch.device | str,
+             steps: list[int] | None = None, indices: list[int] | None = None) -> torch.Tensor:
+    """One number per row, computed on the host: [N] fp64 on `device`."""
+    steps = steps or [0] * len(keys)
+    indices = indices or [0] * len(keys)
+    values = [uniform(k, p, purpose, s, i) for k, p, s, i in zip(keys, positions, steps, indices)]
+    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 def noise(keys: list[Key], positions: list[int], token_ids: torch.Tensor) -> torch.Tensor:

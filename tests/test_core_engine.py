@@ -100,7 +100,7 @@ def test_the_core_names_no_production_feature():
     for f in CORE_FILES:
         text = f.read_text().lower()
         for word in FEATURE_WORDS:
-            hits = [i + 1 for i, line in enumerate(text.splitlines()) if re.search(re.escape(word), line)]
+            hits = [i + 1 for i, line in enumerate(text.splitlines()) if re.search(r"\b" + re.escape(word), line)]
             assert not hits, f"{f.name} names {word!r} on lines {hits}"
 
 

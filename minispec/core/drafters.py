@@ -16,7 +16,7 @@ exactness, because the target verifies whatever q the drafter reports. Two draft
     first forward of a step catches up on the tokens it has not cached, each later one feeds
     the token it just drafted;
   * `NgramDrafter`: no model; its "logits" are 0 at the token that followed the latest earlier
-    occurrence of the sequence's last n tokens and -inf elsewhere (prompt lookup decoding,
+    occurrence of the sequence's last n tokens and -inf elsewhere (n-gram drafting as in
     Saxena 2023), so its q is one-hot at that token, whatever the temperature.
 """
 
@@ -133,7 +133,7 @@ def draft_uniforms(seqs: list[Sequence], depth: int) -> list[float]:
 
 class DraftModelDrafter(DraftLoop):
     """A small model of the target's class, with its own runner (and paged cache): a sequence's
-    K/V there live in seq.draft_table. Its vocabulary must be the target's (same tokenizer)."""
+    K/V there live in seq.draft_table. Its vocabulary must be the target's (the same token ids)."""
 
     def __init__(self, runner: ModelRunner, vocab_size: int | None = None):
         self.runner = runner
@@ -171,7 +171,7 @@ class NgramDrafter(DraftLoop):
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
 
-    def lookup(self, tokens: list[int]) -> int | None:
+    def follower(self, tokens: list[int]) -> int | None:
         """The token that followed the latest earlier occurrence of the longest matching suffix."""
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             suffix = tokens[-n:]
@@ -183,7 +183,7 @@ class NgramDrafter(DraftLoop):
     def next_logits(self, seqs: list[Sequence], active: list[int], drafted: list[list[int]]) -> torch.Tensor:
         logits = torch.full((len(active), self.vocab_size), float("-inf"))  # [n, V]: no match -> no draft
         for row, b in enumerate(active):
-            token = self.lookup(seqs[b].tokens + drafted[b])
+            token = self.follower(seqs[b].tokens + drafted[b])
             if token is not None and token < self.vocab_size:
                 logits[row, token] = 0.0
         return logits

@@ -172,34 +172,10 @@ class KVCache:
         shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    @classmethod
-    def bytes_per_page(cls, cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        """The bytes one page of `page_size` positions takes in every layer's K and V."""
-        return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-
-    @classmethod
-    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype,
-                    device: torch.device, max_pages: int | None = None,
-                    allocator: type[PageAllocator] = PageAllocator) -> KVCache:
-        """As many pages as fit in budget_bytes (at most max_pages: more could never be used)."""
-        page_bytes = cls.bytes_per_page(cfg, page_size, dtype)
-        num_pages = budget_bytes // page_bytes
-        if num_pages < 1:
-            raise ValueError(f"KV cache budget of {budget_bytes} bytes is smaller than one page "
-                             f"of {page_size} tokens ({page_bytes} bytes); raise the budget or "
-                             "lower page_size")
-        if max_pages is not None:
-            num_pages = min(num_pages, max_pages)
-        return cls(cfg, num_pages, page_size, dtype, device, allocator)
-
     @property
     def num_pages(self) -> int:
         """Pages the allocator hands out."""
         return self.allocator.num_pages
-
-    @property
-    def nbytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k_pool, v_pool) views, each [num_pages, page_size, Hkv, D]."""

@@ -95,12 +95,3 @@ def finish(lane_a, lane_b, spread_index):
 def uniform(key: Key, position: int, purpose: int, step: int = 0, index: int = 0) -> float:
     """One number, on the host."""
     return finish(*row_lanes(key, position, purpose, step), spread(index))
-
-
-def uniforms(keys: list[Key], positions: list[int], purpose: int, device: torch.device | str,
-             steps: list[int] | None = None, indices: list[int] | None = None) -> torch.Tensor:
-    """One number per row, computed on the host: [N] fp64 on `device`."""
-    steps = steps or [0] * len(keys)
-    indices = indices or [0] * len(keys)
-    values = [uniform(k, p, purpose, s, i) for k, p, s, i in zip(keys, positions, steps, indices)]
-    return torch.tensor(values, dtype=torch.float64, device=device)

@@ -80,7 +80,7 @@ def truncation_cutoff(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     probs = (ranked - log_norm).exp()  # [N, V]
     mass_before = probs.cumsum(-1) - probs  # [N, V]
     kept = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & (ranked > float("-inf"))  # [N, V]
-    kept[:, 0] = True
+    kept[:, 0].fill_(True)  # (fill_, not "= True": writing a Python scalar into a slice is a copy to the device)
     return ranked.gather(-1, kept.sum(-1, keepdim=True) - 1)  # [N, 1]
 
 

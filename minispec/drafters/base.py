@@ -94,9 +94,6 @@ class Drafter(core.Drafter):
     target_layers: tuple[int, ...] = ()
     drafts_trees: bool = False  # proposes with propose_trees
 
-    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> Proposal:
-        raise NotImplementedError
-
     def propose_trees(self, seqs: list[Sequence], max_depth: list[int]) -> list:
         """A tree drafter's proposal: one drafters.tree.DraftTree per sequence, at most max_depth[b] deep."""
         raise NotImplementedError
@@ -122,10 +119,12 @@ class NoDrafter(Drafter):
         return Proposal.empty(len(seqs))
 
 
-class AutoregressiveDrafter(Drafter):
+class AutoregressiveDrafter(Drafter, core.DraftLoop):
     """A model that drafts one token per forward: the first forward catches up on what the draft
-    has not seen, each later one feeds the token just drafted. Subclasses give the forwards; this
-    loop samples each token from the request's warped q with the request's keyed randomness.
+    has not seen, each later one feeds the token just drafted. Subclasses give the forwards; the
+    loop is the core's (`DraftLoop.propose`), which samples each token from the request's warped q
+    with its keyed randomness; here it adds penalties (`adjust`), pathwise draws and a confidence
+    threshold (`draw`), a reduced vocabulary's columns, and the step laid out for one upload.
 
     With a confidence threshold it drafts adaptively: a sequence stops after a token the drafter
     itself gave probability < threshold (softmax at temperature 1), so k is only an upper bound
@@ -162,31 +161,28 @@ class AutoregressiveDrafter(Drafter):
         fed node, and the carry for the next level; fed node i continues row rows[i] of `carry`."""
         raise NotImplementedError
 
-    def propose(self, seqs: list[Sequence], num_draft: list[int]) -> Proposal:
-        num_draft = [self.draftable(s, n) if n > 0 else 0 for s, n in zip(seqs, num_draft)]
-        active = [b for b, n in enumerate(num_draft) if n > 0]
-        if not active:
-            return Proposal.empty(len(seqs))
-        B, K = len(seqs), max(num_draft)
-        greedy = all(s.params.greedy for s in seqs)  # then every q is one-hot: no warp, no probs tensor
-        proposal = Proposal([[] for _ in seqs], None if greedy else torch.zeros(B, K + 1, self.vocab_size, device=self.runner.device))
-        logits, carry = self.first_forward(seqs, active)  # [len(active), V_d]
-        for i in range(K):
-            logits = self.penalized(logits, [seqs[b] for b in active], [proposal.tokens[b] for b in active])
-            ids, usable, confident, q = self.draw(seqs, active, logits, greedy, i)
-            for row, (b, t) in enumerate(zip(active, ids)):
-                if usable[row]:
-                    proposal.tokens[b].append(t)
-                    if not greedy:
-                        columns = slice(None) if self.draft_ids is None else self.draft_ids
-                        proposal.probs[b, i, columns] = q[row]  # 0 outside the draft's vocabulary
-            keep = [row for row, b in enumerate(active) if confident[row] and usable[row] and num_draft[b] > i + 1]
-            if not keep:
-                break
-            active = [active[row] for row in keep]
-            carry = carry[keep] if isinstance(carry, torch.Tensor) else carry
-            logits, carry = self.next_forward(seqs, active, proposal.tokens, carry)
-        return proposal
+    def next_logits(self, seqs: list[Sequence], active: list[int], drafted: list[list[int]]) -> torch.Tensor:
+        """The core loop's forwards (core/drafters.py `DraftLoop.propose`): `first_forward` at
+        depth 0, then `next_forward` with the previous forward's carry at the rows still drafting."""
+        if not any(drafted[b] for b in active):  # depth 0: nothing drafted yet this step
+            logits, self._carry = self.first_forward(seqs, active)
+        else:
+            carry = self._carry
+            if isinstance(carry, torch.Tensor):
+                row_of = {b: row for row, b in enumerate(self._active)}
+                carry = carry[[row_of[b] for b in active]]
+            logits, self._carry = self.next_forward(seqs, active, drafted, carry)
+        self._active = active
+        return logits
+
+    @property
+    def columns(self) -> slice | torch.Tensor:
+        """The target ids of q's columns: a reduced vocabulary's (drafters/reduced_vocab.py), else all."""
+        return slice(None) if self.draft_ids is None else self.draft_ids
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
 
     def stage(self, seqs: list[Sequence], num_draft: list[int], upload: Upload) -> Staged:
         """Lay out the draft loop's forwards (`propose`'s, with the same sequences active at each
@@ -283,7 +279,7 @@ class AutoregressiveDrafter(Drafter):
         """The model arguments of a chained forward, given the previous forward's carry at its rows."""
         return {}
 
-    def penalized(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
+    def adjust(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
         """The requests' penalties and min_tokens (sampling.penalize) on draft logits [n, V_d],
         with the same history the target's verification row will see (the tokens so far and
         the drafts before this one). A draft vocabulary is lifted to the target's to apply them."""

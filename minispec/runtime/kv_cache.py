@@ -49,19 +49,31 @@ class KVCache(core.KVCache):
         return zeros(shape, dtype, device)
 
     @classmethod
+    def bytes_per_page(cls, cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        """The bytes one page of `page_size` positions takes in every layer's K and V."""
+        return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+    @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype,
                     device: torch.device, max_pages: int | None = None,
                     allocator: type[PageAllocator] = PageAllocator) -> KVCache:
-        """As many pages as fit in budget_bytes beside the scratch page (at most max_pages)."""
+        """As many pages as fit in budget_bytes beside the scratch page (at most max_pages: more
+        could never be used)."""
         page_bytes = cls.bytes_per_page(cfg, page_size, dtype)
-        if budget_bytes < 2 * page_bytes:  # the scratch page counts against the budget too
+        num_pages = budget_bytes // page_bytes - 1  # the scratch page counts against the budget too
+        if num_pages < 1:
             raise ValueError(
                 f"KV cache budget of {budget_bytes} bytes is smaller than one page of {page_size} tokens "
                 f"({page_bytes} bytes) beside the scratch page; raise kv_cache_gib / gpu_memory_utilization "
                 "or lower page_size"
             )
-        return super().from_budget(cfg, budget_bytes - page_bytes, page_size, dtype, device, max_pages,
-                                   allocator)
+        if max_pages is not None:
+            num_pages = min(num_pages, max_pages)
+        return cls(cfg, num_pages, page_size, dtype, device, allocator)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """K/V of pool slots src -> dst in every layer (all read before any is written): how a

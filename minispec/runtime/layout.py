@@ -1,7 +1,8 @@
 """Where the packed new tokens of a forward go: rows, positions and pool slots.
 
 Shared by the dynamic-shape forward (runner.py) and the static-shape one (static_shapes.py), so
-both lay a batch out the same way.
+both lay a batch out the same way: the core's `token_layout` (core/runner.py), then the rows
+whose logits are wanted, the rows drawn on the device, and a tree's mask.
 """
 
 from __future__ import annotations
@@ -10,20 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.runner import token_layout  # noqa: F401  (the layout both forwards use: the core's)
 from .transfers import Upload
-
-
-def token_layout(q_lens: np.ndarray, cached: np.ndarray, tables: np.ndarray, page_size: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where the packed new tokens of B sequences go: starts [B+1] (sequence b's rows are
-    starts[b]:starts[b+1]), and per token its position [T] and its pool slot [T] (page from the
-    sequence's block table row in tables [B, P], times page_size, plus the offset in the page).
-    q_lens, cached: [B] new and already cached tokens per sequence."""
-    starts = np.concatenate([[0], np.cumsum(q_lens)])  # [B+1]
-    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)  # [T]
-    positions = np.arange(starts[-1]) - starts[seq_of_token] + cached[seq_of_token]  # [T]
-    slots = tables[seq_of_token, positions // page_size].astype(np.int64) * page_size + positions % page_size  # [T]
-    return starts, positions, slots
 
 
 def logit_rows(feeds: list, starts: np.ndarray) -> list[int]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..core import runner as core
 from ..model.metadata import BatchMetadata
 from .kv_cache import BlockTable, KVCache
 from .layout import Prepared, drawn_rows, logit_rows, token_layout, tree_layout
@@ -36,25 +37,22 @@ class TreeFeed:
 
 
 @dataclass
-class Feed:
-    """New tokens for one sequence: they take key indices (and, without a tree, positions)
-    table.num_cached, table.num_cached + 1, ..."""
+class Feed(core.Feed):
+    """The core's feed (new tokens for one sequence: they take key indices, and without a tree
+    positions, table.num_cached, table.num_cached + 1, ...), with a tree and device-drawn tokens."""
 
-    table: BlockTable
-    tokens: list[int]
-    num_logits: int = 1  # logits wanted for this many of the last new tokens
     tree: TreeFeed | None = None
     drawn: int = 0  # the last `drawn` tokens were drawn on the device (`ModelRunner.run`); tokens holds placeholders
 
 
-class ModelRunner:
+class ModelRunner(core.ModelRunner):
+    """The core's runner (core/runner.py) with a forward split in two halves (`prepare` on the
+    host, `run` on the device) so a step can send all its forwards' inputs in one upload, static
+    shapes and CUDA graphs (static_shapes.py), and tree feeds."""
+
     def __init__(self, model: nn.Module, cache: KVCache):
         """model: a `Transformer`, or a feature drafter's `EagleModel` (same call signature)."""
-        self.model = model
-        self.cache = cache
-        self.device = model.device
-        self.max_positions = model.cfg.max_position_embeddings
-        self.vocab_size = model.cfg.vocab_size  # the width of its logits
+        super().__init__(model, cache)
         self.static: StaticShapes | None = None  # set by `use_static_shapes`
         # Forwards run so far by path: a replayed CUDA graph, the static layout run eagerly, or the
         # dynamic path (prompts, and steps that admit a new request; what graphs cannot cover).

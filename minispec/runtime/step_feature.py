@@ -2,7 +2,7 @@
 
 `LLMEngine.step` is the loop: the scheduler picks a batch, one speculative (or tree) step runs on
 it, and each sequence emits its tokens or finishes. A `StepFeature` is an object with two methods,
-both no-ops here:
+both no-ops (the core's `StepHook`, minispec/core/engine.py):
 
   * `before(engine, seqs, k) -> (seqs, k)`: runs once the batch is scheduled, before the step. It
     may choose another k (speculation by load) or take sequences out of this step, feeding them
@@ -26,28 +26,18 @@ why it keeps the output exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-# Types are named in quotes and not imported: the engine, the step, the sequence and its metrics
-# all import this module (the metrics subclass it), so an import back would be a cycle.
+from ..core import engine as core
 
 
 @dataclass
-class StepRecord:
-    """One step of the loop, as the features' `after` sees it: the sequences it ran, where each
-    stood just before it ran (its outputs so far, its target-cached tokens), the step's own
-    costs, and each sequence's result."""
+class StepRecord(core.StepRecord):
+    """The core's record of a step (the sequences it ran, where each stood just before it ran,
+    each one's result) and the step's own costs: its drafting and verification only, not the
+    chunks or catch-ups before it."""
 
-    seqs: "list[Sequence]"
-    k: int  # the drafts the step asked for (per sequence, never more than it may still emit)
-    times: "StepTimes"  # this step's drafting and verification only (not the chunks or catch-ups before it)
-    results: "list[StepResult]" = field(default_factory=list)
-    num_output: list[int] = field(init=False)  # per sequence, len(output_ids) before the step
-    num_cached: list[int] = field(init=False)  # ... and target_table.num_cached before it
-
-    def __post_init__(self):
-        self.num_output = [len(s.output_ids) for s in self.seqs]
-        self.num_cached = [s.target_table.num_cached for s in self.seqs]
+    times: "StepTimes" = None  # runtime/metrics.py (which imports this module); the engine gives one
 
     @property
     def feeds_prompt(self) -> bool:
@@ -62,13 +52,6 @@ class StepRecord:
         return uncached + sum(len(r.drafted) for r in self.results)
 
 
-class StepFeature:
-    """The engine's step hook: the default changes nothing before the step and does nothing after."""
-
-    def before(self, engine: "LLMEngine", seqs: "list[Sequence]", k: int) -> "tuple[list[Sequence], int]":
-        """The sequences that run this step and the drafts to ask for; seqs: those scheduled (or
-        left by the features before this one), in admission order."""
-        return seqs, k
-
-    def after(self, engine: "LLMEngine", record: StepRecord) -> None:
-        """The step ran (record); its sequences still hold their pages."""
+class StepFeature(core.StepHook):
+    """The engine's step hook, as the production rooms implement it: the default changes nothing
+    before the step and does nothing after."""
