@@ -99,6 +99,15 @@ class LLMEngine(Engine):
         self.times = StepTimes()  # summed over the engine's life: every step's, every chunk's and catch-up's
         self.pathwise_sampling = pathwise_sampling
 
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most tokens a request with this prompt could generate: the context's room and the
+        smallest KV pool's, whole (the final token is emitted but never fed)."""
+        room = self.max_model_len - prompt_len
+        for runner, _ in self.runners:
+            pool = runner.cache.num_pages * runner.cache.page_size
+            room = min(room, pool - prompt_len + 1 - self.scheduler.extra_slots)
+        return room
+
     def make_sequence(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         seq = Sequence(request_id, prompt_ids, params, self.target.cache.page_size, self.seed_for(params),
                        self.eos_ids, self.pathwise_for(params), self.table_type)

@@ -94,14 +94,15 @@ def test_core_and_production_give_the_same_logits(sliding_window):
 
 
 def test_core_cache_free_prefill_is_the_cached_one():
-    """for_prompts (no pool) gives the last-row logits of a prefill that writes a pool, to
+    """A cache-free forward over whole prompts (the production metadata's for_prompts: the core
+    decoder takes it too) gives the last-row logits of a prefill that writes a pool, to
     rounding: the LM head multiplies all T rows there and the B last rows here."""
     cfg = small_config()
     torch.manual_seed(1)
     model = core.Transformer(cfg, core.AttentionBackend("torch")).eval()
     prompt_ids = torch.tensor([t for p in PROMPTS for t in p])  # [T]
     lengths = [len(p) for p in PROMPTS]
-    all_rows = model(prompt_ids, core.BatchMetadata.for_prompts(lengths))  # [T, V]
+    all_rows = model(prompt_ids, BatchMetadata.for_prompts(lengths))  # [T, V]
     cached = model(prompt_ids, step_metadata(core.BatchMetadata, [0, 0], lengths), kv_pool(cfg))  # [B, V]
     torch.testing.assert_close(all_rows[torch.tensor([4, 7])], cached, rtol=1e-5, atol=1e-6)
 

@@ -112,15 +112,6 @@ class Engine:
                     f"has only {cache.num_pages} pages of {cache.page_size}; raise the KV cache budget "
                     f"(kv_cache_gib) or lower max_tokens")
 
-    def max_new_tokens(self, prompt_len: int) -> int:
-        """The most tokens a request with this prompt could generate: the context's room and the
-        smallest KV pool's, whole (the final token is emitted but never fed)."""
-        room = self.max_model_len - prompt_len
-        for runner, _ in self.runners:
-            pool = runner.cache.num_pages * runner.cache.page_size
-            room = min(room, pool - prompt_len + 1 - self.scheduler.extra_slots)
-        return room
-
     def add_request(self, prompt_ids: list[int], params) -> Sequence:
         """Queue a request; it joins the running batch at the next step with room for it."""
         return self.add_requests([(prompt_ids, params)])[0]

@@ -65,22 +65,6 @@ class BatchMetadata:
     logits_indices: torch.Tensor | None = None
     is_prefill: bool = False
 
-    @classmethod
-    def for_prompts(cls, lengths: list[int], device: torch.device | str = "cpu") -> "BatchMetadata":
-        """Metadata for a cache-free forward over whole prompts (parity tests, scoring)."""
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [T]
-        return cls(
-            positions=positions,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),  # [B+1]
-            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),  # [B]
-            max_query_len=max(lengths),
-            max_seq_len=max(lengths),
-            is_prefill=True,
-        )
-
 
 class AttentionBackend:
     """Writes new K/V into the page pool and attends, and runs the layer's fused glue, with the

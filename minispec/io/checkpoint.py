@@ -17,6 +17,7 @@ from ..fast.cpu_linear import use_cpu_fast_paths
 from ..fast.int4 import check_draft_quantization, quantize_int4_model
 from ..fast.int8 import check_quantization, quantize_model
 from ..fast.smoothquant import CALIBRATION_TEXT
+from ..core import model as core_model
 from ..model.attention import AttentionBackend
 from ..model.config import DTYPES, ModelConfig, rope_inv_freq
 from ..fast.fusion import fuse_projections, fused_state
@@ -98,31 +99,35 @@ def build_model(
     backend: AttentionBackend | None = None,
     cpu_matmul: str | None = None,
     where: str = "checkpoint",
+    core: bool = False,
 ) -> Transformer:
     """Instantiate the model from `state` (HF names, optional `model.` prefix), which is emptied:
     each tensor is taken out, cast (and q/k/v, gate/up fused) and placed in the model before the
     next is read, so a load holds the model once plus one layer's tensors, never two copies.
     cpu_matmul: the nn.Linear variant to prefer on CPU (`use_cpu_fast_paths`; None: the fastest);
-    where: the checkpoint's name in errors."""
+    where: the checkpoint's name in errors; core: the core's decoder (minispec/core/model.py) on
+    its own backend, its projections unfused and no CPU variant swapped in (`load_core_model`)."""
     for key in [k for k in state if k.startswith("model.") or k.endswith(IGNORED_SUFFIXES)]:
         value = state.pop(key)
         if not key.endswith(IGNORED_SUFFIXES):
             state[key.removeprefix("model.")] = value
     with torch.device("meta"):
-        model = Transformer(cfg, backend)
+        model = core_model.Transformer(cfg, backend) if core else Transformer(cfg, backend)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
         state.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
     check_tensors(expected, state, where, f"this {cfg.architecture} config")
-    fuse_projections(model)  # on the meta device: the fused parameters' shapes
+    if not core:
+        fuse_projections(model)  # on the meta device: the fused parameters' shapes
     # Copies, never views of the file: a checkpoint rewritten while the model runs must not change it.
     model.load_state_dict(fused_state(model, state, lambda t: t.to(device=device, dtype=dtype, copy=True)),
                           strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
-    use_cpu_fast_paths(model, dtype, device, prefer=cpu_matmul, own_weights=True)
+    if not core:
+        use_cpu_fast_paths(model, dtype, device, prefer=cpu_matmul, own_weights=True)
     return model.eval()
 
 
@@ -140,6 +145,38 @@ def peek_checkpoint(path: str | Path) -> tuple[ModelConfig, Tokenizer]:
         hf_config = read_json_object(path / "config.json")
         tokenizer = Tokenizer.from_dir(path, hf_config)
     return ModelConfig.from_hf(hf_config), tokenizer
+
+
+def read_checkpoint(path: Path, dtype, device: torch.device) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
+    """(HF config, state dict with HF names, tokenizer) of an HF directory or a .gguf file."""
+    if path.suffix == ".gguf":  # dequantized straight to the compute dtype (a GGUF's 'auto' is fp32)
+        from .gguf import read_gguf  # (needs the gguf package: imported only for a .gguf file)
+
+        hf_config, state, tokenizer = read_gguf(path, resolve_dtype(dtype, torch.float32, device))
+    else:
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint {path} is neither a directory nor a .gguf file")
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        hf_config = read_json_object(config_file)
+        state = read_safetensors(path)
+        tokenizer = Tokenizer.from_dir(path, hf_config)
+    return hf_config, state, tokenizer
+
+
+def load_core_model(path: str | Path, dtype: str | torch.dtype | None = None,
+                    device: str | torch.device | None = None) -> tuple[core_model.Transformer, Tokenizer]:
+    """(model, tokenizer) as the core reads them: the core's decoder on plain nn.Linear layers and
+    the core's backend (Triton kernels on CUDA, their torch twins elsewhere), none of the
+    production rooms (fused projections, CPU matmul variants, quantization)."""
+    path, device = Path(path), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    hf_config, state, tokenizer = read_checkpoint(path, dtype, device)
+    cfg = ModelConfig.from_hf(hf_config)
+    cfg.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + cfg.eos_token_ids))
+    backend = core_model.AttentionBackend()
+    return build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, where=f"checkpoint {path}",
+                       core=True), tokenizer
 
 
 def load_checkpoint(
@@ -162,19 +199,7 @@ def load_checkpoint(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not isinstance(backend, AttentionBackend):
         backend = AttentionBackend(backend)
-    if path.suffix == ".gguf":  # dequantized straight to the compute dtype (a GGUF's 'auto' is fp32)
-        from .gguf import read_gguf  # (needs the gguf package: imported only for a .gguf file)
-
-        hf_config, state, tokenizer = read_gguf(path, resolve_dtype(dtype, torch.float32, device))
-    else:
-        if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint {path} is neither a directory nor a .gguf file")
-        config_file = path / "config.json"
-        if not config_file.exists():
-            raise FileNotFoundError(f"{path} has no config.json")
-        hf_config = read_json_object(config_file)
-        state = read_safetensors(path)
-        tokenizer = Tokenizer.from_dir(path, hf_config)
+    hf_config, state, tokenizer = read_checkpoint(path, dtype, device)
     cfg = ModelConfig.from_hf(hf_config)
     cfg.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + cfg.eos_token_ids))  # every declared end, the tokenizer's EOS first
     # An int8 model's Linears are replaced (quant.Int8Linear): no CPU matmul is worth timing for it.
