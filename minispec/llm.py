@@ -27,7 +27,7 @@ from .io.tokenizer import CONTEXT_TOKENS, Tokenizer
 from .model.eagle import EagleModel
 from .options import EngineOptions, Model
 from .outputs import CompletionOutput, Logprob, RequestOutput, StreamEvent
-from .prompts import as_prompt_list, call_requests, conversations
+from .prompts import Request, call_requests, conversations
 from .runtime.detokenizer import output_text
 from .runtime.metrics import RunMetrics, StepTimes
 from .runtime.sequence import Sequence
@@ -49,15 +49,15 @@ class LLM:
         self._stepping = False
         self._closed_while_stepping: list[_Call] = []
 
-    def _start(self, requests: list[tuple[int, int, list[int], SamplingParams]], with_text: bool) -> _Call:
+    def _start(self, requests: list[Request], with_text: bool) -> _Call:
         """Queue all of a call's requests (or none: see LLMEngine.add_requests) and own them. An
         interrupt between the two leaves requests that no call owns: they are aborted here, and
         any left by a harder stop are aborted before the next step (`_abort_orphans`)."""
         with self._lock:
             seqs = []
             try:
-                seqs = self.engine.add_requests([(ids, p) for _, _, ids, p in requests])
-                call = _Call(seqs, [(i, j) for i, j, _, _ in requests], with_text, self.engine.times)
+                seqs = self.engine.add_requests([(r.token_ids, r.params) for r in requests])
+                call = _Call(seqs, [(r.prompt_index, r.completion) for r in requests], with_text, self.engine.times)
                 for s in call.seqs:
                     self._owners[s.request_id] = call
             except BaseException:
@@ -164,11 +164,12 @@ class LLM:
         """Generate for every prompt (continuous batching); outputs in prompt order, each with its
         `n` completions. use_tqdm (default: on for more than one prompt, as vLLM) prints one
         progress line (requests done, tokens, tokens/s) to stderr."""
-        prompts = as_prompt_list(prompts)
-        call = self._start(call_requests(prompts, sampling_params, self.tokenizer, self.engine), with_text=False)
-        show = len(prompts) > 1 if use_tqdm is None else use_tqdm
+        requests = call_requests(prompts, sampling_params, self.tokenizer, self.engine)  # prompts.py
+        call = self._start(requests, with_text=False)  # queued in the engine
+        num_prompts = requests[-1].prompt_index + 1 if requests else 0
+        show = num_prompts > 1 if use_tqdm is None else use_tqdm
         done, tokens, t0 = 0, 0, time.perf_counter()
-        for event in self._events(call):
+        for event in self._events(call):  # the engine steps until the call's requests finish
             done += event.finished
             tokens += len(event.new_token_ids)
             if show:
@@ -176,10 +177,10 @@ class LLM:
                 print(f"\r[minispec] {done}/{len(call.seqs)} requests, {tokens} tokens, {rate:.1f} tok/s", end="", file=sys.stderr)
         if show:
             print(file=sys.stderr)
-        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompts]
-        by_prompt = [[] for _ in prompts]
-        for s, (i, j) in zip(call.seqs, call.slots):
-            by_prompt[i].append(s)
+        by_prompt, texts = [[] for _ in range(num_prompts)], [None] * num_prompts
+        for s, r in zip(call.seqs, requests):
+            by_prompt[r.prompt_index].append(s)
+            texts[r.prompt_index] = r.text
         return [self._output(seqs, text) for seqs, text in zip(by_prompt, texts)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -14,9 +14,21 @@ from .io.tokenizer import Tokenizer
 from .sampling import SamplingParams
 
 
-def call_requests(prompts, params, tokenizer: Tokenizer, engine: LLMEngine) -> list[tuple[int, int, list[int], SamplingParams]]:
-    """Validated (prompt index, completion index, token ids, params), n per prompt (completion
-    j of a seeded request seeded with seed + j); raises before anything is queued."""
+@dataclasses.dataclass
+class Request:
+    """One request a call queues: completion `completion` of prompt `prompt_index` (text: the
+    prompt's text, when it was given as text)."""
+
+    prompt_index: int
+    completion: int
+    token_ids: list[int]
+    params: SamplingParams
+    text: str | None
+
+
+def call_requests(prompts, params, tokenizer: Tokenizer, engine: LLMEngine) -> list[Request]:
+    """The call's validated requests, n per prompt (completion j of a seeded request seeded with
+    seed + j); raises before anything is queued."""
     prompts = as_prompt_list(prompts)
     if params is None:
         params = SamplingParams()
@@ -40,7 +52,9 @@ def call_requests(prompts, params, tokenizer: Tokenizer, engine: LLMEngine) -> l
             p.max_tokens = max(engine.max_new_tokens(len(i)), 1)
             p.validate()
         engine.check_request(i, p)
-    return [(index, j, i, completion_params(p, j)) for index, (i, p) in enumerate(zip(ids, params)) for j in range(p.n)]
+    texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompts]
+    return [Request(index, j, i, completion_params(p, j), text)
+            for index, (i, p, text) in enumerate(zip(ids, params, texts)) for j in range(p.n)]
 
 
 def prompt_ids(prompt, tokenizer: Tokenizer, vocab: int) -> list[int]:
