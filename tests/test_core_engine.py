@@ -76,7 +76,8 @@ def test_the_core_imports_only_torch_numpy_the_kernels_and_itself():
     for f in CORE_FILES:
         for module, level in core_imports(f):
             top = module.split(".")[0]
-            allowed = level == 1 or module.startswith("minispec.core") or top in {"torch", "numpy", "minispec_kernels"}
+            ours = module.startswith(("minispec.core", "minispec.kernels"))
+            allowed = level == 1 or ours or top in {"torch", "numpy"}
             assert allowed or top in STDLIB, f"{f.name} imports {'.' * level}{module}"
 
 

@@ -39,7 +39,7 @@ from minispec.fast.cpu_caps import cpu_caps
 from minispec.io.eagle_checkpoint import load_eagle
 from minispec.sampling import warp_probs
 from minispec.core.speculative import greedy_verify, rejection_sample
-from minispec_kernels.paged_attention import paged_attention_ref
+from minispec.kernels.paged_attention import paged_attention_ref
 from test_kernels import PagedBatch, head_shapes, seeds, windows
 
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minispec_kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm_ref
-from minispec_kernels.kv_write import write_kv_ref
-from minispec_kernels.rope_write import rope_write, rope_write_ref
-from minispec_kernels.silu_mul import silu_mul, silu_mul_ref
+from minispec.kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm_ref
+from minispec.kernels.kv_write import write_kv_ref
+from minispec.kernels.rope_write import rope_write, rope_write_ref
+from minispec.kernels.silu_mul import silu_mul, silu_mul_ref
 
 from minispec.model.attention import AttentionBackend
 from minispec.model.config import ModelConfig

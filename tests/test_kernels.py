@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # Importing a kernel module selects Triton's interpreter when there is no CUDA (kernels/_triton.py).
-from minispec_kernels._checks import should_validate
-from minispec_kernels.flash_prefill import flash_prefill, flash_prefill_ref
-from minispec_kernels.kv_write import write_kv, write_kv_ref
-from minispec_kernels.paged_attention import paged_attention, paged_attention_ref
+from minispec.kernels._checks import should_validate
+from minispec.kernels.flash_prefill import flash_prefill, flash_prefill_ref
+from minispec.kernels.kv_write import write_kv, write_kv_ref
+from minispec.kernels.paged_attention import paged_attention, paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {

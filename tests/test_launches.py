@@ -35,7 +35,7 @@ from minispec.fast.fusion import fuse_projections
 from minispec.model.llama import Transformer
 from minispec.runtime.kv_cache import BlockTable, KVCache
 from minispec.runtime.runner import Feed, ModelRunner
-from minispec_kernels import paged_attention
+from minispec.kernels import paged_attention
 
 MAX_LAUNCHES_PER_LAYER = 10
 ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",

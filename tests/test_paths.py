@@ -78,5 +78,5 @@ def test_the_wheel_ships_the_eagle_head_and_no_other_weights(tmp_path):
     weights = sorted(n for n in names if n.startswith("minispec_weights/"))
     assert weights == ["minispec_weights/eagle-smollm2/README.md", "minispec_weights/eagle-smollm2/config.json",
                        "minispec_weights/eagle-smollm2/model.safetensors"]
-    assert "minispec/drafters/base.py" in names and "minispec_kernels/paged_attention.py" in names
-    assert not any(n.startswith(("minispec_kernels/aot", "tools/", "training/", "tests/")) for n in names)
+    assert "minispec/drafters/base.py" in names and "minispec/kernels/paged_attention.py" in names
+    assert not any(n.startswith(("minispec/kernels/aot", "tools/", "training/", "tests/")) for n in names)

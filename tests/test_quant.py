@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from minispec_kernels.reference import masked_attention
+from minispec.kernels.reference import masked_attention
 
 from minispec import LLM, BatchMetadata, SamplingParams, load_checkpoint, quantize_model
 from minispec.model.invariant_attention import invariant_attention, invariant_plan

@@ -45,10 +45,10 @@ from minispec.runtime.runner import Feed, TreeFeed
 from minispec.sampling import warp_probs
 from minispec.speculative_tree import walk_one
 import minispec.fast.attention_plans
-import minispec_kernels.reference
+import minispec.kernels.reference
 from minispec.fast.attention_plans import paged_attention_cpu
-from minispec_kernels.paged_attention import paged_attention, paged_attention_ref
-from minispec_kernels.reference import visible_keys
+from minispec.kernels.paged_attention import paged_attention, paged_attention_ref
+from minispec.kernels.reference import visible_keys
 from test_kernels import PagedBatch
 from test_speculative_statistical import ALPHA, N, PROMPT, V, exact_distribution, models, pooled_chi_square, sample_counts  # noqa: F401
 
@@ -386,7 +386,7 @@ def non_ancestor_attention(monkeypatch):
     def causal(query, key, sliding_window, bits=None, start=None):
         return visible_keys(query, key, sliding_window)
 
-    for module in (minispec.fast.attention_plans, minispec_kernels.reference):  # the torch backend's mask
+    for module in (minispec.fast.attention_plans, minispec.kernels.reference):  # the torch backend's mask
         monkeypatch.setattr(module, "visible_keys", causal)
 
 

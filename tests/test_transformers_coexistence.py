@@ -2,14 +2,14 @@
 
 Two packages could answer to `import kernels`: Hugging Face's hub-kernel loader (which
 `transformers` 5.25+ requires and imports in its GGUF and hub-kernel paths) and the repository's
-top-level `kernels/` folder. Python puts the working directory (or the script's folder) first on
+top-level `kernels` (a link to minispec/kernels/, where the kernels live). Python puts the working directory (or the script's folder) first on
 `sys.path`, so from the repository root a *regular* package `kernels/` there would shadow PyPI's,
 and `transformers` would fail (`cannot import name 'CUDAProperties' from 'kernels'`).
 
-So the folder `kernels/` has no `__init__.py` and installs under its own import name,
-`minispec_kernels` (pyproject.toml maps it). A folder without `__init__.py` is at most a
+So the folder has no `__init__.py` and imports under its own name, `minispec.kernels` (a
+subpackage of minispec, its path minispec/kernels/). A folder without `__init__.py` is at most a
 namespace-package portion, and Python prefers a regular package anywhere on `sys.path` over it:
-`import kernels` is PyPI's everywhere, `import minispec_kernels` is ours everywhere.
+`import kernels` is PyPI's everywhere, `import minispec.kernels` is ours everywhere.
 
 Each check runs in a fresh interpreter (import order and `sys.path` are the real ones), once with
 the repository root as working directory (where the README's commands run) and once elsewhere
@@ -45,8 +45,8 @@ r = dict(cwd=str(Path.cwd()))
 import torch
 import minispec
 from minispec import LLM, SamplingParams
-import minispec_kernels.paged_attention
-r["our_kernels"] = minispec_kernels.paged_attention.__file__
+import minispec.kernels.paged_attention
+r["our_kernels"] = minispec.kernels.paged_attention.__file__
 r["generated"] = {}
 for backend in ("torch", "triton"):
     llm = LLM(model=checkpoint, backend=backend, dtype=torch.float32)
@@ -107,7 +107,7 @@ def test_pypi_kernels_is_installed_beside_minispec():
 
 
 def test_minispec_generates_with_its_own_kernels(run):
-    """`minispec_kernels` is this repository's `kernels/` folder, from any working directory, and
+    """`minispec.kernels` is this repository's `kernels/` folder, from any working directory, and
     both backends generate (greedy: the same tokens)."""
     assert Path(run["our_kernels"]).resolve() == (REPO / "kernels" / "paged_attention.py").resolve(), run
     assert len(run["generated"]["torch"]) == 4, run

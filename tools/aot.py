@@ -96,10 +96,10 @@ class _Recorder:
 
 def launches(config: Config) -> list[tuple]:
     """(kernel, launch kwargs) that the launcher makes for config, on CPU tensors."""
-    from minispec_kernels import add_rmsnorm, rope_write, silu_mul
-    from minispec_kernels import flash_prefill as fp
-    from minispec_kernels import kv_write as kw
-    from minispec_kernels import paged_attention as pa
+    from minispec.kernels import add_rmsnorm, rope_write, silu_mul
+    from minispec.kernels import flash_prefill as fp
+    from minispec.kernels import kv_write as kw
+    from minispec.kernels import paged_attention as pa
 
     module = {"paged_attention": pa, "flash_prefill": fp, "write_kv": kw, "add_rmsnorm": add_rmsnorm,
               "rope_write": rope_write, "silu_mul": silu_mul}[config.launcher]
@@ -207,9 +207,9 @@ def compile_launch(fn, kwargs: dict, arch: int, config: Config) -> Result:
 def source_hash() -> str:
     import triton
 
-    import minispec_kernels.paged_attention
+    import minispec.kernels.paged_attention
 
-    kernels = Path(minispec_kernels.paged_attention.__file__).parent
+    kernels = Path(minispec.kernels.paged_attention.__file__).parent
     h = hashlib.sha256(triton.__version__.encode())
     for path in [kernels / name for name in KERNEL_FILES] + [Path(__file__)]:  # (how this file compiles changes the results too)
         h.update(path.read_bytes())

@@ -29,9 +29,9 @@ import traceback
 import torch
 from roofline import measure_ceilings
 
-from minispec_kernels.flash_prefill import flash_prefill, flash_prefill_ref
-from minispec_kernels.kv_write import write_kv, write_kv_ref
-from minispec_kernels.paged_attention import (
+from minispec.kernels.flash_prefill import flash_prefill, flash_prefill_ref
+from minispec.kernels.kv_write import write_kv, write_kv_ref
+from minispec.kernels.paged_attention import (
     default_num_splits,
     default_paged_tiles,
     paged_attention,

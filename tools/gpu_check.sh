@@ -88,9 +88,10 @@ PY=${PYTHON:-$(command -v python3 || command -v python || true)}  # PYTHON: anot
 # Scratch space outside the checkout and outside $OUT: the import shim and the random target.
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") || give_up "cannot create a temporary folder"
 trap 'rm -rf "$WORK"' EXIT
-# minispec_kernels / minispec_weights are kernels/ and weights/ (pyproject's package-dir); run from the checkout.
-mkdir -p "$WORK/shim" && ln -s "$ROOT/kernels" "$WORK/shim/minispec_kernels" \
-    && ln -s "$ROOT/weights" "$WORK/shim/minispec_weights" || give_up "cannot link the checkout's kernels/ and weights/ into $WORK/shim"
+# minispec_weights is weights/ (pyproject's package-dir); run from the checkout. (minispec.kernels is
+# minispec/kernels/, found through the checkout itself.)
+mkdir -p "$WORK/shim" && ln -s "$ROOT/weights" "$WORK/shim/minispec_weights" \
+    || give_up "cannot link the checkout's weights/ into $WORK/shim"
 export PYTHONPATH=$ROOT:$WORK/shim${PYTHONPATH:+:$PYTHONPATH}
 export TRITON_DEFAULT_FP_FUSION=1
 

@@ -12,6 +12,6 @@
     drafters.py     the drafter interface, a draft model and n-gram drafting
     engine.py       Engine: the loop
 
-The core imports only torch, numpy, the standard library, minispec_kernels and itself; the
+The core imports only torch, numpy, the standard library, minispec.kernels and itself; the
 production engine around it (the rest of minispec) subclasses and extends these classes.
 """

@@ -8,7 +8,7 @@ Read in this order: `BatchMetadata` (where the packed new tokens of a forward si
 The forward pass runs on a flat batch of T new tokens from B sequences, packed one after another
 as paged attention needs them. Attention is the only place where a sequence meets its own past;
 it goes through `AttentionBackend`, which writes the new K/V into the page pool (`kv_cache.py`)
-and attends, with the Triton kernels of `minispec_kernels` (the top-level `kernels/` folder) or
+and attends, with the Triton kernels of `minispec.kernels` (minispec/kernels/) or
 their plain torch twins. Nothing is global: the metadata is passed into every forward.
 
 The layers carry (x, residual) as vLLM does: a layer returns its MLP's output x apart from the
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minispec_kernels import add_rmsnorm, flash_prefill, paged_attention, rope_write, silu_mul
-from minispec_kernels._checks import SUPPORTED_HEAD_DIMS
+from minispec.kernels import add_rmsnorm, flash_prefill, paged_attention, rope_write, silu_mul
+from minispec.kernels._checks import SUPPORTED_HEAD_DIMS
 
 from .config import ModelConfig, rope_inv_freq
 

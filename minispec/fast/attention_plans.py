@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minispec_kernels.paged_attention import check_paged_args, check_tree_args
-from minispec_kernels.reference import masked_attention, visible_keys
+from minispec.kernels.paged_attention import check_paged_args, check_tree_args
+from minispec.kernels.reference import masked_attention, visible_keys
 
 BATCHED_MAX_QUERY_LEN = 16  # sequences with at most this many new tokens share one padded softmax
 

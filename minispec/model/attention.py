@@ -1,6 +1,6 @@
 """The production attention backend: the core's (core/model.py) and what plugs into it.
 
-The core's backend (`torch` reference or `triton` kernels, from `minispec_kernels`: the top-level
+The core's backend (`torch` reference or `triton` kernels, from `minispec.kernels`: the top-level
 `kernels/` folder) writes the new K/V into the page pool and attends, and runs the layer's
 elementwise glue, fused on the Triton backend: the residual add with the RMSNorm after it
 (`add_rmsnorm`), RoPE with the K/V write (`rope_write`) and SwiGLU's silu(gate) * up

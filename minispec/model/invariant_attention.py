@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minispec_kernels.reference import visible_keys
+from minispec.kernels.reference import visible_keys
 
 from .metadata import BatchMetadata
 

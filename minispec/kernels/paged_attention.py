@@ -50,9 +50,9 @@ import functools
 
 import torch
 
-from minispec_kernels._checks import check, check_dense, check_head_dim, check_same_device, dot_precision, no_window, should_validate
-from minispec_kernels._triton import tl, triton
-from minispec_kernels.reference import masked_attention
+from minispec.kernels._checks import check, check_dense, check_head_dim, check_same_device, dot_precision, no_window, should_validate
+from minispec.kernels._triton import tl, triton
+from minispec.kernels.reference import masked_attention
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 16

@@ -20,9 +20,9 @@ GPU is bound by launches, not by these bytes.
 import torch
 import torch.nn.functional as F
 
-from minispec_kernels._checks import check, check_same_device
-from minispec_kernels._rounding import round_to
-from minispec_kernels._triton import tl, triton
+from minispec.kernels._checks import check, check_same_device
+from minispec.kernels._rounding import round_to
+from minispec.kernels._triton import tl, triton
 
 MAX_HIDDEN = 16384  # one row is one tile: wider rows would not fit a program's registers
 

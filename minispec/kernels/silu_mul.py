@@ -14,9 +14,9 @@ speed hardly depends on it once a program moves a few KiB).
 import torch
 import torch.nn.functional as F
 
-from minispec_kernels._checks import check, check_same_device
-from minispec_kernels._rounding import round_to
-from minispec_kernels._triton import tl, triton
+from minispec.kernels._checks import check, check_same_device
+from minispec.kernels._rounding import round_to
+from minispec.kernels._triton import tl, triton
 
 BLOCK = 1024
 

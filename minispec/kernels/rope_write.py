@@ -25,10 +25,10 @@ runtime arguments, not constexprs, so one compiled kernel per (dtype, D) serves 
 
 import torch
 
-from minispec_kernels._checks import check, check_dense, check_head_dim, check_same_device, should_validate
-from minispec_kernels._rounding import round_to
-from minispec_kernels._triton import tl, triton
-from minispec_kernels.kv_write import write_kv_ref
+from minispec.kernels._checks import check, check_dense, check_head_dim, check_same_device, should_validate
+from minispec.kernels._rounding import round_to
+from minispec.kernels._triton import tl, triton
+from minispec.kernels.kv_write import write_kv_ref
 
 
 @triton.jit

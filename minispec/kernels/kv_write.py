@@ -10,8 +10,8 @@ not be written. One program copies all heads of one token.
 
 import torch
 
-from minispec_kernels._checks import check, check_dense, check_same_device, should_validate
-from minispec_kernels._triton import tl, triton
+from minispec.kernels._checks import check, check_dense, check_same_device, should_validate
+from minispec.kernels._triton import tl, triton
 
 
 @triton.jit

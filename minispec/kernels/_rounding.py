@@ -9,7 +9,7 @@ odd, then drop the low 16 bits), after which the cast is exact everywhere; NaN s
 and fp32 use the plain cast, which is right in both.
 """
 
-from minispec_kernels._triton import tl, triton
+from minispec.kernels._triton import tl, triton
 
 
 @triton.jit
