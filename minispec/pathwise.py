@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from .randomness import Key, noise
+from .randomness import Key, Purpose, finish, noise, row_lanes, spread
 from .sampling import SamplingParams, warp_probs
 
 PATHWISE_SAMPLING = ("off", "seeded", "on")  # the LLM's choices for requests that do not say: none, seeded ones, all
@@ -79,6 +79,27 @@ def gumbel_max(probs: torch.Tensor, keys: list[Key], positions: list[int], token
 
 
 SPARSE = 8  # noise for the kept tokens only when they are at most 1/SPARSE of the columns (topk costs more above)
+
+
+def noise_lanes(keys: list[Key], positions: list[int]) -> list[Key]:
+    """Row r's two NOISE lanes, for keys[r] at positions[r] (randomness.row_lanes), computed on the
+    host: what a step uploads so that the device can make the noise itself (`lane_gumbel_max`)."""
+    return [row_lanes(k, p, Purpose.NOISE) for k, p in zip(keys, positions)]
+
+
+def lane_gumbel_max(probs: torch.Tensor, lanes: torch.Tensor, token_ids: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """`gumbel_max` on the device, the noise made from uploaded lanes: probs [N, M], lanes [N, 2]
+    int64 (`noise_lanes`), token_ids [M] as in gumbel_max. Returns [N] int64 column indices.
+
+    The same race in the same fp64 operations as gumbel_max's noise over every column, u from
+    randomness.finish and argmax of log(u) / p (a token with p = 0 gets -inf and never wins; ties
+    go to the lowest column), so the same token; it never makes noise for the kept tokens only,
+    since counting them is a host copy, and a step laid out ahead makes none."""
+    if token_ids is None:
+        token_ids = torch.arange(probs.shape[-1], device=probs.device)
+    race = finish(lanes[:, :1], lanes[:, 1:], spread(token_ids[None, :])).log_()  # [N, M] fp64, log u < 0
+    return race.div_(probs.double()).argmax(-1)  # [N]
 
 
 def verify(logits: torch.Tensor, params: list[SamplingParams], keys: list[Key], lengths: list[int],

@@ -9,10 +9,14 @@ from there. What it adds, each without changing the law of an emitted token:
     copy from pinned staging (runtime/transfers.py), the device drafts, verifies and decides
     (`accept_on_device`: the same `rejection_sample` and greedy argmax), and ONE copy brings the
     verdict back;
+  * pathwise sampling (pathwise.py) in the same one-upload step: the host uploads each pathwise
+    request's NOISE lanes for the positions the step verifies, and the device accepts while the
+    draft is the target's Gumbel-max token (`pathwise_accept`), so nothing a drafter does changes
+    the tokens;
   * the host path (`host_step`) for requests whose options read tokens in the middle of a step:
     penalties and min_tokens (`sampling.penalize`, applied alike to p and q at each position with
-    the tokens before it, so the law is the penalised target's), logprobs, and pathwise sampling
-    (pathwise.py: verified by its Gumbel-max tokens, so nothing a drafter does changes them);
+    the tokens before it, so the law is the penalised target's) and logprobs (a pathwise request
+    with either is verified there by pathwise.verify);
   * non-finite target rows (nonfinite.py): a sequence whose final token would come from one
     finishes with an error instead of emitting a token drawn from garbage;
   * the engine's `emit`, which also checks stop strings and records logprobs and metrics.
@@ -30,6 +34,7 @@ from .core.speculative import StepResult, greedy_verify, rule_uniforms
 from .drafters.base import Drafter, Drafts, Proposal, Staged
 from .nonfinite import guard_nonfinite
 from .outputs import Logprob
+from . import pathwise
 from .pathwise import verify as pathwise_verify
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
@@ -89,8 +94,8 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
 def host_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, num_draft: list[int],
               emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
     """The step for batches with a request whose options read tokens on the host in the middle:
-    logprobs, penalties and min_tokens, pathwise sampling (`verify_on_host`). The same four steps,
-    one forward and one host copy at a time."""
+    logprobs, penalties and min_tokens (`verify_on_host`; pathwise requests among them are verified
+    depth by depth). The same four steps, one forward and one host copy at a time."""
     with times.timing("draft_s", target.device):
         proposal = drafter.propose(seqs, num_draft)
     with times.verifying(seqs, target.device):
@@ -132,8 +137,9 @@ class Verdict:
 
 def needs_host(seq: Sequence) -> bool:
     """Whether seq's verification needs the host in the middle: penalties and min_tokens read its
-    tokens, logprobs come back as dicts, pathwise verification goes depth by depth."""
-    return seq.params.adjusts_logits or seq.params.logprobs is not None or seq.pathwise
+    tokens, logprobs come back as dicts. (Pathwise sampling does not: its noise is keyed by the
+    positions, known before the step, so the device makes it from uploaded lanes.)"""
+    return seq.params.adjusts_logits or seq.params.logprobs is not None
 
 
 def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size: int) -> None:
@@ -141,7 +147,9 @@ def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size:
     up to K = max(staged.lengths) drafts): verify_rows [B, K+1], sequence b's row of the flat
     logits at position i (past its drafts, its last row again); drawn_index, where the verified
     drafts drawn on the device sit in the drafts [B, K]; unless every request is greedy, each
-    row's warp parameters and the keyed uniforms accept_u [B, K] and token_u [B, K+1]."""
+    row's warp parameters and the keyed uniforms accept_u [B, K] and token_u [B, K+1]; and with
+    pathwise requests among them, pathwise_rows [P] (their batch rows) and noise_lanes [P, K+1, 2],
+    the NOISE lanes of positions len(s) .. len(s) + K (`pathwise_accept`)."""
     K = max(staged.lengths, default=0)
     first, rows, drawn = 0, [], []
     for b, n in enumerate(staged.lengths):
@@ -156,6 +164,12 @@ def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size:
         accept, token = rule_uniforms(seqs, K)
         upload.add("accept_u", accept, torch.float64)  # [B, K]
         upload.add("token_u", token, torch.float64)  # [B, K+1]
+        chosen = [b for b, s in enumerate(seqs) if s.pathwise]
+        if chosen:
+            lanes = [pathwise.noise_lanes([seqs[b].key] * (K + 1), [len(seqs[b]) + i for i in range(K + 1)])
+                     for b in chosen]
+            upload.add("pathwise_rows", chosen)  # [P]
+            upload.add("noise_lanes", lanes)  # [P, K+1, 2]
 
 
 def staged_warp(seqs: list[Sequence], sent: dict[str, torch.Tensor], vocab_size: int) -> WarpParams:
@@ -198,7 +212,27 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts
     draft_probs = draft_probs[:, : K + 1].to(target_probs.device) * kept  # [B, K+1, V], zero past the drafts
     tokens, num_accepted = rule.rejection_sample(draft_tokens, num_draft, draft_probs, target_probs, sent["accept_u"],
                                             sent["token_u"])
+    if "pathwise_rows" in sent:
+        chosen = sent["pathwise_rows"]  # [P]
+        tokens[chosen], num_accepted[chosen] = pathwise_accept(target_probs[chosen], sent["noise_lanes"],
+                                                               draft_tokens[chosen], drafted[chosen])
     return tokens, num_accepted, cut
+
+
+def pathwise_accept(target_probs: torch.Tensor, lanes: torch.Tensor, draft_tokens: torch.Tensor,
+                    drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pathwise.verify on the device, for P pathwise sequences: target_probs [P, K+1, V] the warped
+    verification rows, lanes [P, K+1, 2] each position's NOISE lanes, draft_tokens [P, K], drafted
+    [P, K] which drafts are real. Every row's Gumbel-max token is computed (pathwise.verify only
+    reaches the rows it needs; the others' tokens are unused), drafts are accepted while they equal
+    it, and the token at the first mismatch (or the bonus) is emitted. Returns tokens [P, K+1] and
+    num_accepted [P], as the greedy rule's."""
+    P, K1, V = target_probs.shape
+    best = pathwise.lane_gumbel_max(target_probs.flatten(0, 1), lanes.flatten(0, 1)).view(P, K1)  # [P, K+1]
+    num_accepted = ((best[:, : K1 - 1] == draft_tokens) & drafted).long().cumprod(-1).sum(-1)  # [P]
+    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(P, 1)], dim=1)  # [P, K+1]
+    tokens.scatter_(1, num_accepted[:, None], best.gather(1, num_accepted[:, None]))
+    return tokens, num_accepted
 
 
 def verify_on_host(target: ModelRunner, feeds: list[Feed], seqs: list[Sequence], proposal: Proposal,

@@ -101,16 +101,24 @@ def test_speculation_emits_plain_pathwise_decodings_tokens(pair, plain, drafter,
 
 def test_a_drafter_drawing_with_other_noise_only_lowers_acceptance(pair, plain, monkeypatch):
     """The verifier does not trust the draft: a draft model that draws its tokens with the noise
-    of another position is accepted less often, and the tokens are still plain decoding's."""
+    of another position (on the host, `draw_from`, and on the device, from its uploaded lanes) is
+    accepted less often, and the tokens are still plain decoding's."""
     honest = build(pair, "model", 4)
     assert [o.token_ids for o in honest.generate(PROMPTS, PARAMS, use_tqdm=False)] == plain
     coupled = honest.last_metrics.acceptance_rate
-    original = minispec.drafters.base.gumbel_max
+    # The first request alone (no penalties or min_tokens): its steps are laid out for the device.
+    assert honest.generate(PROMPTS[:1], PARAMS[0], use_tqdm=False)[0].token_ids == plain[0]
+    coupled_alone = honest.last_metrics.acceptance_rate
+    original, lanes = minispec.drafters.base.gumbel_max, minispec.drafters.base.noise_lanes
+    other = lambda positions: [p + 1000 for p in positions]  # noqa: E731
     monkeypatch.setattr(minispec.drafters.base, "gumbel_max",
-                        lambda probs, keys, positions, ids=None: original(probs, keys, [p + 1000 for p in positions], ids))
+                        lambda probs, keys, positions, ids=None: original(probs, keys, other(positions), ids))
+    monkeypatch.setattr(minispec.drafters.base, "noise_lanes", lambda keys, positions: lanes(keys, other(positions)))
     llm = build(pair, "model", 4)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == plain
     assert llm.last_metrics.acceptance_rate < coupled
+    assert llm.generate(PROMPTS[:1], PARAMS[0], use_tqdm=False)[0].token_ids == plain[0]
+    assert llm.last_metrics.acceptance_rate < coupled_alone
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle", "eagle-tree"])
@@ -144,6 +152,30 @@ def test_a_mixed_batch_keeps_each_requests_rule(pair, plain):
     out = llm.generate(PROMPTS + PROMPTS[:1] * 2, PARAMS + [standard, greedy], use_tqdm=False)
     assert [o.token_ids for o in out] == plain + alone
     assert [llm.engine.pathwise_for(p) for p in (PARAMS[0], standard, greedy)] == [True, False, False]
+
+
+DEVICE_PARAMS = [PARAMS[0], dataclasses.replace(PARAMS[1], repetition_penalty=1.0)]  # no option reads tokens mid-step
+
+
+@pytest.mark.parametrize("drafter", ["model", "adaptive", "ngram", "eagle", "model+lookup", "eagle+lookup"])
+def test_steps_laid_out_for_the_device_emit_the_host_paths_tokens(pair, drafter, monkeypatch):
+    """Pathwise requests without penalties, min_tokens or logprobs take the one-upload step (the
+    drafter's Gumbel-max and the verifier's made on the device from uploaded noise lanes), beside
+    a standard and a greedy request: the pathwise ones emit plain pathwise decoding's tokens, as
+    the host path (pathwise.verify, depth by depth) does for the same batch, and the others their
+    own tokens alone."""
+    standard = dataclasses.replace(PARAMS[0], pathwise=False, seed=9)
+    greedy = SP(temperature=0, max_tokens=20, ignore_eos=True, pathwise=True)
+    params, prompts = DEVICE_PARAMS + [standard, greedy], PROMPTS[:2] + PROMPTS[:1] * 2
+    plain_llm = build(pair, None, 0)
+    expected = [plain_llm.generate([p], q, use_tqdm=False)[0].token_ids for p, q in zip(prompts, params)]
+    llm = build(pair, drafter, 4)
+    expected[2] = llm.generate([prompts[2]], standard, use_tqdm=False)[0].token_ids  # (the standard rule's depend on k)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.last_metrics.num_drafted > 0
+    monkeypatch.setattr(minispec.speculative, "needs_host", lambda seq: True)
+    host = [o.token_ids for o in build(pair, drafter, 4).generate(prompts[:2], params[:2], use_tqdm=False)]
+    assert host == expected[:2]
 
 
 def test_pathwise_sampling_decides_for_requests_that_do_not_say(pair):
@@ -242,15 +274,21 @@ def test_pathwise_speculation_samples_the_target_law(models, drafter, k, params,
 
 
 def noise_reused_across_positions(monkeypatch):
-    """(a) every position draws the noise of position 0."""
+    """(a) every position draws the noise of position 0 (the host's noise and the lanes a step
+    uploads for the device, the drafter's and the verifier's)."""
+    lanes = minispec.pathwise.noise_lanes
+    at_zero = lambda keys, positions: lanes(keys, [0] * len(positions))  # noqa: E731
     monkeypatch.setattr(minispec.pathwise, "noise", lambda keys, positions, ids: noise(keys, [0] * len(positions), ids))
+    monkeypatch.setattr(minispec.pathwise, "noise_lanes", at_zero)
+    monkeypatch.setattr(minispec.drafters.base, "noise_lanes", at_zero)
 
 
 def noise_keyed_by_step(monkeypatch):
     """(b) noise keyed by the step (the position of its first new token) instead of each row's
     position: a verification's rows share one noise (plain decoding, one position a step, is
-    unaffected)."""
-    original = minispec.pathwise.verify
+    unaffected). On the device: the verifier's lanes, uploaded per sequence for its positions
+    len(s) .. len(s) + K (speculative.stage_rule), are all those of len(s)."""
+    original, lanes = minispec.pathwise.verify, minispec.pathwise.noise_lanes
 
     def by_step(logits, params, keys, lengths, draft_lists, first_rows):
         def step_noise(keys_, positions, ids):  # every row of sequence b: the noise of lengths[b]
@@ -263,12 +301,15 @@ def noise_keyed_by_step(monkeypatch):
             monkeypatch.setattr(minispec.pathwise, "noise", noise)
 
     monkeypatch.setattr(minispec.speculative, "pathwise_verify", by_step)
+    monkeypatch.setattr(minispec.pathwise, "noise_lanes", lambda keys, positions: lanes(keys, positions[:1] * len(positions)))
 
 
 def verifier_trusts_the_drafters_noise(monkeypatch):
     """(c) the drafter draws with other noise (another position's) and reports its draft as the
     target's choice under that noise; the verifier accepts a draft equal to the target's
-    Gumbel-max under the DRAFTER's noise, and emits the target's own at the first mismatch."""
+    Gumbel-max under the DRAFTER's noise, and emits the target's own at the first mismatch.
+    (Planted in the host path's verifier, a function of its own to replace: the steps go there.)"""
+    monkeypatch.setattr(minispec.speculative, "needs_host", lambda seq: True)
     other = lambda positions: [p + 1000 for p in positions]  # noqa: E731
     gumbel_max = minispec.pathwise.gumbel_max
     monkeypatch.setattr(minispec.drafters.base, "gumbel_max",

@@ -18,6 +18,7 @@ what a GPU runs); the drafters on the torch backend (the same step code, far fas
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -111,21 +112,25 @@ def step_transfers(llm: LLM, params: list[SamplingParams], monkeypatch, steps: i
 
 GREEDY = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2
 SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=12, ignore_eos=True, seed=i) for i in range(2)]
+PATHWISE_GREEDY = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, pathwise=True)] * 2
+PATHWISE = [dataclasses.replace(p, pathwise=True) for p in SAMPLED]
+MIXED = [PATHWISE[0], SAMPLED[1]]  # a pathwise request beside a standard one
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "draft", "eagle"])
 def test_a_step_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, tiny_llama_eagle, drafter, monkeypatch):
     """Plain decoding, the n-gram drafter (whose drafts are the host's), a draft model and the
-    EAGLE head (whose k forwards draw on the device, each feeding the next), greedy requests and
-    then sampled ones: a step after warm-up sends one upload and brings one download, and nothing
-    else crosses."""
+    EAGLE head (whose k forwards draw on the device, each feeding the next), greedy requests,
+    sampled ones, pathwise ones (greedy and sampled: the noise is made on the device from uploaded
+    lanes) and a pathwise request beside a standard one: a step after warm-up sends one upload and
+    brings one download, and nothing else crosses."""
     monkeypatch.setattr("minispec.sampling.PARTIAL_SORT_ON", ())  # the GPU's full sort (a CPU checks on the host)
     args = {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3),
             "draft": dict(draft_model=str(tiny_llama_draft), num_speculative_tokens=3),
             "eagle": dict(draft_model=str(tiny_llama_eagle), num_speculative_tokens=3)}[drafter]
     backend = "triton" if drafter == "none" else "torch"
     llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend=backend, static_shapes=True, **args)
-    for params in (GREEDY, SAMPLED):
+    for params in (GREEDY, SAMPLED, PATHWISE_GREEDY, PATHWISE, MIXED):
         for step in step_transfers(llm, params, monkeypatch, steps=2):
             assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
     if drafter in ("draft", "eagle"):  # (the drafter did draft, on the device)
@@ -151,7 +156,7 @@ def test_lookup_in_front_of_a_model_makes_one_upload_and_one_download(tiny_llama
     else, with both lookup and the model drafting."""
     monkeypatch.setattr("minispec.sampling.PARTIAL_SORT_ON", ())
     llm = lookup_llm(model, tiny_llama, tiny_llama_draft, tiny_llama_eagle)
-    for params in (GREEDY, SAMPLED):
+    for params in (GREEDY, SAMPLED, PATHWISE):
         for step in step_transfers(llm, params, monkeypatch, steps=3, prompts=REPEATING):
             assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
     assert llm.engine.drafter.lookup_drafts > 0 and llm.engine.drafter.model_drafts > 0

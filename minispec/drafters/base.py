@@ -33,7 +33,7 @@ import torch
 
 from ..core import drafters as core
 from ..core.drafters import Proposal, draft_uniforms
-from ..pathwise import gumbel_max
+from ..pathwise import gumbel_max, lane_gumbel_max, noise_lanes
 from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
@@ -186,8 +186,9 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
 
     def stage(self, seqs: list[Sequence], num_draft: list[int], upload: Upload) -> Staged:
         """Lay out the draft loop's forwards (`propose`'s, with the same sequences active at each
-        depth) and each depth's draw inputs (warp parameters, DRAFT uniforms) in the step's upload:
-        the loop then runs on the device with no host round-trip (`run_staged`).
+        depth) and each depth's draw inputs (warp parameters, DRAFT uniforms; for pathwise requests
+        their rows among the active ones and the NOISE lanes of the drafted position) in the step's
+        upload: the loop then runs on the device with no host round-trip (`run_staged`).
 
         With a confidence threshold the loop stays on the host (`propose`, a host copy per depth):
         stopping at an unsure token is what saves the later forwards, and only the host can decide
@@ -214,12 +215,18 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
                 for name, values in WarpParams.arrays([seqs[b].params for b in active], width).items():
                     upload.add(f"{prefix}warp{i}.{name}", values, WARP_DTYPES[name])
                 upload.add(f"{prefix}u{i}", draft_uniforms([seqs[b] for b in active], i), torch.float64)  # [A_i]
+                chosen = [r for r, b in enumerate(active) if seqs[b].pathwise]
+                if chosen:  # (draw_from's Gumbel-max, at position len(s) + i)
+                    upload.add(f"{prefix}pathwise{i}", chosen)  # [P_i] rows of depth i
+                    upload.add(f"{prefix}noise{i}", noise_lanes([seqs[active[r]].key for r in chosen],
+                                                                [len(seqs[active[r]]) + i for r in chosen]))  # [P_i, 2]
             previous, active = active, [b for b in active if lengths[b] > i + 1]
         return Staged(lengths, [[0] * n for n in lengths], [n > 0 for n in lengths], forwards, prefix, ahead=ahead)
 
     def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
         """`propose`'s loop on the device: depth i feeds the tokens depth i - 1 drew (never read on
-        the host), draws from the warped q with the keyed DRAFT uniforms (greedy: the argmax), and
+        the host), draws from the warped q as `draw_from` does (the keyed DRAFT uniforms, or a
+        pathwise request's Gumbel-max with the uploaded noise lanes; greedy: the argmax), and
         a sequence stops where `propose` would: before an unusable (non-finite) row. Its later
         forwards still run (their K/V are rolled back); what they draw is past num_draft."""
         if staged.proposal is not None:  # (drafted on the host: `stage`)
@@ -249,6 +256,9 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
                                      {name: sent[f"{p}warp{i}.{name}"] for name in WARP_DTYPES})
                 q = warp_probs(logits, warp)  # [A, V_d]
                 drawn = sample(q, sent[f"{p}u{i}"])  # [A]
+                if f"{p}pathwise{i}" in sent:
+                    chosen = sent[f"{p}pathwise{i}"]  # [P_i]
+                    drawn[chosen] = lane_gumbel_max(q[chosen], sent[f"{p}noise{i}"], self.draft_ids)
                 if self.draft_ids is None:
                     probs[rows, i] = q
                 else:  # 0 outside the draft's vocabulary
