@@ -43,7 +43,9 @@ variation between p and q (the P-MinHash bound), where the standard rule accepts
 1 - TV exactly, the most any coupling can: e.g. TV = 0.2 gives >= 0.67 against 0.8. The cost is
 the price of the verifier not reading q. And compute: noise over the vocabulary for every token
 decided (the drafts, and the verification's rows a step reaches, depth by depth), or over the
-tokens top-k / top-p keep (`gumbel_max`); docs/results.md has its cost on a CPU.
+tokens top-k / top-p keep (`gumbel_max`); docs/results.md has its cost on a CPU. A step laid out
+for the device (speculative.py) makes the noise there from lanes uploaded with the step
+(`noise_lanes`, `lane_gumbel_max`): over the whole vocabulary, for every row it verifies.
 """
 
 from __future__ import annotations
@@ -92,10 +94,11 @@ def lane_gumbel_max(probs: torch.Tensor, lanes: torch.Tensor, token_ids: torch.T
     """`gumbel_max` on the device, the noise made from uploaded lanes: probs [N, M], lanes [N, 2]
     int64 (`noise_lanes`), token_ids [M] as in gumbel_max. Returns [N] int64 column indices.
 
-    The same race in the same fp64 operations as gumbel_max's noise over every column, u from
-    randomness.finish and argmax of log(u) / p (a token with p = 0 gets -inf and never wins; ties
-    go to the lowest column), so the same token; it never makes noise for the kept tokens only,
-    since counting them is a host copy, and a step laid out ahead makes none."""
+    The same race in the same fp64 operations as gumbel_max's noise over every column (u from
+    randomness.finish, then the argmax of log(u) / p: a token with p = 0 gets -inf and never wins,
+    ties go to the lowest column), so the same token. It never takes gumbel_max's kept-tokens
+    shortcut (the same token but for exact ties of the race): counting the kept tokens is a host
+    copy, and a step laid out ahead makes none."""
     if token_ids is None:
         token_ids = torch.arange(probs.shape[-1], device=probs.device)
     race = finish(lanes[:, :1], lanes[:, 1:], spread(token_ids[None, :])).log_()  # [N, M] fp64, log u < 0

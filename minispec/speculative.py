@@ -34,7 +34,7 @@ from .core.speculative import StepResult, greedy_verify, rule_uniforms
 from .drafters.base import Drafter, Drafts, Proposal, Staged
 from .nonfinite import guard_nonfinite
 from .outputs import Logprob
-from . import pathwise
+from .pathwise import lane_gumbel_max, noise_lanes
 from .pathwise import verify as pathwise_verify
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
@@ -166,7 +166,7 @@ def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size:
         upload.add("token_u", token, torch.float64)  # [B, K+1]
         chosen = [b for b, s in enumerate(seqs) if s.pathwise]
         if chosen:
-            lanes = [pathwise.noise_lanes([seqs[b].key] * (K + 1), [len(seqs[b]) + i for i in range(K + 1)])
+            lanes = [noise_lanes([seqs[b].key] * (K + 1), [len(seqs[b]) + i for i in range(K + 1)])
                      for b in chosen]
             upload.add("pathwise_rows", chosen)  # [P]
             upload.add("noise_lanes", lanes)  # [P, K+1, 2]
@@ -228,7 +228,7 @@ def pathwise_accept(target_probs: torch.Tensor, lanes: torch.Tensor, draft_token
     it, and the token at the first mismatch (or the bonus) is emitted. Returns tokens [P, K+1] and
     num_accepted [P], as the greedy rule's."""
     P, K1, V = target_probs.shape
-    best = pathwise.lane_gumbel_max(target_probs.flatten(0, 1), lanes.flatten(0, 1)).view(P, K1)  # [P, K+1]
+    best = lane_gumbel_max(target_probs.flatten(0, 1), lanes.flatten(0, 1)).view(P, K1)  # [P, K+1]
     num_accepted = ((best[:, : K1 - 1] == draft_tokens) & drafted).long().cumprod(-1).sum(-1)  # [P]
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(P, 1)], dim=1)  # [P, K+1]
     tokens.scatter_(1, num_accepted[:, None], best.gather(1, num_accepted[:, None]))

@@ -1,9 +1,9 @@
 """Graph-ready steps (runtime/static_shapes.py): the static-shape layout gives the dynamic path's answers.
 
 On CPU the static layout runs eagerly; it is exactly what a CUDA graph replays on a GPU. Invariants:
-  * with static_shapes=True, greedy and seeded sampled outputs equal the dynamic path's token for
-    token, and the target's log-probabilities (its logits) agree to fp32 rounding, for plain
-    decoding and every drafter, with batches that do not fill their bucket (padding sequences)
+  * with static_shapes=True, greedy, seeded sampled and pathwise outputs equal the dynamic path's
+    token for token, and the target's log-probabilities (its logits) agree to fp32 rounding, for
+    plain decoding and every drafter, with batches that do not fill their bucket (padding sequences)
     and with preemption;
   * steps that feed more tokens than a bucket holds (prompts) take the dynamic path;
   * the same holds with the Triton kernels (interpreter);
@@ -60,6 +60,21 @@ def test_static_shapes_give_the_dynamic_paths_tokens_and_logits(tiny_llama, tiny
     target = static.engine.target.static
     assert (4, target.query_len) in target.buckets
     assert static.last_metrics.num_steps == dynamic.last_metrics.num_steps
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft", "eagle", "lookup+eagle"])
+def test_pathwise_steps_with_static_shapes_give_the_dynamic_paths_tokens(tiny_llama, tiny_llama_draft,
+                                                                        tiny_llama_eagle, drafter):
+    """Pathwise requests (greedy and sampled, beside a standard one) without logprobs take the
+    one-upload step, whose Gumbel noise is made on the device: static shapes give the dynamic
+    path's tokens."""
+    args = dict(model=str(tiny_llama), kv_cache_gib=0.01, **drafter_args(drafter, tiny_llama_draft, tiny_llama_eagle))
+    dynamic, static = LLM(**args, cuda_graphs=False), LLM(**args, static_shapes=True)
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, pathwise=True),
+              SamplingParams(temperature=0.9, top_p=0.95, max_tokens=14, ignore_eos=True, seed=1, pathwise=True),
+              SamplingParams(temperature=0.9, top_k=20, max_tokens=14, ignore_eos=True, seed=2)]
+    a, b = dynamic.generate(PROMPTS, params), static.generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
 def test_static_shapes_with_preemption_and_one_sequence(tiny_llama, tiny_llama_draft):

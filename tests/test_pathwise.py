@@ -5,7 +5,8 @@ Invariants taught here:
   token, whatever the drafter (a draft model, adaptive length, n-gram, an EAGLE head, lookup in
   front of either, a tree grown by either), k in 1..8, speculation by load, the batch it is in,
   preemption, prefix caching and chunked prefill; a drafter that draws with other noise only
-  lowers acceptance;
+  lowers acceptance; requests with no option that reads tokens mid-step take the one-upload step
+  (the noise made on the device from uploaded lanes) and emit the host path's tokens;
 * repeated seeded calls with speculation by load (k from the machine's timings) return the same
   tokens, also when k is forced to differ from call to call; under the standard rule they do not;
 * the law: the whole pipeline in pathwise mode samples the target's autoregressive law
@@ -279,7 +280,7 @@ def noise_reused_across_positions(monkeypatch):
     lanes = minispec.pathwise.noise_lanes
     at_zero = lambda keys, positions: lanes(keys, [0] * len(positions))  # noqa: E731
     monkeypatch.setattr(minispec.pathwise, "noise", lambda keys, positions, ids: noise(keys, [0] * len(positions), ids))
-    monkeypatch.setattr(minispec.pathwise, "noise_lanes", at_zero)
+    monkeypatch.setattr(minispec.speculative, "noise_lanes", at_zero)
     monkeypatch.setattr(minispec.drafters.base, "noise_lanes", at_zero)
 
 
@@ -301,7 +302,8 @@ def noise_keyed_by_step(monkeypatch):
             monkeypatch.setattr(minispec.pathwise, "noise", noise)
 
     monkeypatch.setattr(minispec.speculative, "pathwise_verify", by_step)
-    monkeypatch.setattr(minispec.pathwise, "noise_lanes", lambda keys, positions: lanes(keys, positions[:1] * len(positions)))
+    at_first = lambda keys, positions: lanes(keys, positions[:1] * len(positions))  # noqa: E731
+    monkeypatch.setattr(minispec.speculative, "noise_lanes", at_first)
 
 
 def verifier_trusts_the_drafters_noise(monkeypatch):
