@@ -240,6 +240,24 @@ def test_gumbel_max_draws_p_and_its_kept_tokens_shortcut_changes_nothing(monkeyp
     assert columns[picked].tolist() == minispec.pathwise.gumbel_max(full.expand(8, -1), keys[:8], [7] * 8).tolist()
 
 
+def test_the_devices_gumbel_max_from_uploaded_lanes_is_gumbel_max():
+    """lane_gumbel_max (noise made from each row's uploaded NOISE lanes, as a step laid out for the
+    device makes it) picks gumbel_max's token: rows with top-k zeros (gumbel_max's kept-tokens
+    shortcut) and without, fp32 and bf16 rows, a draft's columns keyed by their token ids."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g) * 3  # [N, V]
+    keys, positions = [request_key(s) for s in range(64)], list(range(100, 164))
+    lanes = torch.tensor(minispec.pathwise.noise_lanes(keys, positions))  # [N, 2]
+    cut = logits.masked_fill(logits < logits.topk(5, dim=-1).values[:, -1:], float("-inf"))  # 5 of 300 kept
+    for probs in (logits.softmax(-1), cut.softmax(-1), cut.bfloat16().softmax(-1)):
+        expected = minispec.pathwise.gumbel_max(probs, keys, positions)
+        assert torch.equal(minispec.pathwise.lane_gumbel_max(probs, lanes), expected)
+    columns = torch.randperm(1000, generator=g)[:300]  # a reduced vocabulary's target ids
+    probs = logits.softmax(-1)
+    assert torch.equal(minispec.pathwise.lane_gumbel_max(probs, lanes, columns),
+                       minispec.pathwise.gumbel_max(probs, keys, positions, columns))
+
+
 def pathwise_p_value(models, drafter: str, k: int, params: SamplingParams, m: int, **options) -> tuple[float, LLM]:
     """test_speculative_statistical.p_value with every request pathwise (LLM pathwise_sampling="on")."""
     name, lookup = drafter.removesuffix("+lookup"), LOOKUP_MIN if drafter.endswith("+lookup") else None
