@@ -101,7 +101,8 @@ def lane_gumbel_max(probs: torch.Tensor, lanes: torch.Tensor, token_ids: torch.T
     copy, and a step laid out ahead makes none."""
     if token_ids is None:
         token_ids = torch.arange(probs.shape[-1], device=probs.device)
-    race = finish(lanes[:, :1], lanes[:, 1:], spread(token_ids[None, :])).log_()  # [N, M] fp64, log u < 0
+    u = finish(lanes[:, :1], lanes[:, 1:], spread(token_ids[None, :]))  # [N, M] fp64 in (0, 1)
+    race = u.log_()  # log u < 0
     return race.div_(probs.double()).argmax(-1)  # [N]
 
 

@@ -214,8 +214,8 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts
                                             sent["token_u"])
     if "pathwise_rows" in sent:
         chosen = sent["pathwise_rows"]  # [P]
-        tokens[chosen], num_accepted[chosen] = pathwise_accept(target_probs[chosen], sent["noise_lanes"],
-                                                               draft_tokens[chosen], drafted[chosen])
+        verdict = pathwise_accept(target_probs[chosen], sent["noise_lanes"], draft_tokens[chosen], drafted[chosen])
+        tokens[chosen], num_accepted[chosen] = verdict
     return tokens, num_accepted, cut
 
 

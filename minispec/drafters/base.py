@@ -218,8 +218,9 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
                 chosen = [r for r, b in enumerate(active) if seqs[b].pathwise]
                 if chosen:  # (draw_from's Gumbel-max, at position len(s) + i)
                     upload.add(f"{prefix}pathwise{i}", chosen)  # [P_i] rows of depth i
-                    upload.add(f"{prefix}noise{i}", noise_lanes([seqs[active[r]].key for r in chosen],
-                                                                [len(seqs[active[r]]) + i for r in chosen]))  # [P_i, 2]
+                    drawing = [seqs[active[r]] for r in chosen]
+                    lanes = noise_lanes([s.key for s in drawing], [len(s) + i for s in drawing])
+                    upload.add(f"{prefix}noise{i}", lanes)  # [P_i, 2]
             previous, active = active, [b for b in active if lengths[b] > i + 1]
         return Staged(lengths, [[0] * n for n in lengths], [n > 0 for n in lengths], forwards, prefix, ahead=ahead)
 
