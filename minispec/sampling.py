@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .core import sampling as core_sampling
-from .core.sampling import GREEDY_TEMPERATURE, sample
+from .core.sampling import GREEDY_TEMPERATURE, WARP_DTYPES, WarpParams, finite_rows, sample  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -161,30 +161,6 @@ def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[in
     return out
 
 
-WARP_DTYPES = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64, "greedy": torch.bool}
-
-
-class WarpParams(core_sampling.WarpParams):
-    """The core's per-row warp tensors, built from a step's one upload too (runtime/transfers.py)."""
-
-    @staticmethod
-    def arrays(params: list[SamplingParams], vocab_size: int) -> dict[str, list]:
-        """Each row's parameters as host lists (for a step's upload)."""
-        return {"temperature": [p.temperature if not p.greedy else 1.0 for p in params],
-                "top_k": [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-                "top_p": [p.top_p for p in params], "greedy": [p.greedy for p in params]}
-
-    @classmethod
-    def of(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
-           sent: dict[str, torch.Tensor] | None = None) -> "WarpParams":
-        """From `arrays`: already on the device in `sent` (an upload's tensors), else copied now."""
-        if sent is None:
-            sent = {name: torch.tensor(a, dtype=WARP_DTYPES[name], device=device)
-                    for name, a in cls.arrays(params, vocab_size).items()}
-        return cls(sent["temperature"], sent["top_k"], sent["top_p"], sent["greedy"],
-                   any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params), any(p.greedy for p in params))
-
-
 def warp_probs(logits: torch.Tensor, params: list[SamplingParams] | WarpParams) -> torch.Tensor:
     """The core's warp (core/sampling.py: temperature, top-k, top-p, greedy one-hot), with the
     top-k / top-p cut-off found by a partial sort on a CPU (`partial_sort_cutoff`)."""
@@ -221,34 +197,13 @@ def partial_sort_cutoff(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 def truncation_cutoff(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest kept logit per row, looking at the `num_candidates` largest logits only.
-
-    logits: [N, V] (temperature applied); top_k: [N] in 1..V; top_p: [N].
-    Returns cutoff [N, 1] (keep the tokens with logit >= cutoff) and decided [N]: False where the
-    cut-off may lie past the candidates (then only a call with num_candidates = V decides it).
-    """
+    """The core's cut-off (core/sampling.py `cutoff_among`), looking at the `num_candidates`
+    largest logits only: logits [N, V] (temperature applied); top_k [N] in 1..V; top_p [N].
+    Returns cutoff [N, 1] and decided [N]: False where the cut-off may lie past the candidates (a
+    k-th most likely token beyond them, or every candidate kept by top-p: then only a call with
+    num_candidates = V decides it)."""
     V = logits.shape[-1]
-    candidates = logits.topk(num_candidates, dim=-1).values  # [N, C], sorted descending
-    # top-k: keep every token at least as likely as the k-th most likely one (top_k = V: all).
+    cutoff, kept = core_sampling.cutoff_among(logits.topk(num_candidates, dim=-1).values, logits, top_k, top_p)
     known_kth = (top_k <= num_candidates) | (top_k >= V)  # [N]
-    kth = candidates.gather(-1, (top_k.clamp(max=num_candidates) - 1)[:, None])  # [N, 1]
-    kth = kth.masked_fill((top_k >= V)[:, None], float("-inf"))
-    candidates = candidates.masked_fill(candidates < kth, float("-inf"))
-    # top-p over the top-k survivors: normalised by all of them (beyond the candidates too).
-    survivors = logits.masked_fill(logits < kth, float("-inf"))  # [N, V] (kth is -inf where top_k = V)
-    log_norm = survivors.logsumexp(-1, keepdim=True)  # [N, 1]
-    probs = (candidates - log_norm).exp()  # [N, C]
-    mass_before = probs.cumsum(-1) - probs  # [N, C]
-    # The cut-off is the last surviving token whose preceding mass is < top_p (top_p = 1 keeps
-    # them all: rounding must not drop a tail); keep all at least as likely.
-    kept = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & (candidates > float("-inf"))  # [N, C]
-    kept[:, 0].fill_(True)  # the most likely token always survives (a top_p that is 0 in fp32 keeps just it)
-    cutoff = candidates.gather(-1, kept.sum(-1, keepdim=True) - 1)  # [N, 1]
     decided = known_kth & ~kept[:, -1] if num_candidates < V else torch.ones_like(known_kth)
     return cutoff, decided
-
-
-def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] -> [N] bool: the rows a distribution can be made from (no NaN, no +inf, not
-    all -inf). One reduction: amax is NaN if any entry is, +inf if any is, -inf if all are."""
-    return logits.amax(-1).isfinite()

@@ -28,7 +28,7 @@ import torch
 
 from .randomness import Purpose, uniform
 from .runner import Feed, ModelRunner
-from .sampling import sample, warp_probs
+from .sampling import finite_rows, sample, warp_probs
 from .sequence import Sequence
 
 
@@ -108,8 +108,7 @@ class DraftLoop(Drafter):
              ) -> tuple[list[int], list[bool], list[bool], torch.Tensor | None]:
         """One draft per active row, at position len(s) + depth: (target ids, usable rows, rows
         that may go on drafting, q [n, V] or None when greedy), with one host copy."""
-        ok = logits.amax(-1).isfinite()  # [n]: no NaN, no +inf, not all -inf
-        logits = torch.where(ok[:, None], logits, 0.0)  # (a dropped row's draw is never used)
+        logits, ok = drop_nonfinite(logits)  # [n, V], [n]
         q = None
         if greedy:
             drawn = logits.argmax(-1)  # [n]
@@ -123,6 +122,14 @@ class DraftLoop(Drafter):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+
+def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft row whose logits are not finite proposes nothing from there on (it can only lower
+    acceptance; the target's verification keeps the output exact). logits [n, V] -> (the logits
+    with such rows zeroed, so warping and sampling them stays in range, [n] bool usable rows)."""
+    ok = finite_rows(logits)  # [n]
+    return torch.where(ok[:, None], logits, 0.0), ok
 
 
 def draft_uniforms(seqs: list[Sequence], depth: int) -> list[float]:

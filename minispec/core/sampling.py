@@ -43,6 +43,9 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+WARP_DTYPES = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64, "greedy": torch.bool}
+
+
 @dataclass
 class WarpParams:
     """Each row's warp parameters as device tensors [N], and two facts the host knows about them
@@ -56,32 +59,46 @@ class WarpParams:
     any_greedy: bool
 
     @classmethod
-    def of(cls, params: list, vocab_size: int, device: torch.device | str) -> "WarpParams":
-        """From SamplingParams-like objects (temperature, top_k, top_p, greedy), one per row."""
-        def tensor(values, dtype):  # [N]
-            return torch.tensor(values, dtype=dtype, device=device)
+    def arrays(cls, params: list, vocab_size: int) -> dict[str, list]:
+        """Each row's parameters as host lists, named as the fields (dtypes: WARP_DTYPES), from
+        SamplingParams-like objects (temperature, top_k, top_p, greedy), one per row."""
+        return {"temperature": [1.0 if p.greedy else p.temperature for p in params],
+                "top_k": [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                "top_p": [p.top_p for p in params], "greedy": [p.greedy for p in params]}
 
-        return cls(tensor([1.0 if p.greedy else p.temperature for p in params], torch.float64),
-                   tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64),
-                   tensor([p.top_p for p in params], torch.float64), tensor([p.greedy for p in params], torch.bool),
-                   any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params), any(p.greedy for p in params))
+    @classmethod
+    def of(cls, params: list, vocab_size: int, device: torch.device | str | None,
+           on_device: dict[str, torch.Tensor] | None = None) -> "WarpParams":
+        """From `arrays`, copied to `device` now, or already there in `on_device` (the same names)."""
+        if on_device is None:
+            on_device = {name: torch.tensor(values, dtype=WARP_DTYPES[name], device=device)
+                         for name, values in cls.arrays(params, vocab_size).items()}
+        return cls(**on_device, truncates=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params),
+                   any_greedy=any(p.greedy for p in params))
 
 
 def truncation_cutoff(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The smallest kept logit per row: logits [N, V] (temperature applied), top_k [N] in 1..V,
-    top_p [N] -> cutoff [N, 1] (keep the tokens with logit >= cutoff).
+    top_p [N] -> cutoff [N, 1] (keep the tokens with logit >= cutoff), from one full sort."""
+    return cutoff_among(logits.sort(dim=-1, descending=True).values, logits, top_k, top_p)[0]
 
-    Sorted descending, a token survives top-k if it is at least as likely as the k-th; among the
-    survivors, top-p keeps each token whose preceding mass is < top_p, and the most likely always."""
-    ranked = logits.sort(dim=-1, descending=True).values  # [N, V]
-    kth = ranked.gather(-1, top_k[:, None] - 1)  # [N, 1]
+
+def cutoff_among(ranked: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cut-off as found among ranked [N, C], the C <= V largest logits of each row sorted
+    descending: a token survives top-k if it is at least as likely as the k-th (top_k = V: all);
+    among the survivors (normalised over all of them, past the C too), top-p keeps each token whose
+    preceding mass is < top_p, and the most likely always. Returns (cutoff [N, 1], kept [N, C])."""
+    V, C = logits.shape[-1], ranked.shape[-1]
+    kth = ranked.gather(-1, (top_k.clamp(max=C) - 1)[:, None])  # [N, 1]
+    kth = kth.masked_fill((top_k >= V)[:, None], float("-inf"))
     ranked = ranked.masked_fill(ranked < kth, float("-inf"))  # the top-k survivors
     log_norm = logits.masked_fill(logits < kth, float("-inf")).logsumexp(-1, keepdim=True)  # [N, 1]
-    probs = (ranked - log_norm).exp()  # [N, V]
-    mass_before = probs.cumsum(-1) - probs  # [N, V]
-    kept = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & (ranked > float("-inf"))  # [N, V]
+    probs = (ranked - log_norm).exp()  # [N, C]
+    mass_before = probs.cumsum(-1) - probs  # [N, C]
+    kept = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & (ranked > float("-inf"))  # [N, C]
     kept[:, 0].fill_(True)  # (fill_, not "= True": writing a Python scalar into a slice is a copy to the device)
-    return ranked.gather(-1, kept.sum(-1, keepdim=True) - 1)  # [N, 1]
+    return ranked.gather(-1, kept.sum(-1, keepdim=True) - 1), kept  # [N, 1], [N, C]
 
 
 Cutoff = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -105,6 +122,12 @@ def warp_probs(logits: torch.Tensor, params: list | WarpParams, cutoff: Cutoff =
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [N, V]
         probs = torch.where(params.greedy[:, None], one_hot, probs)
     return probs
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> [N] bool: the rows a distribution can be made from (no NaN, no +inf, not
+    all -inf). One reduction: amax is NaN if any entry is, +inf if any is, -inf if all are."""
+    return logits.amax(-1).isfinite()
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

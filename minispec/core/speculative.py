@@ -43,7 +43,7 @@ import torch
 from .drafters import Drafter
 from .randomness import Purpose, uniform
 from .runner import Feed, ModelRunner
-from .sampling import sample, warp_probs
+from .sampling import finite_rows, sample, warp_probs
 from .sequence import Sequence
 
 
@@ -68,7 +68,7 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     feeds = [Feed(s.target_table, s.tokens[s.target_table.num_cached :] + d, len(d) + 1)
              for s, d in zip(seqs, proposal.tokens)]
     logits = target.forward(feeds)  # [sum(n_b + 1), V]
-    bad = (~logits.amax(-1).isfinite()).nonzero().flatten().tolist()
+    bad = (~finite_rows(logits)).nonzero().flatten().tolist()
     if bad:
         raise RuntimeError(f"the target's logits are not finite (NaN or inf) in verification rows {bad}")
     # 3. Accept / reject.

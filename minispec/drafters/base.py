@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import drafters as core
-from ..core.drafters import Proposal, draft_uniforms
+from ..core.drafters import Proposal, draft_uniforms, drop_nonfinite
 from ..pathwise import gumbel_max, lane_gumbel_max, noise_lanes
 from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
-from ..sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, sample, warp_probs
+from ..sampling import WARP_DTYPES, WarpParams, penalize, sample, warp_probs
 
 
 @dataclass
@@ -336,12 +336,3 @@ def draw_from(q: torch.Tensor, seqs: list[Sequence], depth: int, draft_ids: torc
         rows = torch.tensor(pathwise, device=q.device)
         drawn[rows] = gumbel_max(q[rows], [seqs[r].key for r in pathwise], [len(seqs[r]) + depth for r in pathwise], draft_ids)
     return drawn
-
-
-def drop_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft whose logits are not finite proposes nothing from that row on (it can only lower
-    acceptance; the target's verification keeps the output exact). Returns the logits with such
-    rows zeroed (so warping and sampling them stays in range; the caller drops what they give)
-    and which rows are usable. logits: [n, V] -> ([n, V], [n] bool), no host copy."""
-    ok = finite_rows(logits)  # [n]
-    return torch.where(ok[:, None], logits, 0.0), ok

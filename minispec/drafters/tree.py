@@ -38,7 +38,8 @@ import torch
 
 from ..runtime.runner import Feed, TreeFeed
 from ..runtime.sequence import Sequence
-from .base import AutoregressiveDrafter, Drafter, drop_nonfinite
+from ..core.drafters import drop_nonfinite
+from .base import AutoregressiveDrafter, Drafter
 
 MAX_TREE_NODES = 63  # a tree mask row is one int64 bitmask
 
