@@ -197,11 +197,7 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts
     target_logits = torch.where(finite[..., None], logits[rows], 0.0)  # [B, K+1, V]
     drafted = torch.arange(K, device=logits.device)[None, :] < num_draft[:, None]  # [B, K]
     if warp is None:  # greedy verification: no warp, no random numbers
-        best = target_logits.argmax(-1)  # [B, K+1]
-        num_accepted = ((best[:, :K] == draft_tokens) & drafted).long().cumprod(-1).sum(-1)  # [B]
-        tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
-        tokens.scatter_(1, num_accepted[:, None], best.gather(1, num_accepted[:, None]))
-        return tokens, num_accepted, cut
+        return (*accept_matching(target_logits.argmax(-1), draft_tokens, drafted), cut)
     V = logits.shape[-1]
     target_probs = warp_probs(target_logits.flatten(0, 1), warp).view(B, K + 1, V)  # [B, K+1, V]
     kept = torch.cat([drafted, drafted.new_zeros(B, 1)], dim=1)[..., None]  # [B, K+1, 1]
@@ -229,8 +225,18 @@ def pathwise_accept(target_probs: torch.Tensor, lanes: torch.Tensor, draft_token
     num_accepted [P], as the greedy rule's."""
     P, K1, V = target_probs.shape
     best = lane_gumbel_max(target_probs.flatten(0, 1), lanes.flatten(0, 1)).view(P, K1)  # [P, K+1]
-    num_accepted = ((best[:, : K1 - 1] == draft_tokens) & drafted).long().cumprod(-1).sum(-1)  # [P]
-    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(P, 1)], dim=1)  # [P, K+1]
+    return accept_matching(best, draft_tokens, drafted)
+
+
+def accept_matching(best: torch.Tensor, draft_tokens: torch.Tensor, drafted: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept drafts while each equals the token the target picks at its position (greedy: the
+    argmax; pathwise: the Gumbel-max), then emit that pick at the first mismatch (or the bonus).
+    best [B, K+1], draft_tokens [B, K], drafted [B, K] (which drafts are real) -> tokens [B, K+1]
+    (row b emits tokens[b, :num_accepted[b] + 1]) and num_accepted [B]."""
+    K = draft_tokens.shape[1]
+    num_accepted = ((best[:, :K] == draft_tokens) & drafted).long().cumprod(-1).sum(-1)  # [B]
+    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(len(best), 1)], dim=1)  # [B, K+1]
     tokens.scatter_(1, num_accepted[:, None], best.gather(1, num_accepted[:, None]))
     return tokens, num_accepted
 
