@@ -147,8 +147,14 @@ def peek_checkpoint(path: str | Path) -> tuple[ModelConfig, Tokenizer]:
     return ModelConfig.from_hf(hf_config), tokenizer
 
 
-def read_checkpoint(path: Path, dtype, device: torch.device) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
-    """(HF config, state dict with HF names, tokenizer) of an HF directory or a .gguf file."""
+def default_device(device: str | torch.device | None) -> torch.device:
+    """The device asked for, else CUDA where there is one, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def read_checkpoint(path: Path, dtype, device: torch.device) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """(config, state dict with HF names, tokenizer) of an HF directory or a .gguf file; the
+    config's end tokens are every declared one, the tokenizer's EOS first."""
     if path.suffix == ".gguf":  # dequantized straight to the compute dtype (a GGUF's 'auto' is fp32)
         from .gguf import read_gguf  # (needs the gguf package: imported only for a .gguf file)
 
@@ -162,7 +168,9 @@ def read_checkpoint(path: Path, dtype, device: torch.device) -> tuple[dict, dict
         hf_config = read_json_object(config_file)
         state = read_safetensors(path)
         tokenizer = Tokenizer.from_dir(path, hf_config)
-    return hf_config, state, tokenizer
+    cfg = ModelConfig.from_hf(hf_config)
+    cfg.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + cfg.eos_token_ids))
+    return cfg, state, tokenizer
 
 
 def load_core_model(path: str | Path, dtype: str | torch.dtype | None = None,
@@ -170,10 +178,8 @@ def load_core_model(path: str | Path, dtype: str | torch.dtype | None = None,
     """(model, tokenizer) as the core reads them: the core's decoder on plain nn.Linear layers and
     the core's backend (Triton kernels on CUDA, their torch twins elsewhere), none of the
     production rooms (fused projections, CPU matmul variants, quantization)."""
-    path, device = Path(path), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    hf_config, state, tokenizer = read_checkpoint(path, dtype, device)
-    cfg = ModelConfig.from_hf(hf_config)
-    cfg.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + cfg.eos_token_ids))
+    path, device = Path(path), default_device(device)
+    cfg, state, tokenizer = read_checkpoint(path, dtype, device)
     backend = core_model.AttentionBackend()
     return build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, where=f"checkpoint {path}",
                        core=True), tokenizer
@@ -191,17 +197,14 @@ def load_checkpoint(
     int4 weight-only layers, for a draft model (fast/int4.py); a GGUF's tensors (Q8_0, Q4_1, ...)
     go from the file to int8 or int4 in memory, nothing is written to disk.
     A load holds one copy of the weights (build_model), plus one tensor being read."""
+    path, device = Path(path), default_device(device)
     if quantization == "int4":
-        check_draft_quantization(quantization, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+        check_draft_quantization(quantization, device)
     else:
         check_quantization(quantization)
-    path = Path(path)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not isinstance(backend, AttentionBackend):
         backend = AttentionBackend(backend)
-    hf_config, state, tokenizer = read_checkpoint(path, dtype, device)
-    cfg = ModelConfig.from_hf(hf_config)
-    cfg.eos_token_ids = list(dict.fromkeys(tokenizer.eos_token_ids + cfg.eos_token_ids))  # every declared end, the tokenizer's EOS first
+    cfg, state, tokenizer = read_checkpoint(path, dtype, device)
     # An int8 model's Linears are replaced (quant.Int8Linear): no CPU matmul is worth timing for it.
     model = build_model(cfg, state, resolve_dtype(dtype, cfg, device), device, backend, "linear" if quantization else None,
                         f"checkpoint {path}")
