@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.runner import token_layout  # noqa: F401  (the layout both forwards use: the core's)
 from .transfers import Upload
 
 

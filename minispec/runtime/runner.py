@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from ..core import runner as core
+from ..core.runner import token_layout
 from ..model.metadata import BatchMetadata
 from .kv_cache import BlockTable, KVCache
-from .layout import Prepared, drawn_rows, logit_rows, token_layout, tree_layout
+from .layout import Prepared, drawn_rows, logit_rows, tree_layout
 from .static_shapes import StaticShapes
 from .transfers import Staging, Upload
 

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from ..model.metadata import BatchMetadata
-from .layout import Prepared, drawn_rows, logit_rows, token_layout, tree_layout
+from ..core.runner import token_layout
+from .layout import Prepared, drawn_rows, logit_rows, tree_layout
 from .transfers import Upload
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
