@@ -31,7 +31,6 @@ import torch
 
 import minispec
 from minispec import BatchMetadata, LLM, SamplingParams
-from minispec.model.config import rope_inv_freq
 from minispec.runtime.kv_cache import BlockTable, KVCache
 from minispec.runtime.runner import Feed, ModelRunner
 
@@ -244,7 +243,7 @@ def test_the_checked_features_change_the_output(pair):
                 cfg.sliding_window = None
             elif change in ("rope_scaling", "rope_theta"):
                 setattr(cfg, change, None if change == "rope_scaling" else 10000.0)
-                ours.inv_freq = rope_inv_freq(cfg)
+                ours.inv_freq = cfg.rope_inv_freq()
             else:
                 for layer in ours.layers:
                     proj = layer.self_attn.qkv_proj  # the loader fused q/k/v

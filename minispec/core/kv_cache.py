@@ -27,14 +27,8 @@ class KVPoolExhausted(RuntimeError):
 
 
 class PageAllocator:
-    """A free list of page ids: a page is on the free list exactly when no table owns it.
-
-    A page moves between the free list and a table's page list in one call (`allocate`,
-    `release`), which keeps that true wherever an exception lands inside it (a
-    KeyboardInterrupt from a signal can land between any two instructions): the table's list is
-    the record, and a move stopped half-way has its books made to agree with it (`_settle`; a
-    second interrupt inside that repair is not covered). A page is never in the caller's hands
-    only, where an interrupt would lose it."""
+    """A free list of page ids: a page is on the free list exactly when no table owns it. A page
+    moves between the free list and a table's page list in one call (`allocate`, `release`)."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
@@ -51,14 +45,9 @@ class PageAllocator:
         """Move a free page onto the end of `pages` (a block table's) and return it."""
         if not self.free:
             raise KVPoolExhausted(f"KV pool exhausted: all {self.num_pages} pages are in use")
-        page = self.free[-1]
-        try:
-            self.free.pop()
-            self.in_use[page] = True
-            pages.append(page)
-        except BaseException:
-            self._settle(page, int(pages[-1:] == [page]))
-            raise
+        page = self.free.pop()
+        self.in_use[page] = True
+        pages.append(page)
         return page
 
     def release(self, pages: list[int], index: int = -1) -> int:
@@ -67,23 +56,10 @@ class PageAllocator:
         page = pages[index]
         if not self.in_use[page]:
             raise ValueError(f"page {page} released but it is not allocated")
-        try:
-            del pages[index]
-            self.in_use[page] = False
-            self.free.append(page)
-        except BaseException:
-            self._settle(page, int(page in pages))
-            raise
+        del pages[index]
+        self.in_use[page] = False
+        self.free.append(page)
         return page
-
-    def _settle(self, page: int, holders: int) -> None:
-        """Make the books of `page` say what its holders say (after an exception part-way
-        through a move: the steps done are redone or undone, whichever agrees with the table)."""
-        self.in_use[page] = holders > 0
-        if holders and page in self.free:
-            self.free.remove(page)
-        elif not holders and page not in self.free:
-            self.free.append(page)
 
 
 @dataclass
@@ -116,8 +92,7 @@ class BlockTable:
         if need > allocator.num_free:
             raise KVPoolExhausted(f"KV pool exhausted: need {need} more pages, "
                                   f"{allocator.num_free} of {allocator.num_pages} free")
-        # (interrupted part-way: the pages taken so far are the table's, freed with it)
-        for _ in range(need):
+        for _ in range(need):  # (stopped part-way: the pages taken so far are the table's)
             allocator.allocate(self.pages)
 
     def truncate(self, num_tokens: int, allocator: PageAllocator) -> None:
@@ -131,8 +106,7 @@ class BlockTable:
 
     def free(self, allocator: PageAllocator) -> None:
         """Release every page, first to last (an allocator that keeps released pages sees the
-        first as the least recently used). Interrupted part-way, the pages not released yet are
-        still the table's."""
+        first as the least recently used)."""
         while self.pages:
             allocator.release(self.pages, 0)
         self.num_cached = 0

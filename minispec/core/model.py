@@ -33,7 +33,7 @@ from torch import nn
 from minispec.kernels import add_rmsnorm, flash_prefill, paged_attention, rope_write, silu_mul
 from minispec.kernels._checks import SUPPORTED_HEAD_DIMS
 
-from .config import ModelConfig, rope_inv_freq
+from .config import ModelConfig
 
 # One layer's KV pools (k_pool, v_pool), each [num_pages, page_size, Hkv, D].
 KVLayer = tuple[torch.Tensor, torch.Tensor]
@@ -267,7 +267,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.backend = backend or AttentionBackend()
         embedding = torch.empty(cfg.vocab_size, cfg.hidden_size)  # [V, H]
-        if not embedding.is_meta:  # (no init for a loader's meta skeleton: as rope_inv_freq says)
+        if not embedding.is_meta:  # (no init for a loader's meta skeleton: see rope_inv_freq)
             nn.init.normal_(embedding)  # nn.Embedding's own init
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
@@ -275,7 +275,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
+        self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)  # [D/2]
 
     @property
     def dtype(self) -> torch.dtype:

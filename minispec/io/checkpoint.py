@@ -19,7 +19,7 @@ from ..fast.int8 import check_quantization, quantize_model
 from ..fast.smoothquant import CALIBRATION_TEXT
 from ..core import model as core_model
 from ..model.attention import AttentionBackend
-from ..model.config import DTYPES, ModelConfig, rope_inv_freq
+from ..model.config import DTYPES, ModelConfig
 from ..fast.fusion import fuse_projections, fused_state
 from ..model.llama import Transformer
 from .tokenizer import Tokenizer, read_json_object
@@ -125,7 +125,7 @@ def build_model(
                           strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # fp32 even in a bf16 model
+    model.inv_freq = cfg.rope_inv_freq().to(device)  # fp32 even in a bf16 model
     if not core:
         use_cpu_fast_paths(model, dtype, device, prefer=cpu_matmul, own_weights=True)
     return model.eval()

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import save_file
 
 from ..fast.cpu_linear import use_cpu_fast_paths
-from ..model.config import rope_inv_freq
 from ..model.eagle import EagleConfig, EagleModel
 from ..fast.fusion import checkpoint_state_dict, fuse_projections
 from ..model.llama import Transformer
@@ -69,7 +68,7 @@ def build_eagle(cfg: EagleConfig, state: dict[str, torch.Tensor], target: Transf
     model.load_state_dict(state, strict=True)
     model = model.to(dtype)  # floating tensors only; d2t / t2d keep their types
     model.embed_weight = embedding.to(device=device, dtype=dtype)
-    model.inv_freq = rope_inv_freq(cfg.layer).to(device)
+    model.inv_freq = cfg.layer.rope_inv_freq().to(device)
     fuse_projections(model)
     use_cpu_fast_paths(model, dtype, device, prefer=target.cpu_matmul, own_weights=True)
     return model.eval()

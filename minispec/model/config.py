@@ -8,13 +8,13 @@ checkpoints have top-level `rope_theta`, `rope_scaling` and `torch_dtype`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from ..core.config import SUPPORTED_ROPE_TYPES, rope_inv_freq
 from ..core.config import ModelConfig as CoreModelConfig
 
-__all__ = ["DTYPES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "as_id_list", "hf_family", "hf_rope", "rope_inv_freq"]
+__all__ = ["DTYPES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "as_id_list", "hf_family", "hf_rope"]
 
 # architecture name in config.json -> model family
 ARCHITECTURES = {
@@ -24,10 +24,49 @@ ARCHITECTURES = {
 }
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+@dataclass
 class ModelConfig(CoreModelConfig):
-    """The core's ModelConfig (core/config.py), built from a Hugging Face `config.json` dict."""
+    """The core's ModelConfig (core/config.py), built from a Hugging Face `config.json` dict, with
+    RoPE's long-context scalings (linear, Llama 3.1) and the parameter count."""
+
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
+
+    @property
+    def num_parameters(self) -> int:
+        """Weights the config implies (biases left out): embedding, an untied LM head, and per
+        layer q/k/v/o ((Hq + 2 Hkv) D H + Hq D H), gate/up/down (3 H I) and two norms."""
+        h, d = self.hidden_size, self.head_dim
+        attention = (2 * self.num_heads + 2 * self.num_kv_heads) * d * h
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + head + self.num_layers * layer + h
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """The core's frequencies [head_dim // 2] fp32, with linear or Llama-3.1 scaling."""
+        inv_freq = super().rope_inv_freq()  # [d/2]
+        scaling = self.rope_scaling
+        if scaling is None:
+            return inv_freq
+        factor = float(scaling["factor"])
+        if scaling["rope_type"] == "linear":
+            return inv_freq / factor
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling.get("original_max_position_embeddings", self.max_position_embeddings))
+        wavelen = 2 * math.pi / inv_freq  # [d/2]
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -67,6 +106,22 @@ class ModelConfig(CoreModelConfig):
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=as_id_list(hf.get("eos_token_id"), "config.json eos_token_id"),
         )
+
+
+def check_rope_scaling(scaling: dict) -> None:
+    """Each scaling type's parameters are positive numbers (llama3: high > low factor)."""
+    kind = scaling.get("rope_type", "default")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported "
+                         f"(supported: {SUPPORTED_ROPE_TYPES})")
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    for key in needed.get(kind, ()):
+        value = scaling.get(key)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"rope scaling {kind!r} needs a positive number {key!r}, got {value!r}")
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError("rope scaling 'llama3' needs high_freq_factor > low_freq_factor, "
+                         f"got {scaling}")
 
 
 def hf_family(hf: dict) -> str:

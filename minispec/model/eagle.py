@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .attention import AttentionBackend
-from .config import ModelConfig, rope_inv_freq
+from .config import ModelConfig
 from .features import ModelFeatures
 from .llama import MLP, Attention, RMSNorm, Transformer, rope_tables
 from .metadata import BatchMetadata
@@ -124,7 +124,7 @@ class EagleModel(ModelFeatures, nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # [V_d]
         self.register_buffer("t2d", torch.ones(cfg.layer.vocab_size, dtype=torch.bool))  # [V]
         self.register_buffer("embed_weight", embedding, persistent=False)  # [V, H], the target's
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer), persistent=False)  # [D/2]
+        self.register_buffer("inv_freq", cfg.layer.rope_inv_freq(), persistent=False)  # [D/2]
 
     @property
     def dtype(self) -> torch.dtype:

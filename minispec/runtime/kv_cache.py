@@ -6,7 +6,9 @@ allocator, block tables, the pool) and what only its extensions need, in a `KVCa
     KV budget counts it;
   * on CPU the pool's zeros come from numpy's calloc (`zeros`), so a large pool is not written
     byte by byte before its first use;
-  * `copy_slots`, how a tree verification moves its accepted path's K/V (speculative_tree.py).
+  * `copy_slots`, how a tree verification moves its accepted path's K/V (speculative_tree.py);
+  * a `PageAllocator` safe against an exception landing anywhere inside it (a KeyboardInterrupt
+    from a signal, in a server that must give every page back when a request is stopped).
 
 The pool's shape and the page ids handed out are those of a core cache with one more page that
 is never handed out: page ids 0 .. num_pages-1 are the allocator's, page num_pages the scratch.
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 
 from ..core import kv_cache as core
-from ..core.kv_cache import BlockTable, KVPoolExhausted, PageAllocator
+from ..core.kv_cache import BlockTable, KVPoolExhausted
 from ..model.config import ModelConfig
 
 __all__ = ["BlockTable", "KVCache", "KVPoolExhausted", "PageAllocator", "zeros"]
@@ -32,6 +34,42 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
         return torch.zeros(shape, dtype=dtype, device=device)
     raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
     return torch.from_numpy(raw).view(dtype)
+
+
+class PageAllocator(core.PageAllocator):
+    """The core's allocator, whose books stay true wherever an exception lands inside a move (a
+    KeyboardInterrupt from a signal can land between any two instructions): the table's page list
+    is the record, and a move stopped half-way has its books made to agree with it (`_settle`; a
+    second interrupt inside that repair is not covered). A page is never in the caller's hands
+    only, where an interrupt would lose it."""
+
+    def allocate(self, pages: list[int]) -> int:
+        page = self.free[-1] if self.free else None  # (None: the core refuses, nothing moved)
+        try:
+            return super().allocate(pages)
+        except BaseException:
+            if page is not None:
+                self._settle(page, int(pages[-1:] == [page]))
+            raise
+
+    def release(self, pages: list[int], index: int = -1) -> int:
+        page = pages[index]
+        if not self.in_use[page]:
+            return super().release(pages, index)  # refused there before anything moves
+        try:
+            return super().release(pages, index)
+        except BaseException:
+            self._settle(page, int(page in pages))
+            raise
+
+    def _settle(self, page: int, holders: int) -> None:
+        """Make the books of `page` say what its holders say (after an exception part-way
+        through a move: the steps done are redone or undone, whichever agrees with the table)."""
+        self.in_use[page] = holders > 0
+        if holders and page in self.free:
+            self.free.remove(page)
+        elif not holders and page not in self.free:
+            self.free.append(page)
 
 
 class KVCache(core.KVCache):
