@@ -6,17 +6,10 @@ drafter), each sequence emits its tokens, and sequences that finished give their
 once, so waiting requests join on the next step; when pages run out the scheduler preempts
 (scheduler.py). A request that could never fit, even alone, is refused when it is added.
 
-What plugs in from outside does so at four named points, each an object whose default is the
-plain behaviour, so the loop here never changes:
-  1. the scheduler's `Admission`: what a sequence being admitted already has cached;
-  2. the scheduler's `StepBudget`: how a step's token budget is counted;
-  3. the engine's `StepHook`s: `before` a step one may choose another k or take sequences out of
-     it, `after` it one sees what the step did (a `StepRecord`) while its sequences hold their pages;
-  4. the `Drafter` (drafters.py): how the step drafts.
-A hook may change the step's k and who runs it, never how a token is sampled: every sequence
-samples from its own inputs with its own keyed random numbers (randomness.py), so another k or
-another batch never changes the law of its tokens. A subclass may also replace `run_step` (the
-step itself) and `make_sequence` (the request's record) as a whole.
+The engine's extension point is its `StepHook`s (the others: core/__init__.py). A hook may change
+the step's k and who runs it, never how a token is sampled: every sequence samples from its own
+inputs with its own keyed random numbers (randomness.py), so another k or another batch never
+changes the law of its tokens.
 """
 
 from __future__ import annotations

@@ -153,20 +153,13 @@ class RMSNorm(nn.Module):
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin_signed for `apply_rope` at `positions` [...] -> two [..., 1, D] tensors (the 1
-    broadcasts over heads): angle_i = position * inv_freq_i, repeated over both halves of D."""
+    """cos and sin_signed at `positions` [...] -> two [..., 1, D] tensors (the 1 broadcasts over
+    heads): angle_i = position * inv_freq_i, repeated over both halves of D. RoPE is then
+    x * cos + roll(x, D/2) * sin_signed (`apply_rope` in kernels/rope_write.py says why)."""
     freqs = positions.float()[..., None] * inv_freq  # [..., D/2]
     cos = torch.cat((freqs, freqs), dim=-1).cos()[..., None, :].to(dtype)  # [..., 1, D]
     sin = freqs.sin()
     return cos, torch.cat((-sin, sin), dim=-1)[..., None, :].to(dtype)  # [..., 1, D]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """RoPE in the HF / GPT-NeoX layout: x * cos + rotate_half(x) * sin, where
-    rotate_half([x1, x2]) = [-x2, x1] on the last axis. Written as x * cos + roll(x) * sin_signed
-    with roll([x1, x2]) = [x2, x1] and sin_signed = [-sin, sin] (the same products, fewer ops).
-    x: [T, H, D] (any strides); cos, sin_signed: [T, 1, D]."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -197,7 +190,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
                 kv_cache: KVLayer | None, backend: AttentionBackend) -> torch.Tensor:
-        """x: [T, input_size], cos / sin (signed, see apply_rope): [T, 1, head_dim] -> [T, hidden]."""
+        """x: [T, input_size], cos / sin (signed, see rope_tables): [T, 1, head_dim] -> [T, hidden]."""
         cfg = self.cfg
         T, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.project(x)  # [T, (Hq + 2 Hkv) D]

@@ -16,15 +16,11 @@ step that preempted admits nobody new, so freed pages go to the survivors instea
 newcomer that would be preempted again next step. The oldest running sequence is never
 preempted by a younger one, so it always progresses and nothing livelocks.
 
-Two extension points, each an object whose default here is the plain behaviour:
-  * `Admission`: what a sequence being admitted already has cached (`attach`, before its pages
-    are reserved) and what to note once it is in (`admitted`);
-  * `StepBudget`: how the step's token budget is counted (what is left for newcomers once the
-    running sequences are scheduled, whether one more fits, what it costs).
-
-A sequence holding pages is always in `waiting` or `running` (for a moment, in both), and leaves
-them only once its pages are freed: whatever exception stops a step (a KeyboardInterrupt
-included), aborting every sequence in the two lists frees every page.
+Two extension points, each an object whose default here is the plain behaviour: `Admission`
+(what a sequence being admitted already has cached) and `StepBudget` (how the step's token
+budget is counted). A sequence holding pages is always in `waiting` or `running` (for a moment,
+in both), so whatever exception stops a step, aborting every sequence in the two lists frees
+every page.
 """
 
 from __future__ import annotations

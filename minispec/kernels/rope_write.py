@@ -122,6 +122,14 @@ def rope_write(
     return out
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE in the HF / GPT-NeoX layout: x * cos + rotate_half(x) * sin, where
+    rotate_half([x1, x2]) = [-x2, x1] on the last axis. Written as x * cos + roll(x) * sin_signed
+    with roll([x1, x2]) = [x2, x1] and sin_signed = [-sin, sin] (the same products, fewer ops).
+    x: [T, H, D] (any strides); cos, sin_signed: [T, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
 def rope_write_ref(
     qk: torch.Tensor,
     v: torch.Tensor,
@@ -133,10 +141,10 @@ def rope_write_ref(
     *,
     validate: bool | None = None,
 ) -> torch.Tensor:
-    """Plain-torch twin of `rope_write`: the model's `apply_rope` on all heads at once, then
-    `write_kv_ref` of the rotated key heads and v (slots < 0 skipped)."""
+    """Plain-torch twin of `rope_write`: `apply_rope` on all heads at once, then `write_kv_ref`
+    of the rotated key heads and v (slots < 0 skipped)."""
     _check_args(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, validate)
-    out = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed  # [T, Hq + Hkv, D]
+    out = apply_rope(qk, cos, sin_signed)  # [T, Hq + Hkv, D]
     if k_cache is not None:
         write_kv_ref(out[:, qk.shape[1] - v.shape[1]:], v, k_cache, v_cache, slot_mapping, validate=False)
     return out

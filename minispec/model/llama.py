@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.model import MLP, Attention, DecoderLayer, RMSNorm, apply_rope, rope_tables
+from ..core.model import MLP, Attention, DecoderLayer, RMSNorm, rope_tables
+from ..kernels.rope_write import apply_rope
 from ..core import model as core
 from .attention import AttentionBackend
 from .config import ModelConfig
