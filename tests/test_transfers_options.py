@@ -26,14 +26,14 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:draft_model .* is not smaller")]  # (the target drafting for itself)
 
 PENALISED = dict(repetition_penalty=1.6, presence_penalty=0.5, frequency_penalty=0.4)
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-SAMPLED = SamplingParams(temperature=0.9, top_k=40, max_tokens=10, ignore_eos=True, seed=7)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, top_k=40, max_tokens=16, ignore_eos=True, seed=7)
 
 
 def batch(base: SamplingParams, stop: list[int]) -> list[SamplingParams]:
     """A penalised request, one with min_tokens (stop ids `stop`) and logprobs, and a plain one."""
     return [dataclasses.replace(base, **PENALISED),
-            dataclasses.replace(base, min_tokens=6, stop_token_ids=stop, logprobs=3, seed=(base.seed or 0) + 1),
+            dataclasses.replace(base, min_tokens=8, stop_token_ids=stop, logprobs=3, seed=(base.seed or 0) + 1),
             dataclasses.replace(base, seed=(base.seed or 0) + 2)]
 
 
@@ -68,9 +68,11 @@ def greedy_tokens(llm: LLM, prompts: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("case", ["greedy", "sampled", "pathwise"])
-def test_a_step_with_the_options_makes_one_upload_and_one_download(llm, case, monkeypatch):
+def test_a_step_with_the_options_makes_one_upload_and_one_download(llm, case, monkeypatch, request):
     """Penalties, min_tokens and logprobs (greedy, seeded, pathwise; beside a plain request):
     a step after warm-up sends one upload, brings one download, and nothing else crosses."""
+    if request.node.callspec.params["llm"] == "self":
+        pytest.skip("the draft model's case (and it finishes its requests within the warm-up)")
     monkeypatch.setattr("minispec.sampling.PARTIAL_SORT_ON", ())  # the GPU's full sort (a CPU checks on the host)
     stop = [greedy_tokens(llm, PROMPTS[1:2])[0][1]]
     params = {"greedy": batch(GREEDY, stop), "sampled": batch(SAMPLED, stop), "pathwise": pathwise_batch(stop)}[case]
