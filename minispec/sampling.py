@@ -214,15 +214,14 @@ class Penalties:
     int64 (min_tokens - len(output): row j of a step is masked while j < min_left, j the drafts
     before it) and banned [B, V] bool, the stop tokens."""
 
-    NAMES = ("penalty.values", "penalty.min_left", "penalty.stop", "penalty.new", "penalty.new_output")
-
     def __init__(self, seqs: list, sent: dict[str, torch.Tensor], vocab_size: int):
         """From the upload (`stage`) and each sequence's `TokenCounts` (already `count`ed)."""
         device = sent["penalty.values"].device
         zeros = torch.zeros(vocab_size, device=device)  # [V], the rows of sequences without penalties
+        unseen = zeros.bool()
         counted = [s.token_counts if s.params.adjusts_logits else None for s in seqs]
         self.output = torch.stack([zeros if c is None else c.output for c in counted])  # [B, V]
-        self.seen = torch.stack([zeros.bool() if c is None else c.seen for c in counted])  # [B, V]
+        self.seen = torch.stack([unseen if c is None else c.seen for c in counted])  # [B, V]
         self.repetition, self.presence, self.frequency = sent["penalty.values"].float().unbind(-1)  # [B] each
         self.min_left = sent["penalty.min_left"]  # [B]
         stop = sent["penalty.stop"]  # [B, S], padded with V
@@ -244,8 +243,10 @@ class Penalties:
             counted = s.token_counts.counted if adjusts and s.token_counts is not None else 0
             if counted > len(s):  # (tokens taken back: count again from the start)
                 s.token_counts, counted = None, 0
-            gained = [t for t in s.tokens[counted:] if t < vocab_size] if adjusts else []
-            outputs = [t for t in s.tokens[max(counted, len(s.prompt_ids)):] if t < vocab_size] if adjusts else []
+            prompt_len = len(s.prompt_ids)
+            outputs = s.output_ids[max(counted - prompt_len, 0) :] if adjusts else []  # (not s.tokens: O(len))
+            outputs = [t for t in outputs if t < vocab_size]
+            gained = [t for t in s.prompt_ids[counted:] if t < vocab_size] + outputs if adjusts else []
             slices.append((len(new), len(new) + len(gained), len(new_output), len(new_output) + len(outputs)))
             new += gained
             new_output += outputs

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from minispec import LLM, SamplingParams
 from test_transfers import step_transfers
@@ -115,3 +116,44 @@ def test_the_options_act_on_the_device_step(tiny_llama, monkeypatch):
     stop = plain[1][1]
     held = llm.generate(PROMPTS[1:2], [dataclasses.replace(GREEDY, min_tokens=6, stop_token_ids=[stop])])[0]
     assert stop not in held.token_ids[:6]
+
+
+def test_preemption_leaves_the_counts_right(tiny_llama, tiny_llama_draft, monkeypatch):
+    """A KV pool too small for every request preempts some (pages freed, tokens kept, recomputed
+    on readmission): the counts on the device describe tokens, not pages, so the penalised
+    requests still emit the host path's tokens."""
+    from minispec import load_checkpoint
+    from minispec.runtime.kv_cache import KVCache
+
+    models = [load_checkpoint(p, dtype=torch.float32, device="cpu") for p in (tiny_llama, tiny_llama_draft)]
+    per_page = sum(KVCache.bytes_per_page(m.cfg, 4, torch.float32) for m, _ in models)
+    llm = LLM(model=models[0], draft_model=models[1], num_speculative_tokens=3, page_size=4,
+              kv_cache_gib=13 * per_page / 2**30)
+    params = [dataclasses.replace(SAMPLED, seed=i, **PENALISED) for i in range(6)]
+    prompts = PROMPTS * 2
+    with monkeypatch.context() as m:
+        m.setattr("minispec.speculative.needs_host", lambda seq: True)
+        host = [o.token_ids for o in llm.generate(prompts, params)]
+    device = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in device] == host
+
+
+def test_penalize_is_vllms_arithmetic():
+    """`penalize` (and so the device's `Penalties`, which shares its formula) against vLLM's
+    definitions written out token by token: repetition over prompt and output, presence and
+    frequency over the output, min_tokens masking EOS and the stop ids."""
+    from minispec.sampling import penalize
+
+    logits = torch.tensor([[1.5, -0.5, 2.0, 0.25, -1.0, 0.75]])  # [1, V]
+    p = SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2, min_tokens=4,
+                       stop_token_ids=[5])
+    prompt, output = [0, 1], [2, 2, 1]
+    want = logits[0].tolist()
+    for t in set(prompt + output):
+        want[t] = want[t] / 1.5 if want[t] > 0 else want[t] * 1.5
+    for t in set(output):
+        want[t] -= 0.3 + 0.2 * output.count(t)
+    want[4] = want[5] = float("-inf")  # EOS 4 and stop id 5: 3 output tokens < min_tokens 4
+    got = penalize(logits, [(p, len(prompt), prompt + output, [4])])[0].tolist()
+    assert got == pytest.approx(want)
