@@ -3,8 +3,10 @@
 The core warps logits into probabilities (temperature, top-k, top-p; greedy one-hot) for target
 and draft alike, which is what keeps speculative sampling exact. Here are the options a
 production API adds (n, min_tokens, stop strings and tokens, penalties, logprobs, pathwise
-sampling), the penalties applied to logits before the warp (`penalize`), and a faster way to find
-the top-k / top-p cut-off on a CPU (`partial_sort_cutoff`, the same cut-off as the core's sort).
+sampling), the penalties applied to logits before the warp (one formula, `penalty_logits`: on the
+host from token lists, `penalize`; on the device from counts kept there, `Penalties`), and a
+faster way to find the top-k / top-p cut-off on a CPU (`partial_sort_cutoff`, the same cut-off as
+the core's sort).
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[in
     N, V, device = logits.shape[0], logits.shape[-1], logits.device
     counts = torch.zeros(N, V, device=device)  # [N, V] fp32: each token's count in the row's output
     seen = torch.zeros(N, V, dtype=torch.bool, device=device)  # [N, V]: in the prompt or the output
-    banned = torch.zeros(N, V, dtype=torch.bool, device=device)  # [N, V]: the stop tokens min_tokens bans
+    banned = torch.zeros(N, V, dtype=torch.bool, device=device)  # [N, V]: what min_tokens bans
     values = []
     for i, (p, prompt_len, tokens, eos_ids) in enumerate(rows):
         values.append(penalty_values(p))
@@ -157,7 +159,7 @@ def penalize(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, list[in
         counts[i] = torch.bincount(output, minlength=V).float()
         if len(tokens) - prompt_len < p.min_tokens:
             banned[i, [t for t in stop_ids(p, eos_ids) if t < V]] = True
-    repetition, presence, frequency = torch.tensor(values, device=device).float().unbind(-1)  # [N] each
+    repetition, presence, frequency = torch.tensor(values, device=device).float().unbind(-1)  # [N]
     return penalty_logits(logits, counts, seen, repetition, presence, frequency, banned)
 
 
@@ -172,8 +174,9 @@ def stop_ids(p: SamplingParams, eos_ids: list[int]) -> list[int]:
     return list(eos_ids) + list(p.stop_token_ids)
 
 
-def penalty_logits(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, repetition: torch.Tensor,
-                   presence: torch.Tensor, frequency: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+def penalty_logits(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+                   repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+                   banned: torch.Tensor) -> torch.Tensor:
     """The penalties' arithmetic, one formula for the host's `penalize` and the device's
     `Penalties`: logits [N, V]; counts [N, V] fp32 each token's count in the row's output; seen
     [N, V] bool in the prompt or the output; repetition, presence, frequency [N] fp32; banned [N, V]
@@ -217,16 +220,17 @@ class Penalties:
     def __init__(self, seqs: list, sent: dict[str, torch.Tensor], vocab_size: int):
         """From the upload (`stage`) and each sequence's `TokenCounts` (already `count`ed)."""
         device = sent["penalty.values"].device
-        zeros = torch.zeros(vocab_size, device=device)  # [V], the rows of sequences without penalties
+        zeros = torch.zeros(vocab_size, device=device)  # [V]: the rows of sequences without any
         unseen = zeros.bool()
         counted = [s.token_counts if s.params.adjusts_logits else None for s in seqs]
         self.output = torch.stack([zeros if c is None else c.output for c in counted])  # [B, V]
         self.seen = torch.stack([unseen if c is None else c.seen for c in counted])  # [B, V]
-        self.repetition, self.presence, self.frequency = sent["penalty.values"].float().unbind(-1)  # [B] each
+        factors = sent["penalty.values"].float()  # [B, 3]
+        self.repetition, self.presence, self.frequency = factors.unbind(-1)  # [B] each
         self.min_left = sent["penalty.min_left"]  # [B]
         stop = sent["penalty.stop"]  # [B, S], padded with V
-        self.banned = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.bool, device=device).scatter_(
-            1, stop, True)[:, :vocab_size]  # [B, V]
+        banned = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.bool, device=device)  # [B, V+1]
+        self.banned = banned.scatter_(1, stop, True)[:, :vocab_size]  # [B, V] (the padding dropped)
 
     @staticmethod
     def stage(upload, seqs: list, vocab_size: int) -> list[tuple[int, int, int, int]]:
@@ -243,11 +247,13 @@ class Penalties:
             counted = s.token_counts.counted if adjusts and s.token_counts is not None else 0
             if counted > len(s):  # (tokens taken back: count again from the start)
                 s.token_counts, counted = None, 0
-            prompt_len = len(s.prompt_ids)
-            outputs = s.output_ids[max(counted - prompt_len, 0) :] if adjusts else []  # (not s.tokens: O(len))
+            # (from prompt_ids and output_ids, not s.tokens: that would copy the whole history)
+            outputs = s.output_ids[max(counted - len(s.prompt_ids), 0) :] if adjusts else []
             outputs = [t for t in outputs if t < vocab_size]
-            gained = [t for t in s.prompt_ids[counted:] if t < vocab_size] + outputs if adjusts else []
-            slices.append((len(new), len(new) + len(gained), len(new_output), len(new_output) + len(outputs)))
+            prompt = [t for t in s.prompt_ids[counted:] if t < vocab_size] if adjusts else []
+            gained = prompt + outputs
+            slices.append((len(new), len(new) + len(gained),
+                           len(new_output), len(new_output) + len(outputs)))
             new += gained
             new_output += outputs
         width = max(map(len, stops), default=0) or 1
@@ -267,23 +273,24 @@ class Penalties:
         for s, (a, b, c, d) in zip(seqs, slices):
             if not s.params.adjusts_logits:
                 continue
+            device = new.device
             if s.token_counts is None:
-                s.token_counts = TokenCounts(torch.zeros(vocab_size, device=new.device),
-                                             torch.zeros(vocab_size, dtype=torch.bool, device=new.device))
+                counts = torch.zeros(vocab_size, device=device)  # [V]
+                s.token_counts = TokenCounts(counts, torch.zeros_like(counts, dtype=torch.bool))
             s.token_counts.seen.index_fill_(0, new[a:b], True)
-            s.token_counts.output.index_add_(0, new_output[c:d], torch.ones(d - c, device=new.device))
+            s.token_counts.output.index_add_(0, new_output[c:d], torch.ones(d - c, device=device))
             s.token_counts.counted = len(s)
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor, drafted: torch.Tensor | None, depth: torch.Tensor
-              ) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, drafted: torch.Tensor | None,
+              depth: torch.Tensor) -> torch.Tensor:
         """logits [N, V] penalised: row i is sequence rows[i]'s with drafted[i] [V] fp32 (the counts
         of the drafts before it; None: none) and depth[i] drafts before it."""
         counts, seen = self.output[rows], self.seen[rows]  # [N, V]
         if drafted is not None:
             counts, seen = counts + drafted, seen | (drafted > 0)
         banned = self.banned[rows] & (depth < self.min_left[rows])[:, None]  # [N, V]
-        return penalty_logits(logits, counts, seen, self.repetition[rows], self.presence[rows], self.frequency[rows],
-                              banned)
+        return penalty_logits(logits, counts, seen, self.repetition[rows], self.presence[rows],
+                              self.frequency[rows], banned)
 
 
 def warp_probs(logits: torch.Tensor, params: list[SamplingParams] | WarpParams) -> torch.Tensor:

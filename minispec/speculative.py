@@ -65,7 +65,7 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
         return host_step(seqs, target, drafter, num_draft, emit, times)
     upload, V = Upload(), target.vocab_size
     adjusting = any(s.params.adjusts_logits for s in seqs)
-    new_tokens = Penalties.stage(upload, seqs, V) if adjusting else None  # (what each sequence gained)
+    new_tokens = Penalties.stage(upload, seqs, V) if adjusting else None  # (each one's new tokens)
     # 1. Draft, laid out: a model drafter's forwards (their tokens are drawn on the device), a
     # host drafter's tokens.
     staged = drafter.stage(seqs, num_draft, upload)
@@ -100,7 +100,8 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     failed = {b: len(s) + c[0] for b, (s, c, n, m) in enumerate(zip(seqs, cut, num_accepted, lengths))
               if c[0] <= m[0] and n[0] == c[0]}  # the final token would come from a non-finite row
     num_accepted = [n[0] for n in num_accepted]
-    verdict = Verdict(drafts_host, tokens, num_accepted, failed, host_logprobs(seqs, logprobs, num_accepted))
+    top = host_logprobs(seqs, logprobs, num_accepted)
+    verdict = Verdict(drafts_host, tokens, num_accepted, failed, top)
     return conclude(seqs, target, drafter, verdict, starts, [len(f.tokens) for f in feeds], hidden, emit)
 
 
@@ -142,7 +143,8 @@ class Verdict:
     a non-finite target row keeps those before it); tokens[b], its accepted drafts then the final
     token; num_accepted[b]; failed: {b: the position of its non-finite row} for sequences whose
     final token would come from that row (nonfinite.py); top: requested logprobs per b, or None:
-    per verified position, (its top tokens' {id: Logprob}, what `with_sampled` completes them with)."""
+    per verified position, (its top tokens' {id: Logprob}, what `with_sampled` completes them
+    with)."""
 
     drafts: list[list[int]]
     tokens: list[list[int]]
@@ -197,8 +199,9 @@ def staged_warp(seqs: list[Sequence], sent: dict[str, torch.Tensor], vocab_size:
     return WarpParams.of([s.params for s in seqs], vocab_size, None, {name: sent["warp." + name] for name in WARP_DTYPES})
 
 
-def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts: Drafts, warp: WarpParams | None,
-                     penalties: Penalties | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts: Drafts,
+                     warp: WarpParams | None, penalties: Penalties | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule of step 3 on the device, for B sequences of up to K drafts.
 
     logits: [R, V] the flat verification rows; sent: verify_rows [B, K+1] (sequence b's row of
@@ -214,7 +217,7 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts
     B, K = draft_tokens.shape
     target_logits = logits[rows]  # [B, K+1, V]
     if penalties is not None:
-        drafted = torch.arange(K, device=logits.device)[None, :] < drafts.num_draft[:, None]  # [B, K]
+        drafted = torch.arange(K, device=logits.device)[None, :] < drafts.num_draft[:, None]
         target_logits = penalized_on_device(target_logits, penalties, draft_tokens, drafted)
     finite = finite_rows(target_logits.flatten(0, 1)).view(B, K + 1)  # [B, K+1]
     cut = finite.long().cumprod(-1).sum(-1)  # [B]
@@ -240,16 +243,17 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts
     return tokens, num_accepted, cut
 
 
-def penalized_on_device(target_logits: torch.Tensor, penalties: Penalties, draft_tokens: torch.Tensor,
-                        drafted: torch.Tensor) -> torch.Tensor:
+def penalized_on_device(target_logits: torch.Tensor, penalties: Penalties,
+                        draft_tokens: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
     """`penalized` on the device: target_logits [B, K+1, V], row j of sequence b penalised with
     b's tokens (penalties: their counts, kept on the device) and its first j drafts (draft_tokens
     [B, K], those with drafted [B, K]): the cumulative count of the drafts before each row."""
     B, K1, V = target_logits.shape
     device = target_logits.device
-    before = torch.zeros(B, K1, V, device=device)  # [B, K+1, V]: row j + 1 gets draft j, then a running sum
+    before = torch.zeros(B, K1, V, device=device)  # [B, K+1, V]
+    # row j + 1 gets draft j, then a running sum: the counts of the drafts before each row
     before[:, 1:].scatter_(-1, draft_tokens[..., None], drafted[..., None].float())
-    before = before.cumsum(1)  # [B, K+1, V] the counts of the drafts before each row
+    before = before.cumsum(1)  # [B, K+1, V]
     batch_rows = torch.arange(B, device=device)[:, None].expand(B, K1).flatten()  # [B * (K+1)]
     depth = torch.arange(K1, device=device)[None, :].expand(B, K1).flatten()  # [B * (K+1)]
     out = penalties.apply(target_logits.flatten(0, 1), batch_rows, before.flatten(0, 1), depth)
@@ -284,10 +288,11 @@ def host_logprobs(seqs: list[Sequence], downloaded: list, num_accepted: list[int
     n = len(ids[0]) // len(emitted[0])  # the top count computed for every row
     for i, b in enumerate(asking):
         m = min(seqs[b].params.logprobs, n)
-        top[b] = [({t: Logprob(v, r) for r, (t, v) in enumerate(zip(ids[i][j * n : j * n + m],
-                                                                     values[i][j * n : j * n + m]), 1)},
-                   Logprob(emitted[i][j], ranks[i][j]))
-                  for j in range(num_accepted[b] + 1)]
+        top[b] = []
+        for j in range(num_accepted[b] + 1):  # (the emitted positions only)
+            best = zip(ids[i][j * n : j * n + m], values[i][j * n : j * n + m])
+            top[b].append(({t: Logprob(v, r) for r, (t, v) in enumerate(best, 1)},
+                           Logprob(emitted[i][j], ranks[i][j])))
     return top
 
 
@@ -427,7 +432,8 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
     return out
 
 
-def with_sampled(top: dict[int, Logprob], row: torch.Tensor | Logprob, token: int) -> dict[int, Logprob]:
+def with_sampled(top: dict[int, Logprob], row: torch.Tensor | Logprob, token: int
+                 ) -> dict[int, Logprob]:
     """The top entries plus the sampled token's; its rank is vLLM's: the tokens at least as likely,
     itself and its ties included (a top entry keeps its place in the top). row: the position's
     log_softmax row [V], or the token's Logprob already computed (`logprobs_on_device`)."""

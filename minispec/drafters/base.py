@@ -307,13 +307,13 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
         full[:, self.draft_ids] = logits
         return penalize(full, rows)[:, self.draft_ids]
 
-    def adjust_staged(self, logits: torch.Tensor, penalties: Penalties, rows: torch.Tensor, drafted: torch.Tensor
-                      ) -> torch.Tensor:
+    def adjust_staged(self, logits: torch.Tensor, penalties: Penalties, rows: torch.Tensor,
+                      drafted: torch.Tensor) -> torch.Tensor:
         """`adjust` on the device, in `run_staged`: draft logits [A, V_d] of batch rows rows [A],
         each penalised with its sequence's tokens (penalties: their counts on the device) and its
         drafts so far, drafted [A, i] (target ids), as the target's verification row there is."""
         A, depth = drafted.shape
-        before = torch.zeros(A, self.vocab_size, device=logits.device)  # [A, V]: the counts of the drafts
+        before = torch.zeros(A, self.vocab_size, device=logits.device)  # [A, V]: the drafts' counts
         before.scatter_add_(1, drafted, torch.ones(A, depth, device=logits.device))
         at = torch.full((A,), depth, device=logits.device)  # [A] drafts before each row
         if self.draft_ids is None:

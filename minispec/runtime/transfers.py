@@ -89,7 +89,8 @@ class Staging:
         """Bring tensors [B_i, n_i] (any B_i) to the host in one copy: per tensor, its rows as
         lists, of ints or, for a floating tensor, of floats (fp32 and fp64 values exactly: they
         travel as the 64-bit words of their fp64 values, packed beside the ints)."""
-        words = [t.double().view(torch.int64) if t.is_floating_point() else t.long() for t in tensors]
+        words = [t.double().view(torch.int64) if t.is_floating_point() else t.long()
+                 for t in tensors]
         packed = torch.cat([w.flatten() for w in words])  # [sum B_i * n_i] int64
         host = packed.cpu().numpy()  # THE download
         self.downloads += 1
