@@ -41,7 +41,7 @@ def batch(base: SamplingParams, stop: list[int]) -> list[SamplingParams]:
 def pathwise_batch(stop: list[int]) -> list[SamplingParams]:
     """Pathwise requests with the options (one with all of them), beside a standard sampled one."""
     return [dataclasses.replace(SAMPLED, pathwise=True, logprobs=2, **PENALISED),
-            dataclasses.replace(SAMPLED, pathwise=True, min_tokens=5, stop_token_ids=stop, seed=8),
+            dataclasses.replace(SAMPLED, pathwise=True, min_tokens=5, stop_token_ids=stop, logprobs=0, seed=8),
             dataclasses.replace(SAMPLED, seed=9)]
 
 
