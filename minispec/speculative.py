@@ -13,10 +13,14 @@ from there. What it adds, each without changing the law of an emitted token:
     request's NOISE lanes for the positions the step verifies, and the device accepts while the
     draft is the target's Gumbel-max token (`pathwise_accept`), so nothing a drafter does changes
     the tokens;
-  * the host path (`host_step`) for requests whose options read tokens in the middle of a step:
-    penalties and min_tokens (`sampling.penalize`, applied alike to p and q at each position with
-    the tokens before it, so the law is the penalised target's) and logprobs (a pathwise request
-    with either is verified there by pathwise.verify);
+  * penalties and min_tokens in the same step (`penalized_on_device`, sampling.Penalties): row j
+    of a sequence's verification is penalised with its tokens' counts, kept on the device, plus
+    the drafts before j, as a model drafter's q at that position is, so the law is the penalised
+    target's; logprobs of the verified rows computed there too (`logprobs_on_device`), brought
+    back in the same download;
+  * the host path (`host_step`), the same step one forward and one host copy at a time: the
+    reference twin of the one above (`sampling.penalize`, `top_logprobs`, pathwise.verify), which
+    tests reach by making `needs_host` true;
   * non-finite target rows (nonfinite.py): a sequence whose final token would come from one
     finishes with an error instead of emitting a token drawn from garbage;
   * the engine's `emit`, which also checks stop strings and records logprobs and metrics.
@@ -40,7 +44,7 @@ from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
-from .sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, warp_probs
+from .sampling import WARP_DTYPES, Penalties, WarpParams, finite_rows, penalize, warp_probs
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
@@ -50,8 +54,8 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
 
     The host lays the whole step out first (the drafter's forwards, the verification, the rule's
     inputs) and sends it in ONE upload; the device then drafts, verifies and decides without
-    waiting for the host, and ONE download brings the verdict (runtime/transfers.py). Requests
-    whose options read tokens on the host in between take `host_step` (the same four steps).
+    waiting for the host, and ONE download brings the verdict (runtime/transfers.py), with the
+    logprobs requests asked for. (`host_step` is its twin on the host, for tests: `needs_host`.)
 
     `emit(seq, token) -> bool` appends a token and says whether seq finished.
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1.
@@ -59,7 +63,9 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     num_draft = [min(k, s.remaining - 1) for s in seqs]  # never more than the request may still emit (the final token is free)
     if any(needs_host(s) for s in seqs):
         return host_step(seqs, target, drafter, num_draft, emit, times)
-    upload = Upload()
+    upload, V = Upload(), target.vocab_size
+    adjusting = any(s.params.adjusts_logits for s in seqs)
+    new_tokens = Penalties.stage(upload, seqs, V) if adjusting else None  # (each one's new tokens)
     # 1. Draft, laid out: a model drafter's forwards (their tokens are drawn on the device), a
     # host drafter's tokens.
     staged = drafter.stage(seqs, num_draft, upload)
@@ -69,8 +75,12 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
              for s, t, d in zip(seqs, staged.host_tokens, staged.drawn)]
     starts = [s.target_table.num_cached for s in seqs]
     verification = target.prepare(feeds, upload)
-    stage_rule(upload, seqs, staged, target.vocab_size)
+    stage_rule(upload, seqs, staged, V)
     sent = target.staging.send(upload)  # THE upload
+    penalties = None
+    if adjusting:  # the tokens' counts on the device, brought up to date before anything reads them
+        Penalties.count(seqs, sent, new_tokens, V)
+        penalties = Penalties(seqs, sent, V)
 
     with times.timing("draft_s", target.device):
         drafts = drafter.run_staged(seqs, staged, sent)  # [B, K] on the device
@@ -81,21 +91,25 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
         logits, hidden = out if layers else (out, None)  # [sum(n_b + 1), V], features or None
         # 3. Accept / reject, on the device; the verdict comes back in THE download.
         greedy = all(s.params.greedy for s in seqs)
-        tokens, num_accepted, cut = accept_on_device(logits, sent, drafts, None if greedy else staged_warp(seqs, sent, target.vocab_size))
-        tokens, num_accepted, cut, drafted, lengths = target.staging.download(
-            [tokens, num_accepted, cut, drafts.tokens, drafts.num_draft])
+        warp = None if greedy else staged_warp(seqs, sent, V)
+        tokens, num_accepted, cut = accept_on_device(logits, sent, drafts, warp, penalties)
+        logprobs = logprobs_on_device(logits, sent, tokens, seqs) if "logprob_rows" in sent else []
+        tokens, num_accepted, cut, drafted, lengths, *logprobs = target.staging.download(
+            [tokens, num_accepted, cut, drafts.tokens, drafts.num_draft, *logprobs])
     drafts_host = [d[: min(n[0], c[0])] for d, n, c in zip(drafted, lengths, cut)]
     failed = {b: len(s) + c[0] for b, (s, c, n, m) in enumerate(zip(seqs, cut, num_accepted, lengths))
               if c[0] <= m[0] and n[0] == c[0]}  # the final token would come from a non-finite row
-    verdict = Verdict(drafts_host, tokens, [n[0] for n in num_accepted], failed, [None] * len(seqs))
+    num_accepted = [n[0] for n in num_accepted]
+    top = host_logprobs(seqs, logprobs, num_accepted)
+    verdict = Verdict(drafts_host, tokens, num_accepted, failed, top)
     return conclude(seqs, target, drafter, verdict, starts, [len(f.tokens) for f in feeds], hidden, emit)
 
 
 def host_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, num_draft: list[int],
               emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
-    """The step for batches with a request whose options read tokens on the host in the middle:
-    logprobs, penalties and min_tokens (`verify_on_host`; pathwise requests among them are verified
-    depth by depth). The same four steps, one forward and one host copy at a time."""
+    """The same four steps with the options read on the host (`verify_on_host`: logprobs,
+    penalties and min_tokens; pathwise requests verified depth by depth), one forward and one host
+    copy at a time: the reference twin of `speculative_step`, same tokens, same law."""
     with times.timing("draft_s", target.device):
         proposal = drafter.propose(seqs, num_draft)
     with times.verifying(seqs, target.device):
@@ -115,6 +129,8 @@ def conclude(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, verdic
                   verdict.failed, emit)
     for s in seqs:
         s.target_table.truncate(len(s) - 1, target.cache.allocator)
+        if s.finish_reason is not None:
+            s.token_counts = None  # (its penalties' counts: sampling.Penalties)
     if hidden is not None:
         drafter.observe(seqs, starts, num_fed, hidden)
     drafter.rollback(seqs)
@@ -126,7 +142,9 @@ class Verdict:
     """What verification decided, per sequence b: drafts[b], the drafts verified (a proposal cut at
     a non-finite target row keeps those before it); tokens[b], its accepted drafts then the final
     token; num_accepted[b]; failed: {b: the position of its non-finite row} for sequences whose
-    final token would come from that row (nonfinite.py); top: requested logprobs per b, or None."""
+    final token would come from that row (nonfinite.py); top: requested logprobs per b, or None:
+    per verified position, (its top tokens' {id: Logprob}, what `with_sampled` completes them
+    with)."""
 
     drafts: list[list[int]]
     tokens: list[list[int]]
@@ -136,10 +154,10 @@ class Verdict:
 
 
 def needs_host(seq: Sequence) -> bool:
-    """Whether seq's verification needs the host in the middle: penalties and min_tokens read its
-    tokens, logprobs come back as dicts. (Pathwise sampling does not: its noise is keyed by the
-    positions, known before the step, so the device makes it from uploaded lanes.)"""
-    return seq.params.adjusts_logits or seq.params.logprobs is not None
+    """Whether seq's step must run on the host (`host_step`). None must: penalties and min_tokens
+    read token counts kept on the device, logprobs come back in the step's download, pathwise
+    noise is made on the device from uploaded lanes. Tests make it true to compare the two twins."""
+    return False
 
 
 def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size: int) -> None:
@@ -149,7 +167,8 @@ def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size:
     drafts drawn on the device sit in the drafts [B, K]; unless every request is greedy, each
     row's warp parameters and the keyed uniforms accept_u [B, K] and token_u [B, K+1]; and with
     pathwise requests among them, pathwise_rows [P] (their batch rows) and noise_lanes [P, K+1, 2],
-    the NOISE lanes of positions len(s) .. len(s) + K (`pathwise_accept`)."""
+    the NOISE lanes of positions len(s) .. len(s) + K (`pathwise_accept`); with requests asking for
+    logprobs, logprob_rows [L] (their batch rows)."""
     K = max(staged.lengths, default=0)
     first, rows, drawn = 0, [], []
     for b, n in enumerate(staged.lengths):
@@ -158,6 +177,9 @@ def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size:
         first += n + 1
     upload.add("verify_rows", rows)  # [B, K+1]
     upload.add("drawn_index", drawn)  # [sum drawn n_b]
+    asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+    if asking:
+        upload.add("logprob_rows", asking)  # [L]
     if not all(s.params.greedy for s in seqs):
         for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(K + 1)], vocab_size).items():
             upload.add("warp." + name, values, WARP_DTYPES[name])  # [B * (K+1)]
@@ -177,24 +199,30 @@ def staged_warp(seqs: list[Sequence], sent: dict[str, torch.Tensor], vocab_size:
     return WarpParams.of([s.params for s in seqs], vocab_size, None, {name: sent["warp." + name] for name in WARP_DTYPES})
 
 
-def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts: Drafts, warp: WarpParams | None
+def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts: Drafts,
+                     warp: WarpParams | None, penalties: Penalties | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule of step 3 on the device, for B sequences of up to K drafts.
 
     logits: [R, V] the flat verification rows; sent: verify_rows [B, K+1] (sequence b's row of
     position i), and unless greedy accept_u [B, K] and token_u [B, K+1]; drafts: tokens [B, K],
     num_draft [B], probs [B, K+1, V] q or None where q is one-hot; warp: each row's warp (None:
-    every request is greedy: accept while the draft is the argmax, emit the argmax).
+    every request is greedy: accept while the draft is the argmax, emit the argmax); penalties:
+    the batch's penalties and min_tokens, applied to each row first (`penalized_on_device`).
     A sequence's first non-finite row ends its verification there (nonfinite.py): its drafts from
     that row on are dropped and the row is zeroed, so the rule stays in range.
     Returns tokens [B, K+1] (row b emits tokens[b, :num_accepted[b] + 1]), num_accepted [B] and
     cut [B]: the first non-finite row, K+1 where there is none."""
     rows, draft_tokens = sent["verify_rows"], drafts.tokens  # [B, K+1], [B, K]
     B, K = draft_tokens.shape
-    finite = finite_rows(logits)[rows]  # [B, K+1]
+    target_logits = logits[rows]  # [B, K+1, V]
+    if penalties is not None:
+        drafted = torch.arange(K, device=logits.device)[None, :] < drafts.num_draft[:, None]
+        target_logits = penalized_on_device(target_logits, penalties, draft_tokens, drafted)
+    finite = finite_rows(target_logits.flatten(0, 1)).view(B, K + 1)  # [B, K+1]
     cut = finite.long().cumprod(-1).sum(-1)  # [B]
     num_draft = torch.minimum(drafts.num_draft, cut)  # [B]
-    target_logits = torch.where(finite[..., None], logits[rows], 0.0)  # [B, K+1, V]
+    target_logits = torch.where(finite[..., None], target_logits, 0.0)  # [B, K+1, V]
     drafted = torch.arange(K, device=logits.device)[None, :] < num_draft[:, None]  # [B, K]
     if warp is None:  # greedy verification: no warp, no random numbers
         return (*accept_matching(target_logits.argmax(-1), draft_tokens, drafted), cut)
@@ -213,6 +241,59 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts
         verdict = pathwise_accept(target_probs[chosen], sent["noise_lanes"], draft_tokens[chosen], drafted[chosen])
         tokens[chosen], num_accepted[chosen] = verdict
     return tokens, num_accepted, cut
+
+
+def penalized_on_device(target_logits: torch.Tensor, penalties: Penalties,
+                        draft_tokens: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """`penalized` on the device: target_logits [B, K+1, V], row j of sequence b penalised with
+    b's tokens (penalties: their counts, kept on the device) and its first j drafts (draft_tokens
+    [B, K], those with drafted [B, K]): the cumulative count of the drafts before each row."""
+    B, K1, V = target_logits.shape
+    device = target_logits.device
+    before = torch.zeros(B, K1, V, device=device)  # [B, K+1, V]
+    # row j + 1 gets draft j, then a running sum: the counts of the drafts before each row
+    before[:, 1:].scatter_(-1, draft_tokens[..., None], drafted[..., None].float())
+    before = before.cumsum(1)  # [B, K+1, V]
+    batch_rows = torch.arange(B, device=device)[:, None].expand(B, K1).flatten()  # [B * (K+1)]
+    depth = torch.arange(K1, device=device)[None, :].expand(B, K1).flatten()  # [B * (K+1)]
+    out = penalties.apply(target_logits.flatten(0, 1), batch_rows, before.flatten(0, 1), depth)
+    return out.view(B, K1, V)
+
+
+def logprobs_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], tokens: torch.Tensor,
+                       seqs: list[Sequence]) -> list[torch.Tensor]:
+    """`top_logprobs` on the device, for the L sequences that asked (logprob_rows [L]): each
+    verified row's log_softmax of the raw logits [R, V] (before penalties and the warp, as vLLM's),
+    its n most likely tokens (n the largest number asked), and the log-probability and rank of
+    the token the step emits there (tokens [B, K+1]; the rank is vLLM's: the tokens at least as
+    likely, itself included). Returns [top ids [L, (K+1) n], top values [L, (K+1) n] fp32, the
+    emitted tokens' logprobs [L, K+1] fp32, their ranks [L, K+1]] for the step's download."""
+    chosen = sent["logprob_rows"]  # [L]
+    n = min(max(s.params.logprobs for s in seqs if s.params.logprobs is not None), logits.shape[-1])
+    lp = logits[sent["verify_rows"][chosen]].float().log_softmax(-1)  # [L, K+1, V]
+    values, ids = lp.topk(n, dim=-1)  # [L, K+1, n]
+    emitted = lp.gather(-1, tokens[chosen][..., None])  # [L, K+1, 1]
+    rank = (lp >= emitted).sum(-1)  # [L, K+1]
+    return [ids.flatten(1), values.flatten(1), emitted.squeeze(-1), rank]
+
+
+def host_logprobs(seqs: list[Sequence], downloaded: list, num_accepted: list[int]) -> list:
+    """`Verdict.top` from `logprobs_on_device`'s download: per sequence that asked, per emitted
+    position j, ({top id: Logprob}, the emitted token's Logprob); None for the others."""
+    top: list = [None] * len(seqs)
+    if not downloaded:
+        return top
+    ids, values, emitted, ranks = downloaded
+    asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+    n = len(ids[0]) // len(emitted[0])  # the top count computed for every row
+    for i, b in enumerate(asking):
+        m = min(seqs[b].params.logprobs, n)
+        top[b] = []
+        for j in range(num_accepted[b] + 1):  # (the emitted positions only)
+            best = zip(ids[i][j * n : j * n + m], values[i][j * n : j * n + m])
+            top[b].append(({t: Logprob(v, r) for r, (t, v) in enumerate(best, 1)},
+                           Logprob(emitted[i][j], ranks[i][j])))
+    return top
 
 
 def pathwise_accept(target_probs: torch.Tensor, lanes: torch.Tensor, draft_tokens: torch.Tensor,
@@ -351,9 +432,13 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
     return out
 
 
-def with_sampled(top: dict[int, Logprob], row: torch.Tensor, token: int) -> dict[int, Logprob]:
+def with_sampled(top: dict[int, Logprob], row: torch.Tensor | Logprob, token: int
+                 ) -> dict[int, Logprob]:
     """The top entries plus the sampled token's; its rank is vLLM's: the tokens at least as likely,
-    itself and its ties included (a top entry keeps its place in the top)."""
+    itself and its ties included (a top entry keeps its place in the top). row: the position's
+    log_softmax row [V], or the token's Logprob already computed (`logprobs_on_device`)."""
     if token in top:
         return dict(top)
+    if isinstance(row, Logprob):
+        return {**top, token: row}
     return {**top, token: Logprob(row[token].item(), int((row >= row[token]).sum()))}

@@ -511,10 +511,12 @@ def eagle_ignores_d2t(monkeypatch):
 def stale_penalty_history(monkeypatch):
     """(g) the verifier penalises every row with the sequence's tokens only, leaving out the
     drafts before the row (the draft's own penalties are right)."""
-    def stale(logits, seqs, drafts):
-        return penalize(logits, [s.penalty_row([]) for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)])
+    real = minispec.speculative.penalized_on_device
 
-    monkeypatch.setattr(minispec.speculative, "penalized", stale)
+    def stale(target_logits, penalties, draft_tokens, drafted):
+        return real(target_logits, penalties, draft_tokens, torch.zeros_like(drafted))
+
+    monkeypatch.setattr(minispec.speculative, "penalized_on_device", stale)
 
 
 def lookup_reports_no_q(monkeypatch):

@@ -200,8 +200,9 @@ def test_a_catch_up_after_looked_up_steps_rides_in_the_same_upload(tiny_llama, t
 
 def test_the_counter_sees_a_transfer(tiny_llama, monkeypatch):
     """The check can fail: a step that reads one value on the host (here the penalties' host
-    path, which reads token histories) is counted."""
+    path, `host_step`, which reads token histories) is counted."""
     llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="triton", static_shapes=True)
+    monkeypatch.setattr("minispec.speculative.needs_host", lambda seq: True)
     penalised = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)] * 2
     steps = step_transfers(llm, penalised, monkeypatch, steps=1)
     assert steps[0]["up"] + steps[0]["down"] > 0

@@ -37,7 +37,7 @@ from ..pathwise import gumbel_max, lane_gumbel_max, noise_lanes
 from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
-from ..sampling import WARP_DTYPES, WarpParams, penalize, sample, warp_probs
+from ..sampling import WARP_DTYPES, Penalties, WarpParams, penalize, sample, warp_probs
 
 
 @dataclass
@@ -226,8 +226,9 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
 
     def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
         """`propose`'s loop on the device: depth i feeds the tokens depth i - 1 drew (never read on
-        the host), draws from the warped q as `draw_from` does (the keyed DRAFT uniforms, or a
-        pathwise request's Gumbel-max with the uploaded noise lanes; greedy: the argmax), and
+        the host), penalises the logits as `adjust` does (`adjust_staged`, from the step's
+        sampling.Penalties), draws from the warped q as `draw_from` does (the keyed DRAFT uniforms,
+        or a pathwise request's Gumbel-max with the uploaded noise lanes; greedy: the argmax), and
         a sequence stops where `propose` would: before an unusable (non-finite) row. Its later
         forwards still run (their K/V are rolled back); what they draw is past num_draft."""
         if staged.proposal is not None:  # (drafted on the host: `stage`)
@@ -238,6 +239,7 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
         num_draft = sent[p + "num_draft"].clone()  # [B]
         greedy = all(s.params.greedy for s in seqs)
         probs = None if greedy else torch.zeros(B, K + 1, self.vocab_size, device=device)  # [B, K+1, V]
+        penalties = Penalties(seqs, sent, self.vocab_size) if "penalty.values" in sent else None
         carry = None
         for prepared, args in staged.ahead:  # a long catch-up's first pieces (their logits are unused)
             self.runner.run(prepared, **args)
@@ -249,6 +251,8 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
                 keep = sent[f"{p}keep{i}"]
                 out = self.runner.run(prepared, drawn=tokens[rows, i - 1], **self.chain_args(None if carry is None else carry[keep]))
             logits, carry = self.split(out)  # [A, V_d], the carry or None
+            if penalties is not None:
+                logits = self.adjust_staged(logits, penalties, rows, tokens[rows, :i])
             logits, ok = drop_nonfinite(logits)
             if greedy:
                 drawn = logits.argmax(-1)  # [A]
@@ -302,6 +306,21 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # [n, V]
         full[:, self.draft_ids] = logits
         return penalize(full, rows)[:, self.draft_ids]
+
+    def adjust_staged(self, logits: torch.Tensor, penalties: Penalties, rows: torch.Tensor,
+                      drafted: torch.Tensor) -> torch.Tensor:
+        """`adjust` on the device, in `run_staged`: draft logits [A, V_d] of batch rows rows [A],
+        each penalised with its sequence's tokens (penalties: their counts on the device) and its
+        drafts so far, drafted [A, i] (target ids), as the target's verification row there is."""
+        A, depth = drafted.shape
+        before = torch.zeros(A, self.vocab_size, device=logits.device)  # [A, V]: the drafts' counts
+        before.scatter_add_(1, drafted, torch.ones(A, depth, device=logits.device))
+        at = torch.full((A,), depth, device=logits.device)  # [A] drafts before each row
+        if self.draft_ids is None:
+            return penalties.apply(logits, rows, before, at)
+        full = logits.new_full((A, self.vocab_size), float("-inf"))  # [A, V]
+        full[:, self.draft_ids] = logits
+        return penalties.apply(full, rows, before, at)[:, self.draft_ids]
 
     def draw(self, seqs: list[Sequence], active: list[int], logits: torch.Tensor, greedy: bool, depth: int
              ) -> tuple[list[int], list[bool], list[bool], torch.Tensor | None]:

@@ -1,9 +1,9 @@
 """A request in flight, as the production engine keeps it: the core's sequence
 (minispec/core/sequence.py: tokens, key, sampling parameters, block tables, status) and what its
 extensions add: its sampling rule (pathwise), a drafter's per-sequence state, vLLM's stop rules
-(min_tokens, ignore_eos, stop_token_ids, stop strings), its text side (detokenizer state, where a
-stop string cuts the text: one attribute, `text`, owned by detokenizer.py), its metrics and its
-logprobs.
+(min_tokens, ignore_eos, stop_token_ids, stop strings), its tokens' counts on the device for the
+penalties, its text side (detokenizer state, where a stop string cuts the text: one attribute,
+`text`, owned by detokenizer.py), its metrics and its logprobs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..core import sequence as core
 from ..core.sequence import Status
 from ..outputs import Logprob
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenCounts
 from .detokenizer import Decoder, TextState, match_stop_strings
 from .kv_cache import BlockTable
 from .metrics import RequestMetrics
@@ -37,6 +37,9 @@ class Sequence(core.Sequence):
         self.text: TextState | None = None  # the text side (detokenizer.py), made when first needed
         self.metrics = RequestMetrics()
         self.logprobs: list[dict[int, Logprob]] = []  # per output token, when params.logprobs is set
+        # Its tokens' counts on the device, for its penalties and min_tokens (sampling.Penalties):
+        # made by its first step with them, dropped when it finishes.
+        self.token_counts: TokenCounts | None = None
 
     def penalty_row(self, drafts: list[int]) -> tuple:
         """What `sampling.penalize` needs for the position after `drafts` (drafts not yet accepted,

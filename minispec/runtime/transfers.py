@@ -6,7 +6,8 @@ layout (positions, pool slots, block tables, the rows whose logits are wanted), 
 sampling parameters and its keyed uniforms (randomness.py). `Upload` collects those host arrays;
 `Staging.send` packs them into one buffer (pinned on CUDA) and moves them with ONE non-blocking
 copy, after which the step reads device views of it. When the step is done, `Staging.download`
-brings back what the host must know (the tokens and how many were accepted) with ONE copy.
+brings back what the host must know (the tokens and how many were accepted, and logprobs when a
+request asks for them) with ONE copy.
 
 Each runner has its own `Staging` (a persistent buffer: allocating pinned memory per step would
 cost more than the copy) and counts its uploads and downloads; tests/test_transfers.py checks that
@@ -84,14 +85,20 @@ class Staging:
             offset += n
         return upload.device
 
-    def download(self, tensors: list[torch.Tensor]) -> list[list[int]]:
-        """Bring int tensors [B, n_i] (same B) to the host in one copy: per tensor, its rows as lists."""
-        packed = torch.cat([t.long().reshape(t.shape[0], -1) for t in tensors], dim=1)  # [B, sum n_i]
-        rows = packed.tolist()  # THE download
+    def download(self, tensors: list[torch.Tensor]) -> list[list[list]]:
+        """Bring tensors [B_i, n_i] (any B_i) to the host in one copy: per tensor, its rows as
+        lists, of ints or, for a floating tensor, of floats (fp32 and fp64 values exactly: they
+        travel as the 64-bit words of their fp64 values, packed beside the ints)."""
+        words = [t.double().view(torch.int64) if t.is_floating_point() else t.long()
+                 for t in tensors]
+        packed = torch.cat([w.flatten() for w in words])  # [sum B_i * n_i] int64
+        host = packed.cpu().numpy()  # THE download
         self.downloads += 1
         out, start = [], 0
         for t in tensors:
-            n = t.reshape(t.shape[0], -1).shape[1]
-            out.append([row[start : start + n] for row in rows])
-            start += n
+            rows, size = t.shape[0], t.numel()
+            part = host[start : start + size]
+            part = part.view(np.float64) if t.is_floating_point() else part
+            out.append(part.reshape(rows, size // rows).tolist() if rows else [])
+            start += size
         return out
