@@ -69,11 +69,10 @@ def greedy_tokens(llm: LLM, prompts: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("case", ["greedy", "sampled", "pathwise"])
-def test_a_step_with_the_options_makes_one_upload_and_one_download(llm, case, monkeypatch, request):
+@pytest.mark.parametrize("llm", [d for d in DRAFTERS if d != "self"], indirect=True)  # (self: a draft model's case,
+def test_a_step_with_the_options_makes_one_upload_and_one_download(llm, case, monkeypatch):  # done within warm-up)
     """Penalties, min_tokens and logprobs (greedy, seeded, pathwise; beside a plain request):
     a step after warm-up sends one upload, brings one download, and nothing else crosses."""
-    if request.node.callspec.params["llm"] == "self":
-        pytest.skip("the draft model's case (and it finishes its requests within the warm-up)")
     monkeypatch.setattr("minispec.sampling.PARTIAL_SORT_ON", ())  # the GPU's full sort (a CPU checks on the host)
     stop = [greedy_tokens(llm, PROMPTS[1:2])[0][1]]
     params = {"greedy": batch(GREEDY, stop), "sampled": batch(SAMPLED, stop), "pathwise": pathwise_batch(stop)}[case]
