@@ -48,38 +48,55 @@ emits at its position after its path, so the walk emits plain decoding's tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .drafters.base import Drafter
 from .drafters.tree import DraftTree
-from .pathwise import gumbel_max
+from .pathwise import gumbel_max, lane_gumbel_max, noise_lanes
 from .randomness import Purpose, uniform, uniforms
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner, TreeFeed
 from .runtime.sequence import Sequence
-from .sampling import finite_rows, penalize, sample, warp_probs
-from .speculative import StepResult, emit_accepted, top_logprobs, verify_forward
+from .runtime.transfers import Upload
+from .sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, sample, warp_probs
+from .speculative import StepResult, emit_accepted, needs_host, top_logprobs, verify_forward
 
 
 def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth: int,
-              emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
+              emit: Callable[[Sequence, int], bool], times: StepTimes, on_device: bool | None = None
+              ) -> list[StepResult]:
     """Advance every sequence by one tree step. Returns a `StepResult` per sequence: a tree seen
     along its taken branch (the accepted path's tokens plus the draft's first choice that was
     rejected below it; the path's length; the tree's depth).
+
+    on_device: walk the tree on the device (`device_tree_step`: one upload, one download) or on
+    the host (`host_tree_step`, the reference twin; the same tokens). None: on the device unless
+    the target runs on the CPU, where there is no device to wait for and the host walk warps only
+    the rows a walk reads. Requests that read tokens on the host in the middle (penalties,
+    min_tokens, logprobs: speculative.needs_host) always take the host walk.
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1."""
     # 1. Draft: never deeper than the request may still emit (the final token is free).
     with times.timing("draft_s", target.device):
         trees = drafter.propose_trees(seqs, [min(depth, s.remaining - 1) for s in seqs])
+    if on_device is None:
+        on_device = target.device.type != "cpu"
+    if on_device and not any(needs_host(s) for s in seqs):
+        return device_tree_step(seqs, target, drafter, trees, emit, times)
+    return host_tree_step(seqs, target, drafter, trees, emit, times)
 
+
+def host_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, trees: list[DraftTree],
+                   emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
+    """Steps 2-4 with the walk on the host (`accept_tree`): a host copy per decision the walk
+    needs, penalties, min_tokens and logprobs included."""
     with times.verifying(seqs, target.device):
         # 2. Verify: one forward; row offsets[b] is sequence b's root row, offsets[b] + 1 + i node i's.
         feeds = [tree_feed(s, t) for s, t in zip(seqs, trees)]
         starts = [s.target_table.num_cached for s in seqs]
         logits, hidden = verify_forward(target, feeds, drafter.target_layers)  # [sum(N_b + 1), V]
-        offsets = [0]
-        for t in trees:
-            offsets.append(offsets[-1] + len(t) + 1)
+        offsets = tree_offsets(trees)
         raw = logits
         logits = penalized_tree(logits, seqs, trees)
         # 3. Accept / reject.
@@ -108,6 +125,14 @@ def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth
     drafter.rollback(seqs)
     return [StepResult(d + first_rejected(t, path), len(d), max(t.depths(), default=0))
             for d, t, path in zip(drafted, trees, paths)]
+
+
+def tree_offsets(trees: list[DraftTree]) -> list[int]:
+    """Each sequence's root row in the flat verification logits (node i: root row + 1 + i), and the total."""
+    offsets = [0]
+    for t in trees:
+        offsets.append(offsets[-1] + len(t) + 1)
+    return offsets
 
 
 def first_rejected(tree: DraftTree, path: list[int]) -> list[int]:
@@ -308,3 +333,257 @@ def move_path(target: ModelRunner, seqs: list[Sequence], lengths: list[int], pat
             src += [slots[i] for i in path]
             dst += [slots[j] for j in range(len(path))]
     target.cache.copy_slots(src, dst)
+
+
+# --- The walk on the device: one upload, one download ----------------------------------------
+
+
+@dataclass
+class WalkShape:
+    """A step's trees padded to one shape on the device: `nodes` >= 1 node slots past the root
+    (slot 0 the root, slot 1 + i node i), `children` >= 1 child slots per node, `depth` >= 1
+    levels (the walk's iterations), `widths`: per sequence the rows it hands the drafter's
+    `observe` (its fed prefix, then `depth` rows for the path)."""
+
+    nodes: int
+    children: int
+    depth: int
+    widths: list[int]
+
+
+@dataclass
+class DeviceWalk:
+    """The walk's verdict on the device: path [B, D] node ids (-1 past the path), num_accepted [B]
+    (the path's length), tokens [B, D+1] (row b emits tokens[b, :num_accepted[b] + 1]: the path's
+    tokens, then the final token) and broken [B] (the walk stopped at a non-finite row)."""
+
+    path: torch.Tensor
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+    broken: torch.Tensor
+
+
+def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, trees: list[DraftTree],
+                     emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
+    """Steps 2-4 in one upload and one download (runtime/transfers.py): the host lays out the
+    verification and everything the walk needs that the trees fix (`stage_walk`: each node's row,
+    its children in drafted order, the keyed uniforms, the path's key slots), sends it in ONE copy,
+    the device verifies, walks (`walk_on_device`) and moves the path's K/V (`move_path_on_device`),
+    and ONE copy brings the tokens back."""
+    with times.verifying(seqs, target.device):
+        upload = Upload()
+        feeds = [tree_feed(s, t) for s, t in zip(seqs, trees)]
+        starts, lengths = [s.target_table.num_cached for s in seqs], [len(s) for s in seqs]
+        verification = target.prepare(feeds, upload)  # (reserves the nodes' key slots)
+        layers = drafter.target_layers
+        shape = stage_walk(upload, seqs, trees, feeds, target.vocab_size)
+        sent = target.staging.send(upload)  # THE upload
+        out = target.run(verification, **({"hidden_layers": layers} if layers else {}))
+        logits, hidden = out if layers else (out, None)  # [sum(N_b + 1), V], features or None
+        warp = None
+        if not all(s.params.greedy for s in seqs):
+            warp = WarpParams.of([s.params for s in seqs for _ in range(shape.nodes + 1)], target.vocab_size, None,
+                                 {name: sent["tree.warp." + name] for name in WARP_DTYPES})
+        walk = walk_on_device(logits, sent, shape, warp)  # 3. Accept / reject
+        move_path_on_device(target, sent, walk.path)  # 4. KV: needs nothing from the host
+        if hidden is not None:
+            hidden = hidden[observed_rows(sent, walk.path)]  # [sum(widths), F]
+        tokens, num_accepted, path, broken = target.staging.download(
+            [walk.tokens, walk.num_accepted, walk.path, walk.broken.long()])  # THE download
+    paths = [p[: n[0]] for p, n in zip(path, num_accepted)]
+    failures = {b: lengths[b] + n[0] for b, (n, x) in enumerate(zip(num_accepted, broken)) if x[0]}
+    drafted = [[t.tokens[i] for i in p] for t, p in zip(trees, paths)]
+    emit_accepted(seqs, tokens, [n[0] for n in num_accepted], [max(t.depths(), default=0) for t in trees],
+                  [None] * len(seqs), failures, emit)
+    for s in seqs:
+        s.target_table.truncate(len(s) - 1, target.cache.allocator)
+    if hidden is not None:
+        drafter.observe(seqs, starts, shape.widths, hidden)
+    drafter.rollback(seqs)
+    return [StepResult(d + first_rejected(t, p), len(d), max(t.depths(), default=0))
+            for d, t, p in zip(drafted, trees, paths)]
+
+
+def stage_walk(upload: Upload, seqs: list[Sequence], trees: list[DraftTree], feeds: list[Feed],
+               vocab_size: int) -> WalkShape:
+    """What the device walk needs, known on the host once the trees are drafted and the
+    verification prepared, into the step's upload (B sequences, N node slots, C child slots, D
+    levels: `WalkShape`): tree.rows [B, N+1], the flat logits row of each slot (padding: the
+    root's); tree.children / tree.child_tokens / tree.repeat [B, N+1, C], each slot's children in
+    drafted order, their tokens, and whether a token repeats an earlier sibling's (-1 / 0 / False
+    past them); tree.tokens [B, N]; tree.key_slots [B, N] (node i's pool slot, key L + i, which
+    is also where the path's i-th node goes) and tree.root_slot [B]; with features,
+    tree.keep_rows / tree.keep_path (`observed_rows`). Unless every request is greedy, each row's
+    warp, tree.branch_u [B, N+1, C] (the child's U(BRANCH, its position, the step, its rank):
+    `sample_walks`'s) and tree.token_u [B, D+1] (U(TOKEN) at L + j, for a path of length j);
+    with pathwise requests, tree.pathwise_rows [P] and tree.noise_lanes [P, N+1, 2], the NOISE
+    lanes of the position each slot's row decides (L + its depth)."""
+    kids = [t.children() for t in trees]
+    N = max(1, max(len(t) for t in trees))
+    C = max(1, max(len(c) for ch in kids for c in ch))
+    D = max(1, max(max(t.depths(), default=0) for t in trees))
+    greedy = all(s.params.greedy for s in seqs)
+    offsets = tree_offsets(trees)
+    arrays: dict[str, list] = {name: [] for name in ("rows", "children", "child_tokens", "repeat", "tokens",
+                                                      "key_slots", "root_slot", "branch_u", "token_u")}
+    keep_rows, keep_path, widths, fed_row = [], [], [], 0
+    for b, (s, t, ch, f) in enumerate(zip(seqs, trees, kids, feeds)):
+        L, n, depths = len(s), len(t), [0] + t.depths()  # depths: per slot (the root's 0)
+        ranks = sibling_ranks(t)
+        slot_children = [ch[v] if v <= n else [] for v in range(N + 1)]
+        arrays["rows"].append([offsets[b] + (v if v <= n else 0) for v in range(N + 1)])
+        arrays["children"].append([c + [-1] * (C - len(c)) for c in slot_children])
+        arrays["child_tokens"].append([[t.tokens[i] for i in c] + [0] * (C - len(c)) for c in slot_children])
+        arrays["repeat"].append([[t.tokens[i] in [t.tokens[j] for j in c[:r]] for r, i in enumerate(c)]
+                                 + [False] * (C - len(c)) for c in slot_children])
+        arrays["tokens"].append(t.tokens + [0] * (N - n))
+        slots = s.target_table.slots(L - 1, L + n)  # the root's key L - 1, then node i's L + i
+        arrays["key_slots"].append(slots[1:] + [slots[0]] * (N - n))
+        arrays["root_slot"].append(slots[0])
+        if not greedy:
+            arrays["branch_u"].append([[uniform(s.key, L - 1 + depths[1 + i], Purpose.BRANCH, L, ranks[i]) for i in c]
+                                       + [1.0] * (C - len(c)) for c in slot_children])
+            arrays["token_u"].append([uniform(s.key, L + j, Purpose.TOKEN) for j in range(D + 1)])
+        fed_prefix = len(f.tokens) - n  # the feed's rows: its prefix (the root last), then the nodes
+        root_row = fed_row + fed_prefix - 1
+        keep_rows += list(range(fed_row, root_row + 1)) + [root_row] * D
+        keep_path += [-1] * fed_prefix + [b * D + j for j in range(D)]
+        widths.append(fed_prefix + D)
+        fed_row += len(f.tokens)
+    for name in ("rows", "children", "child_tokens", "tokens", "key_slots", "root_slot"):
+        upload.add("tree." + name, arrays[name])
+    upload.add("tree.repeat", arrays["repeat"], torch.bool)
+    upload.add("tree.keep_rows", keep_rows)  # [sum widths]
+    upload.add("tree.keep_path", keep_path)  # [sum widths]
+    if not greedy:
+        for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(N + 1)], vocab_size).items():
+            upload.add("tree.warp." + name, values, WARP_DTYPES[name])  # [B * (N+1)]
+        upload.add("tree.branch_u", arrays["branch_u"], torch.float64)
+        upload.add("tree.token_u", arrays["token_u"], torch.float64)
+        chosen = [b for b, s in enumerate(seqs) if s.pathwise]
+        if chosen:
+            depths = [[0] + t.depths() + [0] * (N - len(t)) for t in trees]
+            upload.add("tree.pathwise_rows", chosen)
+            upload.add("tree.noise_lanes", [noise_lanes([seqs[b].key] * (N + 1), [len(seqs[b]) + d for d in depths[b]])
+                                            for b in chosen])
+    return WalkShape(N, C, D, widths)
+
+
+def walk_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], shape: WalkShape, warp: WarpParams | None
+                   ) -> DeviceWalk:
+    """Step 3 for every sequence at once, on the device, with no host sync (the module docstring's
+    "The walk on the device"): each node's accepted child first (`child_tests`, or
+    `matching_child` for greedy and pathwise requests), then `follow` from the root for D
+    iterations, then the final token at the node where the walk stopped (`final_draw`, or the
+    target's pick there). logits [R, V] the flat verification rows; warp: each slot's row's warp,
+    None when every request is greedy (the argmax, as `accept_tree`'s greedy walk)."""
+    rows, children, child_tokens = sent["tree.rows"], sent["tree.children"], sent["tree.child_tokens"]  # [B, N+1], [B, N+1, C]
+    B, slots = rows.shape
+    if warp is None:
+        top, best = logits.max(-1)  # [R], [R] (accept_tree's: the first argmax)
+        finite, picks = top.isfinite()[rows], best[rows]  # [B, N+1]
+        accepted = matching_child(picks, children, child_tokens)  # [B, N+1]
+    else:
+        finite = finite_rows(logits)[rows]  # [B, N+1]
+        target_logits = torch.where(finite[..., None], logits[rows], 0.0)  # [B, N+1, V] (warp_rows's zeroing)
+        probs = warp_probs(target_logits.flatten(0, 1), warp).view(B, slots, -1)  # [B, N+1, V]
+        accepted = child_tests(probs, children, child_tokens, sent["tree.repeat"], sent["tree.branch_u"])
+        if "tree.pathwise_rows" in sent:
+            chosen = sent["tree.pathwise_rows"]  # [P]
+            lanes = sent["tree.noise_lanes"]  # [P, N+1, 2]
+            picks = lane_gumbel_max(probs[chosen].flatten(0, 1), lanes.flatten(0, 1)).view(len(chosen), slots)  # [P, N+1]
+            accepted[chosen] = matching_child(picks, children[chosen], child_tokens[chosen])
+    accepted = torch.where(finite, accepted, -1)  # a walk stops at a non-finite row, broken
+    path, num_accepted, end = follow(accepted, shape.depth)  # [B, D], [B], [B]
+    at_end = torch.arange(B, device=rows.device), end
+    if warp is None:
+        final = picks[at_end]  # [B]
+    else:
+        final = final_draw(probs[at_end], children[at_end], child_tokens[at_end],
+                           sent["tree.token_u"].gather(1, num_accepted[:, None]).squeeze(1))  # [B]
+        if "tree.pathwise_rows" in sent:
+            final[chosen] = picks[torch.arange(len(chosen), device=rows.device), end[chosen]]
+    path_tokens = sent["tree.tokens"].gather(1, path.clamp(min=0))  # [B, D]
+    tokens = torch.cat([path_tokens, path_tokens.new_zeros(B, 1)], dim=1)  # [B, D+1]
+    tokens.scatter_(1, num_accepted[:, None], final[:, None])
+    return DeviceWalk(path, num_accepted, tokens, ~finite[at_end])
+
+
+def child_tests(probs: torch.Tensor, children: torch.Tensor, child_tokens: torch.Tensor, repeat: torch.Tensor,
+                branch_u: torch.Tensor) -> torch.Tensor:
+    """The sampled walk's tests at every node at once (`walk_one`'s, vectorised over nodes):
+    probs [B, N+1, V] each slot's warped row; children, child_tokens, repeat, branch_u
+    [B, N+1, C]. At slot v with r = its row, child j is accepted iff children 0..j-1 were
+    rejected, mass_j > 0 and u_j < p_j / mass_j, where p_j = r(token_j) (0 for a token an
+    earlier sibling had: rejected already) and mass_0 = sum(r), mass_{j+1} = mass_j - p_j: the
+    residual's mass once the earlier siblings' tokens are zeroed. The masses are subtracted one
+    child at a time in fp64, as `walk_one` does in Python floats, so every test is the same
+    comparison of the same numbers. Returns each slot's accepted child (node id), or -1."""
+    tested = probs.gather(-1, child_tokens).double()  # [B, N+1, C] r(token_j)
+    real = children >= 0
+    tested = torch.where(real & ~repeat, tested, 0.0)
+    mass = probs.sum(-1, dtype=torch.float64)  # [B, N+1] (sample_walks's totals)
+    accepted = torch.full_like(children[..., 0], -1)  # [B, N+1]
+    for j in range(children.shape[-1]):
+        hit = real[..., j] & (accepted < 0) & (mass > 0) & (branch_u[..., j] < tested[..., j] / mass)
+        accepted = torch.where(hit, children[..., j], accepted)
+        mass = mass - tested[..., j]
+    return accepted
+
+
+def matching_child(picks: torch.Tensor, children: torch.Tensor, child_tokens: torch.Tensor) -> torch.Tensor:
+    """Greedy and pathwise: each slot's first child (in drafted order) whose token is the target's
+    pick at that slot's row (the argmax, the Gumbel-max). picks [B, N+1]; children, child_tokens
+    [B, N+1, C]. Returns [B, N+1] node ids, -1 where no child matches."""
+    match = (children >= 0) & (child_tokens == picks[..., None])  # [B, N+1, C]
+    first = match.long().argmax(-1, keepdim=True)  # [B, N+1, 1] the first match (or 0)
+    return torch.where(match.any(-1), children.gather(-1, first).squeeze(-1), -1)
+
+
+def follow(accepted: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk down from the root along each slot's accepted child (accepted [B, N+1] node ids or -1)
+    for `depth` iterations, a fixed loop of gathers: once a walk reaches a slot with none it stays
+    there. Returns path [B, depth] (node ids, -1 past its end), num_accepted [B], end [B] (the
+    slot where it stopped: 0 the root, 1 + i node i)."""
+    B = accepted.shape[0]
+    end = accepted.new_zeros(B)  # [B]
+    num_accepted = accepted.new_zeros(B)
+    path = accepted.new_full((B, depth), -1)
+    for level in range(depth):
+        child = accepted.gather(1, end[:, None]).squeeze(1)  # [B]
+        path[:, level] = child
+        moved = child >= 0
+        end = torch.where(moved, child + 1, end)
+        num_accepted += moved.long()
+    return path, num_accepted, end
+
+
+def final_draw(row: torch.Tensor, children: torch.Tensor, child_tokens: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The final token of a sampled walk: from the row where it stopped (row [B, V] warped) with
+    every child's token zeroed (all were rejected; a leaf has none), or from the row itself should
+    that leave nothing, by inverse CDF with the TOKEN uniform u [B] of the final position: the
+    draw `sample_walks` makes. children, child_tokens [B, C] that node's."""
+    hits = torch.zeros_like(row).scatter_add_(-1, child_tokens, (children >= 0).to(row.dtype))  # [B, V]
+    residual = torch.where(hits > 0, 0.0, row)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
+    return sample(residual, u)
+
+
+def move_path_on_device(target: ModelRunner, sent: dict[str, torch.Tensor], path: torch.Tensor) -> None:
+    """`move_path` from the device's path [B, D]: the path's j-th node's K/V (key L + path[j],
+    slot tree.key_slots[path[j]]) to key L + j (slot tree.key_slots[j]); entries past the path
+    copy the root's slot onto itself. Every source is read before any destination is written."""
+    key_slots, root = sent["tree.key_slots"], sent["tree.root_slot"][:, None]  # [B, N], [B, 1]
+    moved = path >= 0  # [B, D]
+    src = torch.where(moved, key_slots.gather(1, path.clamp(min=0)), root)
+    dst = torch.where(moved, key_slots[:, : path.shape[1]], root)
+    target.cache.copy_slots(src.flatten(), dst.flatten())
+
+
+def observed_rows(sent: dict[str, torch.Tensor], path: torch.Tensor) -> torch.Tensor:
+    """The rows of the verification's features a drafter observes, [sum widths]: per sequence its
+    fed prefix (the root last), then the root's row + 1 + path[j] for each level j (the root's row
+    again past the path: positions the rollback drops, as a chain's rejected drafts are)."""
+    which = sent["tree.keep_path"]  # [W] index into path.flatten(), -1 for a prefix row
+    node = path.flatten()[which.clamp(min=0)]  # [W]
+    return sent["tree.keep_rows"] + torch.where(which >= 0, node + 1, 0)
