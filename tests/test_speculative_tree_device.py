@@ -1,0 +1,173 @@
+"""The tree walk on the device (speculative_tree.py `device_tree_step`) is the host walk.
+
+The host walk (`accept_tree`, the reference twin) is what tests/test_speculative_tree.py shows
+exact: enumeration of `walk_one`, chi-square over the whole pipeline, planted bugs. The device
+walk makes the same decisions from the same numbers (the same rows warped, the same keyed
+uniforms, the masses subtracted child by child in fp64, the same final draw), so it is checked
+for IDENTITY with the host walk rather than for its law again:
+  1. draw by draw, on random trees and logits (repeated siblings, non-finite rows, greedy,
+     standard and pathwise requests in one batch): the same path, final token and failure;
+  2. end to end, LLM.generate with the device walk forced against the host walk: the same tokens
+     for greedy, seeded sampled and pathwise requests, batch 1 and 3, trees grown by the EAGLE
+     head and by a draft model, and prompt lookup in front;
+  3. power: a device walk whose tests keep the full mass (the residual not updated) is caught by 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import minispec.engine
+import minispec.speculative_tree as tree_module
+from minispec import LLM, SamplingParams
+from minispec.drafters.tree import DraftTree
+from minispec.runtime.sequence import Sequence
+from minispec.runtime.transfers import Staging, Upload
+from minispec.sampling import WARP_DTYPES, WarpParams
+from minispec.speculative_tree import accept_tree, stage_walk, tree_feed, tree_offsets, walk_on_device
+from test_speculative_statistical import PROMPT, models  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SP = SamplingParams
+WARPS = [SP(temperature=1.0), SP(temperature=0.6), SP(temperature=1.3, top_k=3), SP(temperature=0.9, top_p=0.8),
+         SP(temperature=0.0)]
+
+
+class SlotTable:
+    """A target table's stand-in for `stage_walk`: key index t sits in pool slot 100 + t."""
+
+    def __init__(self, num_cached: int):
+        self.num_cached = num_cached
+
+    def slots(self, start: int, end: int) -> list[int]:
+        return list(range(100 + start, 100 + end))
+
+
+def random_batch(seed: int) -> tuple[list[Sequence], list[DraftTree], torch.Tensor]:
+    """Three sequences with random trees (parents first; tokens from a vocabulary of 7, so
+    siblings often repeat), a mix of warps (every fourth batch all greedy, a pathwise request in
+    every third) and logits [sum(N_b + 1), 7], with a NaN row in every fifth batch."""
+    gen = torch.Generator().manual_seed(seed)
+    V, trees, seqs = 7, [], []
+    for b in range(3):
+        n = int(torch.randint(0, 8, (), generator=gen))
+        parents = [int(torch.randint(-1, i, (), generator=gen)) for i in range(n)]
+        trees.append(DraftTree(torch.randint(0, V, (n,), generator=gen).tolist(), parents))
+        params = WARPS[(seed + b) % len(WARPS)]
+        if seed % 3 == 1 and b == 1:
+            params = dataclasses.replace(params, temperature=max(params.temperature, 0.5), pathwise=True)
+        if seed % 4 == 3:
+            params = SP(temperature=0.0)
+        seqs.append(Sequence(b, [1, 2], dataclasses.replace(params, seed=100 * seed + b), 16))
+        seqs[-1].target_table = SlotTable(1)
+    logits = 2.0 * torch.randn(tree_offsets(trees)[-1], V, generator=gen)
+    if seed % 5 == 2:
+        logits[int(torch.randint(0, len(logits), (), generator=gen))] = float("nan")
+    return seqs, trees, logits
+
+
+def device_verdicts(seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[tuple]:
+    """(path, final token or None where broken, broken) per sequence from `walk_on_device`."""
+    upload = Upload()
+    shape = stage_walk(upload, seqs, trees, [tree_feed(s, t) for s, t in zip(seqs, trees)], logits.shape[-1])
+    sent = Staging(logits.device).send(upload)
+    warp = None
+    if not all(s.params.greedy for s in seqs):
+        warp = WarpParams.of([s.params for s in seqs for _ in range(shape.nodes + 1)], logits.shape[-1], None,
+                             {name: sent["tree.warp." + name] for name in WARP_DTYPES})
+    walk = walk_on_device(logits, sent, shape, warp)
+    out = []
+    for b in range(len(seqs)):
+        n, broken = int(walk.num_accepted[b]), bool(walk.broken[b])
+        out.append((walk.path[b, :n].tolist(), None if broken else int(walk.tokens[b, n]), broken))
+    return out
+
+
+def host_verdicts(seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[tuple]:
+    paths, finals, failures = accept_tree(logits, seqs, trees, tree_offsets(trees))
+    return [(p, None if b in failures else f, b in failures) for b, (p, f) in enumerate(zip(paths, finals))]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_device_walk_decides_as_the_host_walk(seed):
+    seqs, trees, logits = random_batch(seed)
+    assert device_verdicts(seqs, trees, logits) == host_verdicts(seqs, trees, logits)
+
+
+def test_a_device_walk_without_the_residual_update_is_caught(monkeypatch):
+    """Power: child tests against the full mass of the row (rejected siblings keep theirs) give
+    other paths than the host walk on some of the same batches."""
+    def full_mass(probs, children, child_tokens, repeat, branch_u):
+        tested = torch.where(children >= 0, probs.gather(-1, child_tokens).double(), 0.0)
+        mass = probs.sum(-1, dtype=torch.float64)
+        accepted = torch.full_like(children[..., 0], -1)
+        for j in range(children.shape[-1]):
+            hit = (children[..., j] >= 0) & (accepted < 0) & (branch_u[..., j] < tested[..., j] / mass)
+            accepted = torch.where(hit, children[..., j], accepted)
+        return accepted
+
+    monkeypatch.setattr(tree_module, "child_tests", full_mass)
+    differ = sum(device_verdicts(*random_batch(seed)) != host_verdicts(*random_batch(seed)) for seed in range(60))
+    assert differ > 0
+
+
+# --- 2. end to end --------------------------------------------------------------------------
+
+
+def generate_both(models, drafter: str, params: list[SamplingParams], prompts: list[list[int]]
+                  ) -> tuple[list[list[int]], list[list[int]], int]:
+    """LLM.generate with the walk forced on the host, then on the device (a fresh LLM each):
+    the tokens of each, and how many steps the device walk ran (0 unless some tree node was
+    accepted on the way: a walk that never leaves the root proves little)."""
+    draft = (models["near"], models["tok"]) if drafter.startswith("near") else models["eagle"]
+    options = dict(model=(models["target"], models["tok"]), draft_model=draft, num_speculative_tokens=3,
+                   draft_tree_budget=6, draft_tree_top_k=2, kv_cache_gib=0.01, page_size=4,
+                   prompt_lookup_min=2 if drafter.endswith("+lookup") else None)
+    out, steps = [], []
+    device_step = tree_module.device_tree_step
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return device_step(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tree_module, "device_tree_step", counted)
+        for on_device in (False, True):
+            patch.setattr(minispec.engine, "tree_step", functools.partial(tree_module.tree_step, on_device=on_device))
+            llm = LLM(**options)
+            out.append([o.token_ids for o in llm.generate(prompts, params)])
+    return out[0], out[1], len(steps) if llm.last_metrics.num_accepted > 0 else 0
+
+
+BATCH = [PROMPT, [3, 1, 4, 1, 5], [2, 2, 2]]
+RULES = {"greedy": SP(temperature=0, max_tokens=16, ignore_eos=True),
+         "sampled": SP(temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True),
+         "pathwise": SP(temperature=0.8, top_k=5, max_tokens=16, ignore_eos=True, pathwise=True)}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("drafter", ["eagle-tree", "near-tree", "eagle-tree+lookup"])
+def test_the_device_walk_gives_the_host_walks_tokens(models, drafter, rule, batch):
+    """Greedy, seeded sampled and pathwise requests (seeds differ within a batch), alone and three
+    at a time: the device walk's tokens are the host walk's, token for token."""
+    params = [dataclasses.replace(RULES[rule], seed=7 + i) for i in range(batch)]
+    host, device, steps = generate_both(models, drafter, params, BATCH[:batch])
+    assert device == host
+    assert steps > 0
+
+
+def test_a_mixed_batch_and_requests_that_need_the_host(models):
+    """A greedy, a standard and a pathwise request in one batch walk on the device together; a
+    batch with a penalised request (penalties read tokens on the host) takes the host walk, with
+    the same tokens either way."""
+    mixed = [RULES["greedy"], dataclasses.replace(RULES["sampled"], seed=3), dataclasses.replace(RULES["pathwise"], seed=4)]
+    host, device, steps = generate_both(models, "eagle-tree", mixed, BATCH)
+    assert device == host and steps > 0
+    penalised = [dataclasses.replace(RULES["sampled"], seed=5, repetition_penalty=1.3)] + mixed[1:]
+    host, device, steps = generate_both(models, "near-tree", penalised, BATCH)
+    assert device == host and steps == 0
