@@ -86,7 +86,7 @@ from .runtime.runner import Feed, ModelRunner, TreeFeed
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
 from .sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, sample, warp_probs
-from .speculative import StepResult, emit_accepted, needs_host, top_logprobs, verify_forward
+from .speculative import StepResult, emit_accepted, top_logprobs, verify_forward
 
 
 def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth: int,
@@ -99,17 +99,24 @@ def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth
     on_device: walk the tree on the device (`device_tree_step`: one upload, one download) or on
     the host (`host_tree_step`, the reference twin; the same tokens). None: on the device unless
     the target runs on the CPU, where there is no device to wait for and the host walk warps only
-    the rows a walk reads. Requests that read tokens on the host in the middle (penalties,
-    min_tokens, logprobs: speculative.needs_host) always take the host walk.
+    the rows a walk reads. Requests with penalties, min_tokens or logprobs always take the host
+    walk (`walks_on_host`).
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1."""
     # 1. Draft: never deeper than the request may still emit (the final token is free).
     with times.timing("draft_s", target.device):
         trees = drafter.propose_trees(seqs, [min(depth, s.remaining - 1) for s in seqs])
     if on_device is None:
         on_device = target.device.type != "cpu"
-    if on_device and not any(needs_host(s) for s in seqs):
+    if on_device and not any(walks_on_host(s) for s in seqs):
         return device_tree_step(seqs, target, drafter, trees, emit, times)
     return host_tree_step(seqs, target, drafter, trees, emit, times)
+
+
+def walks_on_host(seq: Sequence) -> bool:
+    """Whether seq's tree must be walked on the host: its penalties and min_tokens change each
+    node's row by the node's path (`penalized_tree`), its logprobs are read from the path's raw
+    rows (`top_logprobs`); the device walk does neither."""
+    return seq.params.adjusts_logits or seq.params.logprobs is not None
 
 
 def host_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, trees: list[DraftTree],

@@ -378,7 +378,21 @@ def test_tree_drafting_keeps_the_target_distribution(models, case):
 
 
 def no_residual_update(monkeypatch):
+    """In the host walk and in the device walk (where the target runs on a GPU)."""
     monkeypatch.setattr(minispec.speculative_tree, "walk_one", residual_not_updated)
+    monkeypatch.setattr(minispec.speculative_tree, "child_tests", full_mass_child_tests)
+
+
+def full_mass_child_tests(probs, children, child_tokens, repeat, branch_u):
+    """The device walk's `child_tests` with residual_not_updated's mistake: every child tested
+    against the full mass of its parent's row."""
+    tested = torch.where(children >= 0, probs.gather(-1, child_tokens).double(), 0.0)
+    mass = probs.sum(-1, dtype=torch.float64)
+    accepted = torch.full_like(children[..., 0], -1)
+    for j in range(children.shape[-1]):
+        hit = (children[..., j] >= 0) & (accepted < 0) & (branch_u[..., j] < tested[..., j] / mass)
+        accepted = torch.where(hit, children[..., j], accepted)
+    return accepted
 
 
 def non_ancestor_attention(monkeypatch):
@@ -392,6 +406,7 @@ def non_ancestor_attention(monkeypatch):
 
 def path_kv_not_moved(monkeypatch):
     monkeypatch.setattr(minispec.speculative_tree, "move_path", lambda *args: None)
+    monkeypatch.setattr(minispec.speculative_tree, "move_path_on_device", lambda *args: None)
 
 
 TREE_MUTANTS = [("eagle-tree", no_residual_update), ("near-tree", no_residual_update),

@@ -30,6 +30,7 @@ from minispec.runtime.transfers import Staging, Upload
 from minispec.sampling import WARP_DTYPES, WarpParams
 from minispec.speculative_tree import accept_tree, stage_walk, tree_feed, tree_offsets, walk_on_device
 from test_speculative_statistical import PROMPT, models  # noqa: F401
+from test_speculative_tree import full_mass_child_tests
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SP = SamplingParams
@@ -101,16 +102,7 @@ def test_the_device_walk_decides_as_the_host_walk(seed):
 def test_a_device_walk_without_the_residual_update_is_caught(monkeypatch):
     """Power: child tests against the full mass of the row (rejected siblings keep theirs) give
     other paths than the host walk on some of the same batches."""
-    def full_mass(probs, children, child_tokens, repeat, branch_u):
-        tested = torch.where(children >= 0, probs.gather(-1, child_tokens).double(), 0.0)
-        mass = probs.sum(-1, dtype=torch.float64)
-        accepted = torch.full_like(children[..., 0], -1)
-        for j in range(children.shape[-1]):
-            hit = (children[..., j] >= 0) & (accepted < 0) & (branch_u[..., j] < tested[..., j] / mass)
-            accepted = torch.where(hit, children[..., j], accepted)
-        return accepted
-
-    monkeypatch.setattr(tree_module, "child_tests", full_mass)
+    monkeypatch.setattr(tree_module, "child_tests", full_mass_child_tests)
     differ = sum(device_verdicts(*random_batch(seed)) != host_verdicts(*random_batch(seed)) for seed in range(60))
     assert differ > 0
 
