@@ -80,9 +80,9 @@ import torch
 from .drafters.base import Drafter
 from .drafters.tree import DraftTree
 from .pathwise import gumbel_max, lane_gumbel_max, noise_lanes
-from .randomness import Purpose, uniform, uniforms
+from .randomness import Purpose, finish, row_lanes, spread, uniform, uniforms
 from .runtime.metrics import StepTimes
-from .runtime.runner import Feed, ModelRunner, TreeFeed
+from .runtime.runner import DrawnTree, Feed, ModelRunner, TreeFeed
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
 from .sampling import WARP_DTYPES, WarpParams, finite_rows, penalize, sample, warp_probs
@@ -103,12 +103,13 @@ def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth
     walk (`walks_on_host`).
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1."""
     # 1. Draft: never deeper than the request may still emit (the final token is free).
-    with times.timing("draft_s", target.device):
-        trees = drafter.propose_trees(seqs, [min(depth, s.remaining - 1) for s in seqs])
+    max_depth = [min(depth, s.remaining - 1) for s in seqs]
     if on_device is None:
         on_device = target.device.type != "cpu"
     if on_device and not any(walks_on_host(s) for s in seqs):
-        return device_tree_step(seqs, target, drafter, trees, emit, times)
+        return device_tree_step(seqs, target, drafter, max_depth, emit, times)
+    with times.timing("draft_s", target.device):
+        trees = drafter.propose_trees(seqs, max_depth)
     return host_tree_step(seqs, target, drafter, trees, emit, times)
 
 
@@ -372,15 +373,29 @@ def move_path(target: ModelRunner, seqs: list[Sequence], lengths: list[int], pat
 
 @dataclass
 class WalkShape:
-    """A step's trees padded to one shape on the device: `nodes` >= 1 node slots past the root
-    (slot 0 the root, slot 1 + i node i), `children` >= 1 child slots per node, `depth` >= 1
-    levels (the walk's iterations), `widths`: per sequence the rows it hands the drafter's
-    `observe` (its fed prefix, then `depth` rows for the path)."""
+    """A step's trees padded to one shape on the device: sizes[b] the nodes of sequence b's tree,
+    `nodes` = max(1, max sizes) node slots past the root (slot 0 the root, slot 1 + i node i),
+    `children` >= 1 child slots per node, `depth` >= 1 levels (the walk's iterations), `widths`
+    per sequence the rows it hands the drafter's `observe` (its fed prefix, then `depth` rows)."""
 
+    sizes: list[int]
     nodes: int
     children: int
     depth: int
     widths: list[int]
+
+
+@dataclass
+class WalkTables:
+    """Each slot's children in drafted order, [B, N+1, C]: their node ids (-1 past them), tokens
+    (0 past them), whether a token repeats an earlier sibling's, their BRANCH uniforms; and
+    slot_depth [B, N+1] (the root's 0). Built on the device from the trees (`walk_tables`)."""
+
+    children: torch.Tensor
+    child_tokens: torch.Tensor
+    repeat: torch.Tensor
+    branch_u: torch.Tensor
+    slot_depth: torch.Tensor
 
 
 @dataclass
@@ -395,37 +410,67 @@ class DeviceWalk:
     broken: torch.Tensor
 
 
-def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, trees: list[DraftTree],
+def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, max_depth: list[int],
                      emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
-    """Steps 2-4 in one upload and one download (runtime/transfers.py): the host lays out the
-    verification and everything the walk needs that the trees fix (`stage_walk`: each node's row,
-    its children in drafted order, the keyed uniforms, the path's key slots), sends it in ONE copy,
-    the device verifies, walks (`walk_on_device`) and moves the path's K/V (`move_path_on_device`),
-    and ONE copy brings the tokens back."""
+    """The four steps in one upload and one download (runtime/transfers.py). A tree drafter that
+    searches on the device (`stage_trees`: drafters/tree.py) lays its forwards out in the step's
+    upload; one that proposes on the host (prompt lookup in front, a confidence threshold) drafts
+    now and its trees ride up. The host lays out the verification (a device-drafted tree's nodes,
+    positions and mask rows are placeholders the device overwrites: runner.DrawnTree) and what
+    the walk needs that the host knows (`stage_walk`); ONE copy sends it all; the device drafts,
+    verifies, builds the walk's tables (`walk_tables`), walks (`walk_on_device`), moves the path's
+    K/V (`move_path_on_device`) and gathers the drafter's features; ONE copy brings the tokens,
+    the path and the trees back."""
+    upload = Upload()
+    with times.timing("draft_s", target.device):
+        staged = drafter.stage_trees(seqs, max_depth, upload)
+        trees = drafter.propose_trees(seqs, max_depth) if staged is None else None
+    sizes = staged.sizes if staged is not None else [len(t) for t in trees]
+    feeds = [tree_feed(s, t) for s, t in zip(seqs, trees)] if trees is not None else \
+        [placeholder_feed(s, n) for s, n in zip(seqs, sizes)]
+    starts, lengths = [s.target_table.num_cached for s in seqs], [len(s) for s in seqs]
+    verification = target.prepare(feeds, upload)  # (reserves the nodes' key slots)
+    if trees is not None:
+        shape = stage_walk(upload, seqs, feeds, sizes, target.vocab_size,
+                           max(1, max(len(c) for t in trees for c in t.children())),
+                           max(1, max(max(t.depths(), default=0) for t in trees)), trees)
+    else:
+        shape = stage_walk(upload, seqs, feeds, sizes, target.vocab_size, staged.width, max(1, max(staged.levels)))
+    sent = target.staging.send(upload)  # THE upload
+
+    with times.timing("draft_s", target.device):
+        drawn, drawn_tree = None, None
+        if staged is not None:  # the search, on the device
+            found = drafter.run_staged_trees(seqs, staged, sent)
+            tokens, parents = found.tokens, found.parents  # [B, N]
+            if any(sizes):
+                nodes = sent["tree.node_index"]  # [sum sizes] each node's place in [B, N], in feed order
+                drawn = tokens.flatten()[nodes]
+                drawn_tree = DrawnTree(sent["tree.node_root"] + found.depths.flatten()[nodes],
+                                       found.bits.flatten()[nodes])
+        else:
+            tokens, parents = sent["tree.tokens"], sent["tree.parents"]
     with times.verifying(seqs, target.device):
-        upload = Upload()
-        feeds = [tree_feed(s, t) for s, t in zip(seqs, trees)]
-        starts, lengths = [s.target_table.num_cached for s in seqs], [len(s) for s in seqs]
-        verification = target.prepare(feeds, upload)  # (reserves the nodes' key slots)
         layers = drafter.target_layers
-        shape = stage_walk(upload, seqs, trees, feeds, target.vocab_size)
-        sent = target.staging.send(upload)  # THE upload
-        out = target.run(verification, **({"hidden_layers": layers} if layers else {}))
+        out = target.run(verification, drawn=drawn, drawn_tree=drawn_tree, **({"hidden_layers": layers} if layers else {}))
         logits, hidden = out if layers else (out, None)  # [sum(N_b + 1), V], features or None
         warp = None
         if not all(s.params.greedy for s in seqs):
             warp = WarpParams.of([s.params for s in seqs for _ in range(shape.nodes + 1)], target.vocab_size, None,
                                  {name: sent["tree.warp." + name] for name in WARP_DTYPES})
-        walk = walk_on_device(logits, sent, shape, warp)  # 3. Accept / reject
+        tables = walk_tables(tokens, parents, sent, shape)
+        walk = walk_on_device(logits, sent, tables, shape, warp)  # 3. Accept / reject
         move_path_on_device(target, sent, walk.path)  # 4. KV: needs nothing from the host
         if hidden is not None:
             hidden = hidden[observed_rows(sent, walk.path)]  # [sum(widths), F]
-        tokens, num_accepted, path, broken = target.staging.download(
-            [walk.tokens, walk.num_accepted, walk.path, walk.broken.long()])  # THE download
+        emitted, num_accepted, path, broken, tree_tokens, tree_parents = target.staging.download(
+            [walk.tokens, walk.num_accepted, walk.path, walk.broken.long(), tokens, parents])  # THE download
+    if trees is None:
+        trees = [DraftTree(t[:n], p[:n]) for t, p, n in zip(tree_tokens, tree_parents, sizes)]
     paths = [p[: n[0]] for p, n in zip(path, num_accepted)]
     failures = {b: lengths[b] + n[0] for b, (n, x) in enumerate(zip(num_accepted, broken)) if x[0]}
     drafted = [[t.tokens[i] for i in p] for t, p in zip(trees, paths)]
-    emit_accepted(seqs, tokens, [n[0] for n in num_accepted], [max(t.depths(), default=0) for t in trees],
+    emit_accepted(seqs, emitted, [n[0] for n in num_accepted], [max(t.depths(), default=0) for t in trees],
                   [None] * len(seqs), failures, emit)
     for s in seqs:
         s.target_table.truncate(len(s) - 1, target.cache.allocator)
@@ -436,80 +481,120 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
             for d, t, p in zip(drafted, trees, paths)]
 
 
-def stage_walk(upload: Upload, seqs: list[Sequence], trees: list[DraftTree], feeds: list[Feed],
-               vocab_size: int) -> WalkShape:
-    """What the device walk needs, known on the host once the trees are drafted and the
-    verification prepared, into the step's upload (B sequences, N node slots, C child slots, D
-    levels: `WalkShape`): tree.rows [B, N+1], the flat logits row of each slot (padding: the
-    root's); tree.children / tree.child_tokens / tree.repeat [B, N+1, C], each slot's children in
-    drafted order, their tokens, and whether a token repeats an earlier sibling's (-1 / 0 / False
-    past them); tree.tokens [B, N]; tree.key_slots [B, N] (node i's pool slot, key L + i, which
-    is also where the path's i-th node goes) and tree.root_slot [B]; with features,
-    tree.keep_rows / tree.keep_path (`observed_rows`). Unless every request is greedy, each row's
-    warp, tree.branch_u [B, N+1, C] (the child's U(BRANCH, its position, the step, its rank):
-    `sample_walks`'s) and tree.token_u [B, D+1] (U(TOKEN) at L + j, for a path of length j);
-    with pathwise requests, tree.pathwise_rows [P] and tree.noise_lanes [P, N+1, 2], the NOISE
-    lanes of the position each slot's row decides (L + its depth)."""
-    kids = [t.children() for t in trees]
-    N = max(1, max(len(t) for t in trees))
-    C = max(1, max(len(c) for ch in kids for c in ch))
-    D = max(1, max(max(t.depths(), default=0) for t in trees))
+def placeholder_feed(s: Sequence, n: int) -> Feed:
+    """`tree_feed` for a tree of n nodes drafted on the device: the nodes are drawn tokens, each a
+    child of the root until the device writes its position and mask row."""
+    prefix = s.tokens[s.target_table.num_cached :]
+    if n == 0:
+        return Feed(s.target_table, prefix)
+    mask = TreeFeed(len(s), list(range(s.target_table.num_cached, len(s))) + [len(s)] * n,
+                    [0] * len(prefix) + [1 << i for i in range(n)])
+    return Feed(s.target_table, prefix + [0] * n, n + 1, mask, drawn=n)
+
+
+def stage_walk(upload: Upload, seqs: list[Sequence], feeds: list[Feed], sizes: list[int], vocab_size: int,
+               children: int, depth: int, trees: list[DraftTree] | None = None) -> WalkShape:
+    """What the device walk needs that the host knows, into the step's upload, for B sequences of
+    sizes[b] nodes (N = max(1, max sizes) slots, C = `children` child slots, D = `depth` levels:
+    `WalkShape`): tree.rows [B, N+1], the flat logits row of each slot (padding: the root's);
+    tree.key_slots [B, N] (node i's pool slot, key L + i, which is also where the path's i-th
+    node goes) and tree.root_slot [B]; tree.keep_rows / tree.keep_path (`observed_rows`);
+    tree.branch_lanes [B, D, 2], the BRANCH lanes of the positions L - 1 + d a node of depth d
+    decides (keyed by the step), so that the device makes each child's U(BRANCH, .., its rank)
+    (`walk_tables`); with host trees, tree.tokens and tree.parents [B, N] (-2: padding); with a
+    tree drafted on the device, tree.node_index (each node's place in [B, N], in feed order) and
+    tree.node_root (its root's position). Unless every request is greedy, each row's warp and
+    tree.token_u [B, D+1] (U(TOKEN) at L + j, for a path of length j); with pathwise requests,
+    tree.pathwise_rows [P] and tree.noise_lanes [P, D+1, 2] (the NOISE lanes of L + d)."""
+    N, D = max(1, max(sizes)), depth
     greedy = all(s.params.greedy for s in seqs)
-    offsets = tree_offsets(trees)
-    arrays: dict[str, list] = {name: [] for name in ("rows", "children", "child_tokens", "repeat", "tokens",
-                                                      "key_slots", "root_slot", "branch_u", "token_u")}
-    keep_rows, keep_path, widths, fed_row = [], [], [], 0
-    for b, (s, t, ch, f) in enumerate(zip(seqs, trees, kids, feeds)):
-        L, n, depths = len(s), len(t), [0] + t.depths()  # depths: per slot (the root's 0)
-        ranks = sibling_ranks(t)
-        slot_children = [ch[v] if v <= n else [] for v in range(N + 1)]
-        arrays["rows"].append([offsets[b] + (v if v <= n else 0) for v in range(N + 1)])
-        arrays["children"].append([c + [-1] * (C - len(c)) for c in slot_children])
-        arrays["child_tokens"].append([[t.tokens[i] for i in c] + [0] * (C - len(c)) for c in slot_children])
-        arrays["repeat"].append([[t.tokens[i] in [t.tokens[j] for j in c[:r]] for r, i in enumerate(c)]
-                                 + [False] * (C - len(c)) for c in slot_children])
-        arrays["tokens"].append(t.tokens + [0] * (N - n))
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n + 1)
+    rows, key_slots, root_slot, keep_rows, keep_path, widths, fed_row = [], [], [], [], [], [], 0
+    for b, (s, f, n) in enumerate(zip(seqs, feeds, sizes)):
+        L = len(s)
+        rows.append([offsets[b] + (v if v <= n else 0) for v in range(N + 1)])
         slots = s.target_table.slots(L - 1, L + n)  # the root's key L - 1, then node i's L + i
-        arrays["key_slots"].append(slots[1:] + [slots[0]] * (N - n))
-        arrays["root_slot"].append(slots[0])
-        if not greedy:
-            arrays["branch_u"].append([[uniform(s.key, L - 1 + depths[1 + i], Purpose.BRANCH, L, ranks[i]) for i in c]
-                                       + [1.0] * (C - len(c)) for c in slot_children])
-            arrays["token_u"].append([uniform(s.key, L + j, Purpose.TOKEN) for j in range(D + 1)])
+        key_slots.append(slots[1:] + [slots[0]] * (N - n))
+        root_slot.append(slots[0])
         fed_prefix = len(f.tokens) - n  # the feed's rows: its prefix (the root last), then the nodes
         root_row = fed_row + fed_prefix - 1
         keep_rows += list(range(fed_row, root_row + 1)) + [root_row] * D
         keep_path += [-1] * fed_prefix + [b * D + j for j in range(D)]
         widths.append(fed_prefix + D)
         fed_row += len(f.tokens)
-    for name in ("rows", "children", "child_tokens", "tokens", "key_slots", "root_slot"):
-        upload.add("tree." + name, arrays[name])
-    upload.add("tree.repeat", arrays["repeat"], torch.bool)
+    upload.add("tree.rows", rows)  # [B, N+1]
+    upload.add("tree.key_slots", key_slots)  # [B, N]
+    upload.add("tree.root_slot", root_slot)  # [B]
     upload.add("tree.keep_rows", keep_rows)  # [sum widths]
     upload.add("tree.keep_path", keep_path)  # [sum widths]
+    upload.add("tree.branch_lanes", [[row_lanes(s.key, len(s) - 1 + d, Purpose.BRANCH, len(s)) for d in range(1, D + 1)]
+                                     for s in seqs])  # [B, D, 2]
+    if trees is not None:
+        upload.add("tree.tokens", [t.tokens + [0] * (N - len(t)) for t in trees])  # [B, N]
+        upload.add("tree.parents", [t.parents + [-2] * (N - len(t)) for t in trees])  # [B, N]
+    else:
+        upload.add("tree.node_index", [b * N + i for b, n in enumerate(sizes) for i in range(n)])  # [sum sizes]
+        upload.add("tree.node_root", [len(s) - 1 for s, n in zip(seqs, sizes) for _ in range(n)])  # [sum sizes]
     if not greedy:
         for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(N + 1)], vocab_size).items():
             upload.add("tree.warp." + name, values, WARP_DTYPES[name])  # [B * (N+1)]
-        upload.add("tree.branch_u", arrays["branch_u"], torch.float64)
-        upload.add("tree.token_u", arrays["token_u"], torch.float64)
+        upload.add("tree.token_u", [[uniform(s.key, len(s) + j, Purpose.TOKEN) for j in range(D + 1)] for s in seqs],
+                   torch.float64)  # [B, D+1]
         chosen = [b for b, s in enumerate(seqs) if s.pathwise]
         if chosen:
-            depths = [[0] + t.depths() + [0] * (N - len(t)) for t in trees]
-            upload.add("tree.pathwise_rows", chosen)
-            upload.add("tree.noise_lanes", [noise_lanes([seqs[b].key] * (N + 1), [len(seqs[b]) + d for d in depths[b]])
-                                            for b in chosen])
-    return WalkShape(N, C, D, widths)
+            upload.add("tree.pathwise_rows", chosen)  # [P]
+            upload.add("tree.noise_lanes", [noise_lanes([seqs[b].key] * (D + 1), [len(seqs[b]) + d for d in range(D + 1)])
+                                            for b in chosen])  # [P, D+1, 2]
+    return WalkShape(sizes, N, children, D, widths)
 
 
-def walk_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], shape: WalkShape, warp: WarpParams | None
-                   ) -> DeviceWalk:
+def walk_tables(tokens: torch.Tensor, parents: torch.Tensor, sent: dict[str, torch.Tensor], shape: WalkShape
+                ) -> WalkTables:
+    """The walk's tables from the trees on the device: tokens, parents [B, N] (parents first; -1
+    the root's child, -2 padding). A node's rank among its siblings is the number of earlier nodes
+    with its parent (`sibling_ranks`), it repeats a sibling when one of those has its token, its
+    depth is found by D steps up its ancestors, and its BRANCH uniform is finish(the lanes of its
+    depth's position, spread(its rank)): randomness.uniform's number, bit for bit."""
+    B, N = tokens.shape
+    C, D = shape.children, shape.depth
+    device = tokens.device
+    real = parents >= -1  # [B, N]
+    earlier = torch.arange(N, device=device)[None, :] < torch.arange(N, device=device)[:, None]  # [N(i), N(j)]: j < i
+    siblings = (parents[:, :, None] == parents[:, None, :]) & real[:, None, :] & earlier  # [B, N, N]
+    rank = siblings.sum(-1)  # [B, N]
+    repeat = (siblings & (tokens[:, :, None] == tokens[:, None, :])).any(-1)  # [B, N]
+    depth = real.long()  # [B, N]
+    ancestor = parents
+    for _ in range(D):
+        up = ancestor >= 0
+        depth = depth + up.long()
+        ancestor = torch.where(up, parents.gather(1, ancestor.clamp(min=0)), -1)
+    lanes = sent["tree.branch_lanes"].gather(1, (depth - 1).clamp(min=0)[..., None].expand(B, N, 2))  # [B, N, 2]
+    u = finish(lanes[..., 0], lanes[..., 1], spread(rank))  # [B, N] fp64
+    # Scatter node i to (slot parent + 1, its rank); padding and ranks past C go to a spare column.
+    place = torch.where(real & (rank < C), (parents + 1) * (C + 1) + rank, (N + 1) * (C + 1) + C)  # [B, N]
+    children = torch.full((B, (N + 2) * (C + 1)), -1, dtype=torch.int64, device=device)
+    children.scatter_(1, place, torch.arange(N, device=device).expand(B, N))
+    children = children.view(B, N + 2, C + 1)[:, : N + 1, :C]  # [B, N+1, C]
+    at = children.clamp(min=0)
+    has = children >= 0
+    return WalkTables(children, torch.where(has, tokens.gather(1, at.flatten(1)).view_as(at), 0),
+                      has & repeat.gather(1, at.flatten(1)).view_as(at),
+                      torch.where(has, u.gather(1, at.flatten(1)).view_as(at), 1.0),
+                      torch.cat([depth.new_zeros(B, 1), depth], dim=1))
+
+
+def walk_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], tables: WalkTables, shape: WalkShape,
+                   warp: WarpParams | None) -> DeviceWalk:
     """Step 3 for every sequence at once, on the device, with no host sync (the module docstring's
     "The walk on the device"): each node's accepted child first (`child_tests`, or
     `matching_child` for greedy and pathwise requests), then `follow` from the root for D
     iterations, then the final token at the node where the walk stopped (`final_draw`, or the
     target's pick there). logits [R, V] the flat verification rows; warp: each slot's row's warp,
     None when every request is greedy (the argmax, as `accept_tree`'s greedy walk)."""
-    rows, children, child_tokens = sent["tree.rows"], sent["tree.children"], sent["tree.child_tokens"]  # [B, N+1], [B, N+1, C]
+    rows, children, child_tokens = sent["tree.rows"], tables.children, tables.child_tokens  # [B, N+1], [B, N+1, C]
     B, slots = rows.shape
     if warp is None:
         top, best = logits.max(-1)  # [R], [R] (accept_tree's: the first argmax)
@@ -519,11 +604,13 @@ def walk_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], shape: W
         finite = finite_rows(logits)[rows]  # [B, N+1]
         target_logits = torch.where(finite[..., None], logits[rows], 0.0)  # [B, N+1, V] (warp_rows's zeroing)
         probs = warp_probs(target_logits.flatten(0, 1), warp).view(B, slots, -1)  # [B, N+1, V]
-        accepted = child_tests(probs, children, child_tokens, sent["tree.repeat"], sent["tree.branch_u"])
+        accepted = child_tests(probs, children, child_tokens, tables.repeat, tables.branch_u)
         if "tree.pathwise_rows" in sent:
             chosen = sent["tree.pathwise_rows"]  # [P]
-            lanes = sent["tree.noise_lanes"]  # [P, N+1, 2]
-            picks = lane_gumbel_max(probs[chosen].flatten(0, 1), lanes.flatten(0, 1)).view(len(chosen), slots)  # [P, N+1]
+            P = len(chosen)
+            depth = tables.slot_depth[chosen]  # [P, N+1]
+            lanes = sent["tree.noise_lanes"].gather(1, depth[..., None].expand(P, slots, 2))  # [P, N+1, 2]
+            picks = lane_gumbel_max(probs[chosen].flatten(0, 1), lanes.flatten(0, 1)).view(P, slots)  # [P, N+1]
             accepted[chosen] = matching_child(picks, children[chosen], child_tokens[chosen])
     accepted = torch.where(finite, accepted, -1)  # a walk stops at a non-finite row, broken
     path, num_accepted, end = follow(accepted, shape.depth)  # [B, D], [B], [B]
@@ -534,8 +621,10 @@ def walk_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], shape: W
         final = final_draw(probs[at_end], children[at_end], child_tokens[at_end],
                            sent["tree.token_u"].gather(1, num_accepted[:, None]).squeeze(1))  # [B]
         if "tree.pathwise_rows" in sent:
-            final[chosen] = picks[torch.arange(len(chosen), device=rows.device), end[chosen]]
-    path_tokens = sent["tree.tokens"].gather(1, path.clamp(min=0))  # [B, D]
+            final[chosen] = picks[torch.arange(P, device=rows.device), end[chosen]]
+    node_tokens = tables.child_tokens.new_zeros(B, shape.nodes + 1)  # [B, N+1] each slot's token (the root's 0)
+    node_tokens.scatter_(1, (children + 1).clamp(min=0).flatten(1), child_tokens.flatten(1))
+    path_tokens = node_tokens.gather(1, path + 1)  # [B, D]
     tokens = torch.cat([path_tokens, path_tokens.new_zeros(B, 1)], dim=1)  # [B, D+1]
     tokens.scatter_(1, num_accepted[:, None], final[:, None])
     return DeviceWalk(path, num_accepted, tokens, ~finite[at_end])

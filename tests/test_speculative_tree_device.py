@@ -28,7 +28,7 @@ from minispec.drafters.tree import DraftTree
 from minispec.runtime.sequence import Sequence
 from minispec.runtime.transfers import Staging, Upload
 from minispec.sampling import WARP_DTYPES, WarpParams
-from minispec.speculative_tree import accept_tree, stage_walk, tree_feed, tree_offsets, walk_on_device
+from minispec.speculative_tree import accept_tree, stage_walk, tree_feed, tree_offsets, walk_on_device, walk_tables
 from test_speculative_statistical import PROMPT, models  # noqa: F401
 from test_speculative_tree import full_mass_child_tests
 
@@ -74,13 +74,17 @@ def random_batch(seed: int) -> tuple[list[Sequence], list[DraftTree], torch.Tens
 def device_verdicts(seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[tuple]:
     """(path, final token or None where broken, broken) per sequence from `walk_on_device`."""
     upload = Upload()
-    shape = stage_walk(upload, seqs, trees, [tree_feed(s, t) for s, t in zip(seqs, trees)], logits.shape[-1])
+    children = max(1, max(len(c) for t in trees for c in t.children()))
+    depth = max(1, max(max(t.depths(), default=0) for t in trees))
+    shape = stage_walk(upload, seqs, [tree_feed(s, t) for s, t in zip(seqs, trees)], [len(t) for t in trees],
+                       logits.shape[-1], children, depth, trees)
     sent = Staging(logits.device).send(upload)
     warp = None
     if not all(s.params.greedy for s in seqs):
         warp = WarpParams.of([s.params for s in seqs for _ in range(shape.nodes + 1)], logits.shape[-1], None,
                              {name: sent["tree.warp." + name] for name in WARP_DTYPES})
-    walk = walk_on_device(logits, sent, shape, warp)
+    tables = walk_tables(sent["tree.tokens"], sent["tree.parents"], sent, shape)
+    walk = walk_on_device(logits, sent, tables, shape, warp)
     out = []
     for b in range(len(seqs)):
         n, broken = int(walk.num_accepted[b]), bool(walk.broken[b])

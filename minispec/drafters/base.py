@@ -98,6 +98,11 @@ class Drafter(core.Drafter):
         """A tree drafter's proposal: one drafters.tree.DraftTree per sequence, at most max_depth[b] deep."""
         raise NotImplementedError
 
+    def stage_trees(self, seqs: list[Sequence], max_depth: list[int], upload: Upload):
+        """A tree drafter's search laid out in a step's upload to run on the device
+        (drafters/tree.py `TreeDrafter.stage_trees`), or None: it proposes on the host."""
+        return None
+
     def tree_slots(self, depth: int) -> int:
         """A tree drafter's: the cache slots one step may write past a sequence, in any pool."""
         raise NotImplementedError

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.runner import Feed, TreeFeed
+from ..runtime.runner import DrawnTree, Feed, TreeFeed
+from ..runtime.transfers import Upload
 from ..runtime.sequence import Sequence
 from ..core.drafters import drop_nonfinite
 from .base import AutoregressiveDrafter, Drafter
@@ -179,6 +180,56 @@ class TreeDrafter(Drafter):
             logits, carry = self.head.tree_forward(feeds, carry, rows)
         return [self.select(found.get(b, [])) for b in range(len(seqs))]
 
+    def stage_trees(self, seqs: list[Sequence], max_depth: list[int], upload: Upload) -> "StagedTrees | None":
+        """Lay `propose_trees`' search out in the step's upload, to run on the device with no
+        host round-trip between levels (`run_staged_trees`): which sequences feed at which
+        level is known before (their depths), only the nodes are not. None with a confidence
+        threshold: stopping a tree at an unsure level is what saves the later forwards, and only
+        the host can decide not to launch them (as the chain's `AutoregressiveDrafter.stage`)."""
+        if self.confidence_threshold is not None:
+            return None
+        head = self.head
+        levels = [head.draftable(s, d) if d > 0 else 0 for s, d in zip(seqs, max_depth)]
+        active = [b for b, d in enumerate(levels) if d > 0]
+        w = min(self.top_k, head.vocab_size if head.draft_ids is None else len(head.draft_ids))
+        sizes = [min(self.budget, w + (d - 1) * w * w) if d > 0 else 0 for d in levels]
+        staged = StagedTrees(levels, sizes, active, w, upload.scope())
+        self.block_start = {}
+        if not active:
+            return staged
+        staged.ahead = head.feed_ahead([seqs[b] for b in active], upload)
+        feeds, args = head.first_feeds(seqs, active)
+        staged.first = (head.runner.prepare(feeds, upload), args)
+        block_start = {b: seqs[b].draft_table.num_cached for b in active}  # the drafter's tree block
+        self.block_start = {id(seqs[b]): start for b, start in block_start.items()}
+        p, previous = staged.prefix, active
+        upload.add(p + "active", active)  # [A] batch rows
+        upload.add(p + "sizes", [sizes[b] for b in active])  # [A]
+        for level in range(1, max(levels)):
+            fed = [b for b in active if levels[b] > level]
+            low = (1 << (level - 1)) - 1  # placeholder mask rows with `level` bits (their position's); the device writes them
+            feeds = [Feed(seqs[b].draft_table, [0] * w, w,
+                          TreeFeed(block_start[b], [len(seqs[b]) + head.tree_root_offset + level] * w,
+                                   [low | 1 << ((level - 1) * w + n) for n in range(w)]), drawn=w) for b in fed]
+            staged.forwards.append(head.runner.prepare(feeds, upload))
+            upload.add(f"{p}fed{level}", [active.index(b) for b in fed])  # [F] rows among the active
+            upload.add(f"{p}parent_row{level}", [previous.index(b) * (1 if level == 1 else w) for b in fed])  # [F]
+            previous = fed
+        return staged
+
+    def run_staged_trees(self, seqs: list[Sequence], staged: "StagedTrees", sent: dict[str, torch.Tensor]
+                         ) -> "DeviceTrees":
+        """The device's half of `stage_trees` (`search_on_device`)."""
+        return search_on_device(self, seqs, staged, sent)
+
+    def top_children(self, logits: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`expand` on the device: each row's w best children of logits [R, V_d] as (log q in fp64,
+        -inf for a row that is not finite or a child the host would drop), target ids), [R, w] each."""
+        logits, ok = drop_nonfinite(logits)
+        values, ids = logits.float().log_softmax(-1).topk(w, dim=-1)  # [R, w]
+        tokens = self.head.draft_ids[ids] if self.head.draft_ids is not None else ids
+        return torch.where(ok[:, None], values.double(), float("-inf")), tokens
+
     def expand(self, found: dict[int, list[Candidate]], expanding: list[tuple[int, int]], logits: torch.Tensor
                ) -> dict[int, list[int]]:
         """Give each expanded node (one row of logits [R, V_d]) its top_k children; returns the
@@ -208,3 +259,114 @@ class TreeDrafter(Drafter):
         return DraftTree([candidates[i].token for i in keep],
                          [index[candidates[i].parent] if candidates[i].parent >= 0 else -1 for i in keep])
 
+
+
+@dataclass
+class StagedTrees:
+    """A tree search laid out in a step's upload (`TreeDrafter.stage_trees`), to run on the device
+    with no host round-trip between levels. Per sequence b: levels[b] (0: no tree) and sizes[b],
+    its tree's node count (min(budget, its candidates): the search always makes width children
+    per expanded node, width = min(top_k, the logits' width)); active, the sequences that draft;
+    the head's forwards: `feed_ahead`'s pieces, the first (catch-up) forward and one per level
+    fed (prepared forward, model arguments); prefix, the upload's names of the search's arrays."""
+
+    levels: list[int]
+    sizes: list[int]
+    active: list[int]
+    width: int
+    prefix: str
+    ahead: list = field(default_factory=list)
+    first: tuple | None = None
+    forwards: list = field(default_factory=list)
+
+
+@dataclass
+class DeviceTrees:
+    """Trees on the device, B rows padded to N = max(1, max sizes) nodes, parents first: tokens
+    [B, N] (target ids), parents [B, N] (-1: the root's child; -2: padding), depths [B, N] (1 for
+    the root's children) and bits [B, N] (each node's mask row over the tree's nodes: itself and
+    its ancestors)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    bits: torch.Tensor
+
+
+def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTrees, sent: dict[str, torch.Tensor]
+                     ) -> DeviceTrees:
+    """`propose_trees` on the device (TreeDrafter.run_staged_trees). Candidates of sequence b
+    live in a fixed layout [M], M = w + (levels - 1) w^2 (w = staged.width): level 1 at 0..w-1
+    (the root's top-w), level l + 1 at w + (l - 1) w^2 + n w + r (the r-th child of level l's
+    n-th frontier node), which is the order the host search makes them in. Each level: the
+    frontier is the level's w best candidates by score, ties to the earlier (a stable sort of
+    -score: the host's sorted(key=(-score, id))); the frontier's tokens are fed as drawn tokens,
+    their mask rows (1 << their key in the tree block | their parent's row) written on the device
+    (runner.DrawnTree), an EAGLE head's carry gathered at each parent's row; its logits' top-w
+    give the next level's candidates, score = the parent's + log q, in fp64 as the host's
+    Python floats. Finally the `budget` best candidates by score (ties: the earlier), in
+    candidate order: the host's `select`. The same trees as the host search wherever each drafted
+    row is finite and has w finite logits (elsewhere the host feeds fewer nodes: still a tree
+    fixed by the prefix, so still exact)."""
+    head, p, w = self.head, staged.prefix, staged.width
+    device = head.runner.device
+    B, N = len(seqs), max(1, max(staged.sizes, default=0))
+    out = DeviceTrees(torch.zeros(B, N, dtype=torch.int64, device=device), torch.full((B, N), -2, device=device),
+                      torch.ones(B, N, dtype=torch.int64, device=device), torch.zeros(B, N, dtype=torch.int64, device=device))
+    if not staged.active:
+        return out
+    A, levels = len(staged.active), max(staged.levels)
+    M = w + (levels - 1) * w * w
+    score = torch.full((A, M), float("-inf"), dtype=torch.float64, device=device)  # [A, M]
+    token = torch.zeros(A, M, dtype=torch.int64, device=device)
+    parent = torch.full((A, M), -1, dtype=torch.int64, device=device)  # candidate ids, -1 the root
+    for prepared, args in staged.ahead:
+        head.runner.run(prepared, **args)
+    prepared, args = staged.first
+    logits, carry = head.split(head.runner.run(prepared, **args))  # [A, V_d], the carry or None
+    score[:, :w], token[:, :w] = self.top_children(logits, w)
+    lanes = torch.arange(w, device=device)  # [w]
+    frontier_bits = torch.zeros(A, w, dtype=torch.int64, device=device)
+    for level, prepared in enumerate(staged.forwards, start=1):
+        rows = sent[f"{p}fed{level}"]  # [F] rows among the active
+        lo = 0 if level == 1 else w + (level - 2) * w * w  # this level's candidates: lo .. lo + width
+        order = torch.sort(-score[rows, lo : lo + (w if level == 1 else w * w)], dim=-1, stable=True).indices[:, :w]
+        frontier = lo + order  # [F, w] candidate ids, best first
+        own = torch.bitwise_left_shift(torch.ones_like(lanes), (level - 1) * w + lanes)  # [w] their keys' bits
+        parent_rows = sent[f"{p}parent_row{level}"][:, None]  # [F, 1] the previous forward's first row of each
+        if level == 1:
+            bits, carry_rows = own.expand(len(rows), w), parent_rows.expand(len(rows), w)
+        else:
+            slot = order // w  # [F, w] the parent's place in the previous frontier
+            bits, carry_rows = own | frontier_bits[rows].gather(1, slot), parent_rows + slot
+        frontier_bits[rows] = bits
+        extra = {} if carry is None else head.chain_args(carry[carry_rows.flatten()])
+        fed = token[rows].gather(1, frontier)  # [F, w]
+        logits, carry = head.split(head.runner.run(prepared, drawn=fed.flatten(), drawn_tree=DrawnTree(bits=bits.flatten()),
+                                                   **extra))  # [F * w, V_d]
+        values, children = self.top_children(logits, w)  # [F * w, w]
+        nxt = slice(w + (level - 1) * w * w, w + level * w * w)
+        score[rows, nxt] = (score[rows].gather(1, frontier)[..., None] + values.view(len(rows), w, w)).flatten(1)
+        token[rows, nxt] = children.view(len(rows), w * w)
+        parent[rows, nxt] = frontier[..., None].expand(len(rows), w, w).flatten(1)
+    # The budget best, in candidate order (padding past a tree's size sorts last, as M).
+    best = torch.sort(-score, dim=-1, stable=True).indices[:, :N]  # [A, N]
+    real = torch.arange(N, device=device)[None, :] < sent[p + "sizes"][:, None]  # [A, N]
+    chosen = torch.where(real, best, M).sort(dim=-1).values
+    real = chosen < M
+    kept = chosen.clamp(max=M - 1)
+    node_of = torch.full((A, M + 2), -1, dtype=torch.int64, device=device)  # column 1 + c: candidate c's node
+    nodes = torch.arange(N, device=device).expand(A, N)
+    node_of.scatter_(1, torch.where(real, 1 + kept, M + 1), nodes)
+    parents = torch.where(real, node_of.gather(1, parent.gather(1, kept) + 1), -2)  # [A, N]
+    depths = torch.where(kept < w, 1, 2 + (kept - w) // (w * w))  # [A, N]
+    bits = torch.where(real, torch.bitwise_left_shift(torch.ones_like(nodes), nodes), 0)
+    ancestor = parents
+    for _ in range(levels):
+        up = ancestor >= 0
+        bits = bits | torch.where(up, torch.bitwise_left_shift(torch.ones_like(nodes), ancestor.clamp(min=0)), 0)
+        ancestor = torch.where(up, parents.gather(1, ancestor.clamp(min=0)), -1)
+    active = sent[p + "active"]  # [A] batch rows
+    out.tokens[active], out.parents[active] = token.gather(1, kept), parents
+    out.depths[active], out.bits[active] = depths, bits
+    return out

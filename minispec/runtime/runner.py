@@ -38,6 +38,33 @@ class TreeFeed:
 
 
 @dataclass
+class DrawnTree:
+    """Tree nodes drawn on the device (a tree drafter's level, a tree it verifies): per drawn
+    token (Feed.drawn, in feed order) its position and its mask row, where the host could not
+    know them; None keeps the feed's. What `ModelRunner.run` writes over the feeds' placeholders
+    (which must pass `layout.tree_layout`'s check: a node's position is its block's start - 1 +
+    its bits set)."""
+
+    positions: torch.Tensor | None = None  # [sum drawn] int64
+    bits: torch.Tensor | None = None  # [sum drawn] int64
+
+    def write(self, positions: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, in_place: bool,
+              meta=None) -> None:
+        """Into a forward's positions [T] and tree_bits [T] at rows [sum drawn]: in place (a static
+        bucket's buffers), or as new tensors set on meta (the dynamic path's views of the upload)."""
+        if in_place:
+            if self.positions is not None:
+                positions.index_copy_(0, rows, self.positions)
+            if self.bits is not None:
+                bits.index_copy_(0, rows, self.bits)
+            return
+        if self.positions is not None:
+            meta.positions = positions.index_copy(0, rows, self.positions)
+        if self.bits is not None:
+            meta.tree_bits = bits.index_copy(0, rows, self.bits)
+
+
+@dataclass
 class Feed(core.Feed):
     """The core's feed (new tokens for one sequence: they take key indices, and without a tree
     positions, table.num_cached, table.num_cached + 1, ...), with a tree and device-drawn tokens."""
@@ -108,11 +135,13 @@ class ModelRunner(core.ModelRunner):
             f.table.num_cached += n
         return prepared
 
-    def run(self, prepared: Prepared, drawn: torch.Tensor | None = None, **model_args) -> torch.Tensor | tuple:
+    def run(self, prepared: Prepared, drawn: torch.Tensor | None = None, drawn_tree: DrawnTree | None = None,
+            **model_args) -> torch.Tensor | tuple:
         """The device's half, once prepared.upload is sent: drawn [sum(f.drawn)] int64 holds the
-        tokens drawn on the device, in feed order (Feed.drawn)."""
+        tokens drawn on the device, in feed order (Feed.drawn); drawn_tree, where those tokens are
+        tree nodes placed on the device, their positions and mask rows (the feeds' are placeholders)."""
         if prepared.bucket is not None:
-            return self.static.run(prepared, drawn, **model_args)
+            return self.static.run(prepared, drawn, drawn_tree, **model_args)
         self.forward_counts["dynamic"] += 1
         sent, p = prepared.upload.device, prepared.prefix
         meta = BatchMetadata(
@@ -131,6 +160,8 @@ class ModelRunner(core.ModelRunner):
         input_ids = sent[p + "input_ids"]
         if drawn is not None:
             input_ids = input_ids.index_copy(0, sent[p + "drawn_rows"], drawn)
+        if drawn_tree is not None:
+            drawn_tree.write(meta.positions, meta.tree_bits, sent[p + "drawn_rows"], in_place=False, meta=meta)
         return self.model(input_ids, meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
 
     def _prepare(self, feeds: list[Feed], cached: list[int], q_lens: list[int], upload: Upload, prefix: str
