@@ -424,32 +424,33 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     upload = Upload()
     with times.timing("draft_s", target.device):
         staged = drafter.stage_trees(seqs, max_depth, upload)
-        trees = drafter.propose_trees(seqs, max_depth) if staged is None else None
-    sizes = staged.sizes if staged is not None else [len(t) for t in trees]
-    feeds = [tree_feed(s, t) for s, t in zip(seqs, trees)] if trees is not None else \
-        [placeholder_feed(s, n) for s, n in zip(seqs, sizes)]
+        if staged is None:  # every tree is the host's
+            host_trees = dict(enumerate(drafter.propose_trees(seqs, max_depth)))
+            sizes = [len(host_trees[b]) for b in range(len(seqs))]
+        else:  # the search's trees, and prompt lookup's chains in front of it (host data)
+            host_trees, sizes = staged.host_trees, staged.sizes
+    feeds = [tree_feed(s, host_trees[b]) if b in host_trees else placeholder_feed(s, sizes[b]) for b, s in enumerate(seqs)]
     starts, lengths = [s.target_table.num_cached for s in seqs], [len(s) for s in seqs]
     verification = target.prepare(feeds, upload)  # (reserves the nodes' key slots)
-    if trees is not None:
-        shape = stage_walk(upload, seqs, feeds, sizes, target.vocab_size,
-                           max(1, max(len(c) for t in trees for c in t.children())),
-                           max(1, max(max(t.depths(), default=0) for t in trees)), trees)
-    else:
-        shape = stage_walk(upload, seqs, feeds, sizes, target.vocab_size, staged.width, max(1, max(staged.levels)))
+    children = max([1] + [len(c) for t in host_trees.values() for c in t.children()])
+    depth = max([1] + [max(t.depths(), default=0) for t in host_trees.values()])
+    if staged is not None:
+        children, depth = max(children, staged.width), max([depth] + staged.levels)
+    shape = stage_walk(upload, seqs, feeds, sizes, target.vocab_size, children, depth, host_trees)
     sent = target.staging.send(upload)  # THE upload
 
     with times.timing("draft_s", target.device):
         drawn, drawn_tree = None, None
+        tokens, parents = sent["tree.tokens"], sent["tree.parents"]  # [B, N] the host's trees
         if staged is not None:  # the search, on the device
             found = drafter.run_staged_trees(seqs, staged, sent)
-            tokens, parents = found.tokens, found.parents  # [B, N]
-            if any(sizes):
-                nodes = sent["tree.node_index"]  # [sum sizes] each node's place in [B, N], in feed order
+            from_host = sent["tree.from_host"][:, None]  # [B, 1]
+            tokens, parents = torch.where(from_host, tokens, found.tokens), torch.where(from_host, parents, found.parents)
+            if len(sent["tree.node_index"]):
+                nodes = sent["tree.node_index"]  # [sum sizes] each drafted node's place in [B, N], in feed order
                 drawn = tokens.flatten()[nodes]
                 drawn_tree = DrawnTree(sent["tree.node_root"] + found.depths.flatten()[nodes],
                                        found.bits.flatten()[nodes])
-        else:
-            tokens, parents = sent["tree.tokens"], sent["tree.parents"]
     with times.verifying(seqs, target.device):
         layers = drafter.target_layers
         out = target.run(verification, drawn=drawn, drawn_tree=drawn_tree, **({"hidden_layers": layers} if layers else {}))
@@ -465,8 +466,8 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
             hidden = hidden[observed_rows(sent, walk.path)]  # [sum(widths), F]
         emitted, num_accepted, path, broken, tree_tokens, tree_parents = target.staging.download(
             [walk.tokens, walk.num_accepted, walk.path, walk.broken.long(), tokens, parents])  # THE download
-    if trees is None:
-        trees = [DraftTree(t[:n], p[:n]) for t, p, n in zip(tree_tokens, tree_parents, sizes)]
+    trees = [host_trees[b] if b in host_trees else DraftTree(t[:n], p[:n])
+             for b, (t, p, n) in enumerate(zip(tree_tokens, tree_parents, sizes))]
     paths = [p[: n[0]] for p, n in zip(path, num_accepted)]
     failures = {b: lengths[b] + n[0] for b, (n, x) in enumerate(zip(num_accepted, broken)) if x[0]}
     drafted = [[t.tokens[i] for i in p] for t, p in zip(trees, paths)]
@@ -493,7 +494,7 @@ def placeholder_feed(s: Sequence, n: int) -> Feed:
 
 
 def stage_walk(upload: Upload, seqs: list[Sequence], feeds: list[Feed], sizes: list[int], vocab_size: int,
-               children: int, depth: int, trees: list[DraftTree] | None = None) -> WalkShape:
+               children: int, depth: int, host_trees: dict[int, DraftTree]) -> WalkShape:
     """What the device walk needs that the host knows, into the step's upload, for B sequences of
     sizes[b] nodes (N = max(1, max sizes) slots, C = `children` child slots, D = `depth` levels:
     `WalkShape`): tree.rows [B, N+1], the flat logits row of each slot (padding: the root's);
@@ -501,9 +502,10 @@ def stage_walk(upload: Upload, seqs: list[Sequence], feeds: list[Feed], sizes: l
     node goes) and tree.root_slot [B]; tree.keep_rows / tree.keep_path (`observed_rows`);
     tree.branch_lanes [B, D, 2], the BRANCH lanes of the positions L - 1 + d a node of depth d
     decides (keyed by the step), so that the device makes each child's U(BRANCH, .., its rank)
-    (`walk_tables`); with host trees, tree.tokens and tree.parents [B, N] (-2: padding); with a
-    tree drafted on the device, tree.node_index (each node's place in [B, N], in feed order) and
-    tree.node_root (its root's position). Unless every request is greedy, each row's warp and
+    (`walk_tables`); the host's trees (host_trees: by batch row) as tree.tokens and tree.parents
+    [B, N] (-2: padding, and the rows of trees drafted on the device), tree.from_host [B]; for
+    the trees drafted on the device, tree.node_index (each node's place in [B, N], in feed order)
+    and tree.node_root (its root's position). Unless every request is greedy, each row's warp and
     tree.token_u [B, D+1] (U(TOKEN) at L + j, for a path of length j); with pathwise requests,
     tree.pathwise_rows [P] and tree.noise_lanes [P, D+1, 2] (the NOISE lanes of L + d)."""
     N, D = max(1, max(sizes)), depth
@@ -531,12 +533,15 @@ def stage_walk(upload: Upload, seqs: list[Sequence], feeds: list[Feed], sizes: l
     upload.add("tree.keep_path", keep_path)  # [sum widths]
     upload.add("tree.branch_lanes", [[row_lanes(s.key, len(s) - 1 + d, Purpose.BRANCH, len(s)) for d in range(1, D + 1)]
                                      for s in seqs])  # [B, D, 2]
-    if trees is not None:
-        upload.add("tree.tokens", [t.tokens + [0] * (N - len(t)) for t in trees])  # [B, N]
-        upload.add("tree.parents", [t.parents + [-2] * (N - len(t)) for t in trees])  # [B, N]
-    else:
-        upload.add("tree.node_index", [b * N + i for b, n in enumerate(sizes) for i in range(n)])  # [sum sizes]
-        upload.add("tree.node_root", [len(s) - 1 for s, n in zip(seqs, sizes) for _ in range(n)])  # [sum sizes]
+    none = DraftTree()
+    upload.add("tree.tokens", [host_trees.get(b, none).tokens + [0] * (N - len(host_trees.get(b, none)))
+                               for b in range(len(seqs))])  # [B, N]
+    upload.add("tree.parents", [host_trees.get(b, none).parents + [-2] * (N - len(host_trees.get(b, none)))
+                                for b in range(len(seqs))])  # [B, N]
+    upload.add("tree.from_host", [b in host_trees for b in range(len(seqs))], torch.bool)  # [B]
+    drafted = [b for b, n in enumerate(sizes) if b not in host_trees]
+    upload.add("tree.node_index", [b * N + i for b in drafted for i in range(sizes[b])])  # [sum sizes]
+    upload.add("tree.node_root", [len(seqs[b]) - 1 for b in drafted for _ in range(sizes[b])])  # [sum sizes]
     if not greedy:
         for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(N + 1)], vocab_size).items():
             upload.add("tree.warp." + name, values, WARP_DTYPES[name])  # [B * (N+1)]

@@ -21,6 +21,7 @@ import functools
 import pytest
 import torch
 
+import minispec.drafters.tree
 import minispec.engine
 import minispec.speculative_tree as tree_module
 from minispec import LLM, SamplingParams
@@ -77,7 +78,7 @@ def device_verdicts(seqs: list[Sequence], trees: list[DraftTree], logits: torch.
     children = max(1, max(len(c) for t in trees for c in t.children()))
     depth = max(1, max(max(t.depths(), default=0) for t in trees))
     shape = stage_walk(upload, seqs, [tree_feed(s, t) for s, t in zip(seqs, trees)], [len(t) for t in trees],
-                       logits.shape[-1], children, depth, trees)
+                       logits.shape[-1], children, depth, dict(enumerate(trees)))
     sent = Staging(logits.device).send(upload)
     warp = None
     if not all(s.params.greedy for s in seqs):
@@ -114,29 +115,49 @@ def test_a_device_walk_without_the_residual_update_is_caught(monkeypatch):
 # --- 2. end to end --------------------------------------------------------------------------
 
 
-def generate_both(models, drafter: str, params: list[SamplingParams], prompts: list[list[int]]
-                  ) -> tuple[list[list[int]], list[list[int]], int]:
-    """LLM.generate with the walk forced on the host, then on the device (a fresh LLM each):
-    the tokens of each, and how many steps the device walk ran (0 unless some tree node was
-    accepted on the way: a walk that never leaves the root proves little)."""
+@dataclasses.dataclass
+class Run:
+    """One LLM.generate: the tokens, (steps, drafted, accepted) from its metrics, and how many
+    steps walked on the device and searched on the device."""
+
+    tokens: list[list[int]]
+    counts: tuple[int, int, int]
+    device_steps: int = 0
+    device_searches: int = 0
+    looked_up: int = 0  # sequence-steps prompt lookup drafted, in front of the tree drafter
+
+
+def generate_both(models, drafter: str, params: list[SamplingParams], prompts: list[list[int]],
+                  shape: tuple[int, int, int] = (3, 6, 2)) -> tuple[Run, Run]:
+    """LLM.generate with the tree step forced on the host (the host search and walk), then on the
+    device (the device search where the drafter has one, and the device walk), a fresh LLM each.
+    shape: the trees' (depth, budget, top_k)."""
     draft = (models["near"], models["tok"]) if drafter.startswith("near") else models["eagle"]
-    options = dict(model=(models["target"], models["tok"]), draft_model=draft, num_speculative_tokens=3,
-                   draft_tree_budget=6, draft_tree_top_k=2, kv_cache_gib=0.01, page_size=4,
+    depth, budget, top_k = shape
+    options = dict(model=(models["target"], models["tok"]), draft_model=draft, num_speculative_tokens=depth,
+                   draft_tree_budget=budget, draft_tree_top_k=top_k, kv_cache_gib=0.01, page_size=4,
                    prompt_lookup_min=2 if drafter.endswith("+lookup") else None)
-    out, steps = [], []
-    device_step = tree_module.device_tree_step
-
-    def counted(*args, **kwargs):
-        steps.append(1)
-        return device_step(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tree_module, "device_tree_step", counted)
-        for on_device in (False, True):
+    runs = []
+    for on_device in (False, True):
+        steps, searches = [], []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tree_module, "device_tree_step", counted(tree_module.device_tree_step, steps))
+            patch.setattr(minispec.drafters.tree, "search_on_device", counted(minispec.drafters.tree.search_on_device, searches))
             patch.setattr(minispec.engine, "tree_step", functools.partial(tree_module.tree_step, on_device=on_device))
             llm = LLM(**options)
-            out.append([o.token_ids for o in llm.generate(prompts, params)])
-    return out[0], out[1], len(steps) if llm.last_metrics.num_accepted > 0 else 0
+            tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        m = llm.last_metrics
+        looked_up = llm.engine.drafter.lookup_drafts if drafter.endswith("+lookup") else 0
+        runs.append(Run(tokens, (m.num_steps, m.num_drafted, m.num_accepted), len(steps), len(searches), looked_up))
+    return runs[0], runs[1]
+
+
+def counted(function, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return wrapped
 
 
 BATCH = [PROMPT, [3, 1, 4, 1, 5], [2, 2, 2]]
@@ -148,22 +169,40 @@ RULES = {"greedy": SP(temperature=0, max_tokens=16, ignore_eos=True),
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("drafter", ["eagle-tree", "near-tree", "eagle-tree+lookup"])
-def test_the_device_walk_gives_the_host_walks_tokens(models, drafter, rule, batch):
+def test_the_device_step_gives_the_host_steps_tokens(models, drafter, rule, batch):
     """Greedy, seeded sampled and pathwise requests (seeds differ within a batch), alone and three
-    at a time: the device walk's tokens are the host walk's, token for token."""
+    at a time: the device step's tokens are the host step's, token for token, and so are the
+    drafted and accepted counts (the trees searched on the device are the host's: a seeded
+    sampled request's tokens depend on the tree). The EAGLE head and the draft model search on
+    the device, behind prompt lookup too (its chains ride up as host trees)."""
     params = [dataclasses.replace(RULES[rule], seed=7 + i) for i in range(batch)]
-    host, device, steps = generate_both(models, drafter, params, BATCH[:batch])
-    assert device == host
-    assert steps > 0
+    host, device = generate_both(models, drafter, params, BATCH[:batch])
+    assert device.tokens == host.tokens
+    assert device.counts == host.counts and host.counts[2] > 0  # (some node was accepted)
+    assert host.device_steps == 0 and device.device_steps > 0
+    assert device.device_searches == device.device_steps
+    if drafter.endswith("+lookup"):
+        assert device.looked_up > 0
 
 
 def test_a_mixed_batch_and_requests_that_need_the_host(models):
-    """A greedy, a standard and a pathwise request in one batch walk on the device together; a
-    batch with a penalised request (penalties read tokens on the host) takes the host walk, with
+    """A greedy, a standard and a pathwise request in one batch step on the device together; a
+    batch with a penalised request (penalties read tokens on the host) takes the host step, with
     the same tokens either way."""
     mixed = [RULES["greedy"], dataclasses.replace(RULES["sampled"], seed=3), dataclasses.replace(RULES["pathwise"], seed=4)]
-    host, device, steps = generate_both(models, "eagle-tree", mixed, BATCH)
-    assert device == host and steps > 0
+    host, device = generate_both(models, "eagle-tree", mixed, BATCH)
+    assert device.tokens == host.tokens and device.counts == host.counts and device.device_steps > 0
     penalised = [dataclasses.replace(RULES["sampled"], seed=5, repetition_penalty=1.3)] + mixed[1:]
-    host, device, steps = generate_both(models, "near-tree", penalised, BATCH)
-    assert device == host and steps == 0
+    host, device = generate_both(models, "near-tree", penalised, BATCH)
+    assert device.tokens == host.tokens and device.device_steps == 0
+
+
+@pytest.mark.parametrize("shape", [(4, 12, 3), (5, 9, 1), (2, 3, 4)], ids=lambda s: "d{}-n{}-k{}".format(*s))
+@pytest.mark.parametrize("drafter", ["eagle-tree", "near-tree"])
+def test_other_tree_shapes_search_the_same_trees(models, drafter, shape):
+    """Deeper, wider, a chain (top_k 1) and a budget below the first level's candidates: the
+    device search keeps the host's trees (the same seeded sampled tokens and counts)."""
+    params = [dataclasses.replace(RULES["sampled"], seed=11 + i, max_tokens=20) for i in range(3)]
+    host, device = generate_both(models, drafter, params, BATCH, shape)
+    assert device.tokens == host.tokens and device.counts == host.counts and host.counts[2] > 0
+    assert device.device_searches > 0

@@ -103,6 +103,10 @@ class Drafter(core.Drafter):
         (drafters/tree.py `TreeDrafter.stage_trees`), or None: it proposes on the host."""
         return None
 
+    def run_staged_trees(self, seqs: list[Sequence], staged, sent: dict[str, torch.Tensor]):
+        """The device's half of `stage_trees`: drafters.tree.DeviceTrees."""
+        raise NotImplementedError
+
     def tree_slots(self, depth: int) -> int:
         """A tree drafter's: the cache slots one step may write past a sequence, in any pool."""
         raise NotImplementedError

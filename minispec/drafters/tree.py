@@ -268,7 +268,8 @@ class StagedTrees:
     its tree's node count (min(budget, its candidates): the search always makes width children
     per expanded node, width = min(top_k, the logits' width)); active, the sequences that draft;
     the head's forwards: `feed_ahead`'s pieces, the first (catch-up) forward and one per level
-    fed (prepared forward, model arguments); prefix, the upload's names of the search's arrays."""
+    fed (prepared forward, model arguments); prefix, the upload's names of the search's arrays;
+    host_trees, trees of other rows that a drafter in front (prompt lookup) found on the host."""
 
     levels: list[int]
     sizes: list[int]
@@ -278,6 +279,7 @@ class StagedTrees:
     ahead: list = field(default_factory=list)
     first: tuple | None = None
     forwards: list = field(default_factory=list)
+    host_trees: dict[int, DraftTree] = field(default_factory=dict)  # rows another drafter filled on the host (lookup)
 
 
 @dataclass
