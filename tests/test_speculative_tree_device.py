@@ -10,7 +10,9 @@ for IDENTITY with the host walk rather than for its law again:
   2. end to end, LLM.generate with the device walk forced against the host walk: the same tokens
      for greedy, seeded sampled and pathwise requests, batch 1 and 3, trees grown by the EAGLE
      head and by a draft model, and prompt lookup in front;
-  3. power: a device walk whose tests keep the full mass (the residual not updated) is caught by 1.
+  3. power: a device walk whose tests keep the full mass (the residual not updated) is caught by 1;
+  4. and, as a check of its own, the law: test_speculative_tree.py's chi-square cases and planted
+     bugs with the device step forced.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from minispec.runtime.sequence import Sequence
 from minispec.runtime.transfers import Staging, Upload
 from minispec.sampling import WARP_DTYPES, WarpParams
 from minispec.speculative_tree import accept_tree, stage_walk, tree_feed, tree_offsets, walk_on_device, walk_tables
-from test_speculative_statistical import PROMPT, models  # noqa: F401
-from test_speculative_tree import full_mass_child_tests
+from test_speculative_statistical import ALPHA, N, PROMPT, models  # noqa: F401
+from test_speculative_tree import TREE_CASES, TREE_MUTANTS, full_mass_child_tests, tree_p_value
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SP = SamplingParams
@@ -206,3 +208,33 @@ def test_other_tree_shapes_search_the_same_trees(models, drafter, shape):
     host, device = generate_both(models, drafter, params, BATCH, shape)
     assert device.tokens == host.tokens and device.counts == host.counts and host.counts[2] > 0
     assert device.device_searches > 0
+
+
+# --- 4. the law, with the device step forced ----------------------------------------------------
+
+
+def force_device(monkeypatch) -> None:
+    monkeypatch.setattr(minispec.engine, "tree_step", functools.partial(tree_module.tree_step, on_device=True))
+
+
+DEVICE_CASES = [c for c in TREE_CASES if not c[4].adjusts_logits]  # (penalties take the host step)
+
+
+@pytest.mark.parametrize("case", DEVICE_CASES, ids=[f"{c[0]}-d{c[1]}-n{c[2]}-k{c[3]}-T{c[4].temperature}" for c in DEVICE_CASES])
+def test_the_device_step_keeps_the_target_distribution(models, monkeypatch, case):
+    """test_speculative_tree.py's chi-square over the whole pipeline, the trees searched and
+    walked on the device."""
+    force_device(monkeypatch)
+    pval, llm = tree_p_value(models, *case)
+    assert pval > ALPHA
+    assert llm.last_metrics.num_accepted > 0.3 * N
+
+
+@pytest.mark.parametrize("drafter,mutant", TREE_MUTANTS, ids=[f"{d}-{m.__name__}" for d, m in TREE_MUTANTS])
+def test_the_statistic_rejects_planted_bugs_in_the_device_step(models, monkeypatch, drafter, mutant):
+    """Power, on the device step: the same planted bugs (its child tests without the residual
+    update, a causal mask over the tree, the path's K/V left in place) are rejected."""
+    force_device(monkeypatch)
+    mutant(monkeypatch)
+    pval, _ = tree_p_value(models, *next(c for c in TREE_CASES if c[0] == drafter))
+    assert pval < ALPHA
