@@ -44,30 +44,34 @@ Pathwise requests (pathwise.py) walk as greedy ones do, with the target's Gumbel
 each row in place of its argmax: a node is accepted iff it is the token plain pathwise decoding
 emits at its position after its path, so the walk emits plain decoding's tokens.
 
-The walk on the device (`device_tree_step`: one upload, one download, as the chain's step in
-speculative.py). The walk is sequential in depth, but what it decides at a node depends only on
-that node's row and its children's uniforms, never on how the walk got there: the test of child
-c_j at v is u_j < r(c_j) / mass_j with mass_0 = sum(p_v), mass_{j+1} = mass_j - r(c_j), and
-r(c_j) = 0 for a token an earlier sibling had (it was rejected). So the device decides, for
-EVERY node at once, which child the walk would accept there (or none), subtracting the masses
-child by child in fp64 exactly as the host walk does in Python floats, against the same keyed
-uniforms (uploaded with the step): next[v] = the first accepted child of v, or -1 (-1 at a row
-that is not finite, where the walk stops, broken). The walk is then next followed from the root:
-v_0 = root, v_{d+1} = next[v_d] while it is not -1, a fixed loop of max-depth gathers with no
-host branch. Only the decisions at nodes the walk reaches are used, and those are the host walk's
-decisions, so the path is the host walk's path. The final token is drawn at the stopping node
-from its row with every child's token zeroed (all were rejected) by the same inverse CDF and the
-same U(TOKEN) of position L + len(path) (uniforms for every possible length are uploaded, the
-right one gathered): the host walk's token. Greedy and pathwise requests take next[v] = the first
-child whose token is the target's argmax / Gumbel-max (noise from uploaded NOISE lanes) at v's
-row, and the final token is that pick at the stopping node. Every row is warped (the host walk
-warps only the rows it reads): a row's warp does not depend on the rows beside it. The path's
-K/V then move on the device too (`move_path_on_device`: the source slots gathered from the path,
-the destination slots known when the step was laid out), and the drafter's features of the path
-are gathered there; one download brings the tokens, the path and its length back. The host walk
-(`host_tree_step`) is the reference twin: requests with penalties, min_tokens or logprobs take it,
-and on a CPU it is the default (no device to wait for, and it warps fewer rows).
-tests/test_speculative_tree_device.py checks the two give identical decisions and tokens.
+The step on the device (`device_tree_step`: one upload, one download, as the chain's step in
+speculative.py). The tree drafter searches on the device (drafters/tree.py `stage_trees`: the same
+trees as its host search), or its trees ride up with the step (prompt lookup's chains, a search
+with a confidence threshold, which stays on the host). The walk is sequential in depth, but what
+it decides at a node depends only on that node's row and its children's uniforms, never on how the
+walk got there: the test of child c_j at v is u_j < r(c_j) / mass_j with mass_0 = sum(p_v),
+mass_{j+1} = mass_j - r(c_j), and r(c_j) = 0 for a token an earlier sibling had (it was
+rejected). So the device decides, for EVERY node at once, which child the walk would accept there
+(or none), subtracting the masses child by child in fp64 exactly as the host walk does in Python
+floats, against the same keyed uniforms (u_j = finish(the BRANCH lanes of its position, spread(j)),
+made on the device from lanes uploaded per depth: randomness.uniform's bits): next[v] = the first
+accepted child of v, or -1 (-1 at a row that is not finite, where the walk stops, broken). Then
+next is followed from the root: v_0 = root, v_{d+1} = next[v_d] while it is not -1, a fixed loop
+of max-depth gathers with no host branch. Only the decisions at nodes the walk reaches are used,
+and those are the host walk's decisions, so the path is the host walk's path. The final token is
+drawn at the stopping node from its row with every child's token zeroed (all were rejected) by the
+same inverse CDF and the same U(TOKEN) of position L + len(path) (uniforms for every possible
+length are uploaded, the right one gathered): the host walk's token. Greedy and pathwise requests
+take next[v] = the first child whose token is the target's argmax / Gumbel-max (noise from
+uploaded NOISE lanes) at v's row, and the final token is that pick at the stopping node. Every row
+is warped (the host walk warps only the rows it reads): a row's warp does not depend on the rows
+beside it. The path's K/V then move on the device too (`move_path_on_device`: the source slots
+gathered from the path, the destination slots known when the step was laid out), and the
+drafter's features of the path are gathered there; one download brings the tokens, the path and
+the trees back. The host step (`host_tree_step`) is the reference twin: requests with penalties,
+min_tokens or logprobs take it, and on a CPU it is the default (no device to wait for, and it
+warps fewer rows). tests/test_speculative_tree_device.py checks that the two give identical
+decisions and tokens.
 """
 
 from __future__ import annotations
@@ -96,11 +100,12 @@ def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth
     along its taken branch (the accepted path's tokens plus the draft's first choice that was
     rejected below it; the path's length; the tree's depth).
 
-    on_device: walk the tree on the device (`device_tree_step`: one upload, one download) or on
-    the host (`host_tree_step`, the reference twin; the same tokens). None: on the device unless
-    the target runs on the CPU, where there is no device to wait for and the host walk warps only
-    the rows a walk reads. Requests with penalties, min_tokens or logprobs always take the host
-    walk (`walks_on_host`).
+    on_device: the step on the device (`device_tree_step`: the search where the drafter has one
+    there, the walk and the K/V move; one upload, one download) or on the host (the drafter's
+    `propose_trees`, then `host_tree_step`: the reference twin, the same tokens). None: on the
+    device unless the target runs on the CPU, where there is no device to wait for and the host
+    walk warps only the rows a walk reads. Requests with penalties, min_tokens or logprobs always
+    take the host step (`walks_on_host`).
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1."""
     # 1. Draft: never deeper than the request may still emit (the final token is free).
     max_depth = [min(depth, s.remaining - 1) for s in seqs]

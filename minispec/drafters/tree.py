@@ -27,6 +27,19 @@ at most `depth` (num_speculative_tokens) and at most what the request may still 
 The drafter's K/V for the fed nodes are scratch: its rollback drops them, and the next step's
 catch-up feeds the accepted tokens again (a draft model) or rewrites the accepted positions from
 the target's real features (an EAGLE head, drafters/eagle.py).
+
+On the device (`stage_trees`, `search_on_device`: speculative_tree.py's one-upload step). Without
+a confidence threshold the search's shape is fixed before it runs: each expanded node gets
+w = min(top_k, V_d) children, so level 1 has w candidates, every later level w^2, every frontier
+w nodes, and which sequences feed at which level follows from their depths. So the host lays
+every forward out in the step's upload (each level's nodes are drawn tokens at known positions
+and key indices, with placeholder mask rows), and the device runs the levels back to back: the
+frontier by a stable sort of -score (the host's sort by (-score, id)), the fed nodes' mask rows
+(1 << key | the parent's row) and an EAGLE head's carry rows by gathers, the next candidates by
+top-k, scores in fp64 (the host's Python floats). The `budget` best candidates in candidate order
+are the tree: the host search's tree, wherever each drafted row is finite and has w finite
+logits (tests/test_speculative_tree_device.py compares the two through whole generations). With
+a threshold the search stays on the host, which alone can decide not to launch the next level.
 """
 
 from __future__ import annotations
