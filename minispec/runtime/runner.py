@@ -41,27 +41,12 @@ class TreeFeed:
 class DrawnTree:
     """Tree nodes drawn on the device (a tree drafter's level, a tree it verifies): per drawn
     token (Feed.drawn, in feed order) its position and its mask row, where the host could not
-    know them; None keeps the feed's. What `ModelRunner.run` writes over the feeds' placeholders
-    (which must pass `layout.tree_layout`'s check: a node's position is its block's start - 1 +
-    its bits set)."""
+    know them; None keeps the feed's. `ModelRunner.run` writes them over the feeds' placeholders
+    (which must pass layout.tree_layout's check: a node's position is its block's start - 1 + its
+    bits set)."""
 
     positions: torch.Tensor | None = None  # [sum drawn] int64
     bits: torch.Tensor | None = None  # [sum drawn] int64
-
-    def write(self, positions: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, in_place: bool,
-              meta=None) -> None:
-        """Into a forward's positions [T] and tree_bits [T] at rows [sum drawn]: in place (a static
-        bucket's buffers), or as new tensors set on meta (the dynamic path's views of the upload)."""
-        if in_place:
-            if self.positions is not None:
-                positions.index_copy_(0, rows, self.positions)
-            if self.bits is not None:
-                bits.index_copy_(0, rows, self.bits)
-            return
-        if self.positions is not None:
-            meta.positions = positions.index_copy(0, rows, self.positions)
-        if self.bits is not None:
-            meta.tree_bits = bits.index_copy(0, rows, self.bits)
 
 
 @dataclass
@@ -140,10 +125,14 @@ class ModelRunner(core.ModelRunner):
         """The device's half, once prepared.upload is sent: drawn [sum(f.drawn)] int64 holds the
         tokens drawn on the device, in feed order (Feed.drawn); drawn_tree, where those tokens are
         tree nodes placed on the device, their positions and mask rows (the feeds' are placeholders)."""
-        if prepared.bucket is not None:
-            return self.static.run(prepared, drawn, drawn_tree, **model_args)
-        self.forward_counts["dynamic"] += 1
         sent, p = prepared.upload.device, prepared.prefix
+        if drawn_tree is not None:  # (into the sent layout, this step's own device copy, before either path reads it)
+            for name, values in (("positions", drawn_tree.positions), ("tree_bits", drawn_tree.bits)):
+                if values is not None:
+                    sent[p + name].index_copy_(0, sent[p + "drawn_rows"], values)
+        if prepared.bucket is not None:
+            return self.static.run(prepared, drawn, **model_args)
+        self.forward_counts["dynamic"] += 1
         meta = BatchMetadata(
             positions=sent[p + "positions"],
             query_start_loc=sent[p + "query_start_loc"],
@@ -160,8 +149,6 @@ class ModelRunner(core.ModelRunner):
         input_ids = sent[p + "input_ids"]
         if drawn is not None:
             input_ids = input_ids.index_copy(0, sent[p + "drawn_rows"], drawn)
-        if drawn_tree is not None:
-            drawn_tree.write(meta.positions, meta.tree_bits, sent[p + "drawn_rows"], in_place=False, meta=meta)
         return self.model(input_ids, meta, self.cache.layers(), **model_args)  # logits [N, vocab], ...
 
     def _prepare(self, feeds: list[Feed], cached: list[int], q_lens: list[int], upload: Upload, prefix: str

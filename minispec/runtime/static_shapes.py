@@ -183,17 +183,14 @@ class StaticShapes:
             out.update(tree_start=m.tree_start, tree_bits=m.tree_bits)
         return out
 
-    def load(self, prepared: Prepared, drawn: torch.Tensor | None = None, drawn_tree=None) -> None:
+    def load(self, prepared: Prepared, drawn: torch.Tensor | None = None) -> None:
         """Copy a sent layout into its bucket's buffers (device to device), and the tokens drawn on
-        the device into their rows (with drawn_tree, a runner.DrawnTree, their positions and mask rows)."""
+        the device into their rows."""
         sent, p = prepared.upload.device, prepared.prefix
         for name, buf in self.buffers(prepared.bucket).items():
             buf.copy_(sent[p + name])
         if drawn is not None:
             prepared.bucket.input_ids.index_copy_(0, sent[p + "drawn_rows"], drawn)
-        if drawn_tree is not None:
-            m = prepared.bucket.meta
-            drawn_tree.write(m.positions, m.tree_bits, sent[p + "drawn_rows"], in_place=True)
         prepared.bucket.meta.attention_plan = None  # a backend's per-forward plan is rebuilt from the new values
 
     def fill(self, bucket: Bucket, feeds) -> None:
@@ -227,10 +224,10 @@ class StaticShapes:
             bound[name] = buf
         return bound
 
-    def run(self, prepared: Prepared, drawn: torch.Tensor | None = None, drawn_tree=None, **model_args):
+    def run(self, prepared: Prepared, drawn: torch.Tensor | None = None, **model_args):
         """The runner's forward for feeds that fit a bucket, once prepared.upload is sent; returns
         what the dynamic path returns."""
-        self.load(prepared, drawn, drawn_tree)
+        self.load(prepared, drawn)
         bucket, fed = prepared.bucket, prepared.num_rows
         rows = prepared.upload.device[prepared.prefix + "logit_rows"]
         args = self.bind(bucket, model_args, fed)
