@@ -238,3 +238,43 @@ def test_the_statistic_rejects_planted_bugs_in_the_device_step(models, monkeypat
     mutant(monkeypatch)
     pval, _ = tree_p_value(models, *next(c for c in TREE_CASES if c[0] == drafter))
     assert pval < ALPHA
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_device_selection_is_the_host_selection(seed):
+    """`select_on_device` against TreeDrafter.select on random candidates in the search's layout
+    (w children per frontier node, a child's score its parent's plus a log q <= 0, ties made on
+    purpose by rounding), for trees of every size up to past the candidates (as a lookup chain
+    beside the search pads them): the same tokens and parents, depths and mask rows that
+    DraftTree computes."""
+    from minispec.drafters.tree import Candidate, TreeDrafter, select_on_device
+
+    class Budget:  # what TreeDrafter.select reads of its drafter
+        def __init__(self, budget: int):
+            self.budget = budget
+
+    gen = torch.Generator().manual_seed(seed)
+    w, levels = int(torch.randint(1, 4, (), generator=gen)), int(torch.randint(1, 4, (), generator=gen))
+    found, frontier = [], [-1]
+    for level in range(1, levels + 1):
+        made = []
+        for parent in frontier:
+            base = found[parent].score if parent >= 0 else 0.0
+            for _ in range(w):
+                made.append(len(found))
+                step = -float(torch.rand((), generator=gen).mul(4).round().div(2))  # 0, -0.5, .. -2: ties
+                found.append(Candidate(int(torch.randint(0, 50, (), generator=gen)), parent, base + step))
+        frontier = sorted(made, key=lambda i: (-found[i].score, i))[:w]
+    M = len(found)
+    score = torch.tensor([[c.score for c in found]], dtype=torch.float64)
+    token = torch.tensor([[c.token for c in found]])
+    parent = torch.tensor([[c.parent for c in found]])
+    for size in range(1, M + 3):
+        N = size + 1
+        host = TreeDrafter.select(Budget(size), found)
+        tokens, parents, depths, bits = select_on_device(score, token, parent, torch.tensor([min(size, M)]), N, w, levels)
+        n = len(host)
+        assert tokens[0, :n].tolist() == host.tokens and parents[0, :n].tolist() == host.parents
+        assert depths[0, :n].tolist() == host.depths() and bits[0, :n].tolist() == host.ancestor_bits()
+        assert parents[0, n:].tolist() == [-2] * (N - n)
+

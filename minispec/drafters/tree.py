@@ -308,8 +308,8 @@ class DeviceTrees:
     bits: torch.Tensor
 
 
-def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTrees, sent: dict[str, torch.Tensor]
-                     ) -> DeviceTrees:
+def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTrees,
+                     sent: dict[str, torch.Tensor]) -> DeviceTrees:
     """`propose_trees` on the device (TreeDrafter.run_staged_trees). Candidates of sequence b
     live in a fixed layout [M], M = w + (levels - 1) w^2 (w = staged.width): level 1 at 0..w-1
     (the root's top-w), level l + 1 at w + (l - 1) w^2 + n w + r (the r-th child of level l's
@@ -319,69 +319,81 @@ def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTree
     their mask rows (1 << their key in the tree block | their parent's row) written on the device
     (runner.DrawnTree), an EAGLE head's carry gathered at each parent's row; its logits' top-w
     give the next level's candidates, score = the parent's + log q, in fp64 as the host's
-    Python floats. Finally the `budget` best candidates by score (ties: the earlier), in
-    candidate order: the host's `select`. The same trees as the host search wherever each drafted
-    row is finite and has w finite logits (elsewhere the host feeds fewer nodes: still a tree
-    fixed by the prefix, so still exact)."""
+    Python floats. Then `select_on_device`. The same trees as the host search wherever each
+    drafted row is finite and has w finite logits (elsewhere the host feeds fewer nodes: still a
+    tree fixed by the prefix, so still exact)."""
     head, p, w = self.head, staged.prefix, staged.width
     device = head.runner.device
     B, N = len(seqs), max(1, max(staged.sizes, default=0))
-    out = DeviceTrees(torch.zeros(B, N, dtype=torch.int64, device=device), torch.full((B, N), -2, device=device),
-                      torch.ones(B, N, dtype=torch.int64, device=device), torch.zeros(B, N, dtype=torch.int64, device=device))
+    out = DeviceTrees(*(torch.full((B, N), fill, dtype=torch.int64, device=device) for fill in (0, -2, 1, 0)))
     if not staged.active:
         return out
     A, levels = len(staged.active), max(staged.levels)
     M = w + (levels - 1) * w * w
     score = torch.full((A, M), float("-inf"), dtype=torch.float64, device=device)  # [A, M]
-    token = torch.zeros(A, M, dtype=torch.int64, device=device)
-    parent = torch.full((A, M), -1, dtype=torch.int64, device=device)  # candidate ids, -1 the root
+    token = torch.zeros(A, M, dtype=torch.int64, device=device)  # [A, M] target ids
+    parent = torch.full((A, M), -1, dtype=torch.int64, device=device)  # [A, M] candidate ids, -1 the root
     for prepared, args in staged.ahead:
         head.runner.run(prepared, **args)
     prepared, args = staged.first
     logits, carry = head.split(head.runner.run(prepared, **args))  # [A, V_d], the carry or None
     score[:, :w], token[:, :w] = self.top_children(logits, w)
-    lanes = torch.arange(w, device=device)  # [w]
-    frontier_bits = torch.zeros(A, w, dtype=torch.int64, device=device)
+    keys = torch.arange(w, device=device)  # [w]
+    frontier_bits = torch.zeros(A, w, dtype=torch.int64, device=device)  # [A, w] the last frontier's mask rows
     for level, prepared in enumerate(staged.forwards, start=1):
         rows = sent[f"{p}fed{level}"]  # [F] rows among the active
-        lo = 0 if level == 1 else w + (level - 2) * w * w  # this level's candidates: lo .. lo + width
-        order = torch.sort(-score[rows, lo : lo + (w if level == 1 else w * w)], dim=-1, stable=True).indices[:, :w]
-        frontier = lo + order  # [F, w] candidate ids, best first
-        own = torch.bitwise_left_shift(torch.ones_like(lanes), (level - 1) * w + lanes)  # [w] their keys' bits
-        parent_rows = sent[f"{p}parent_row{level}"][:, None]  # [F, 1] the previous forward's first row of each
-        if level == 1:
-            bits, carry_rows = own.expand(len(rows), w), parent_rows.expand(len(rows), w)
+        F = len(rows)
+        lo, hi = (0, w) if level == 1 else (w + (level - 2) * w * w, w + (level - 1) * w * w)  # this level's
+        order = torch.sort(-score[rows, lo:hi], dim=-1, stable=True).indices[:, :w]  # [F, w] best first
+        frontier = lo + order  # [F, w] candidate ids
+        own = torch.bitwise_left_shift(torch.ones_like(keys), (level - 1) * w + keys)  # [w] their keys' bits
+        first_row = sent[f"{p}parent_row{level}"][:, None]  # [F, 1] the previous forward's first row of each
+        if level == 1:  # (every node's parent is the root: the first forward's row)
+            bits, carry_rows = own.expand(F, w), first_row.expand(F, w)
         else:
             slot = order // w  # [F, w] the parent's place in the previous frontier
-            bits, carry_rows = own | frontier_bits[rows].gather(1, slot), parent_rows + slot
+            bits, carry_rows = own | frontier_bits[rows].gather(1, slot), first_row + slot
         frontier_bits[rows] = bits
         extra = {} if carry is None else head.chain_args(carry[carry_rows.flatten()])
         fed = token[rows].gather(1, frontier)  # [F, w]
-        logits, carry = head.split(head.runner.run(prepared, drawn=fed.flatten(), drawn_tree=DrawnTree(bits=bits.flatten()),
-                                                   **extra))  # [F * w, V_d]
+        result = head.runner.run(prepared, drawn=fed.flatten(), drawn_tree=DrawnTree(bits=bits.flatten()), **extra)
+        logits, carry = head.split(result)  # [F * w, V_d]
         values, children = self.top_children(logits, w)  # [F * w, w]
-        nxt = slice(w + (level - 1) * w * w, w + level * w * w)
-        score[rows, nxt] = (score[rows].gather(1, frontier)[..., None] + values.view(len(rows), w, w)).flatten(1)
-        token[rows, nxt] = children.view(len(rows), w * w)
-        parent[rows, nxt] = frontier[..., None].expand(len(rows), w, w).flatten(1)
-    # The budget best, in candidate order (padding past a tree's size sorts last, as M).
-    best = torch.sort(-score, dim=-1, stable=True).indices[:, :N]  # [A, N]
-    real = torch.arange(N, device=device)[None, :] < sent[p + "sizes"][:, None]  # [A, N]
-    chosen = torch.where(real, best, M).sort(dim=-1).values
+        made = slice(hi, hi + w * w)  # the next level's candidates
+        score[rows, made] = (score[rows].gather(1, frontier)[..., None] + values.view(F, w, w)).flatten(1)
+        token[rows, made] = children.view(F, w * w)
+        parent[rows, made] = frontier[..., None].expand(F, w, w).flatten(1)
+    active = sent[p + "active"]  # [A] batch rows
+    found = select_on_device(score, token, parent, sent[p + "sizes"], N, w, levels)
+    out.tokens[active], out.parents[active], out.depths[active], out.bits[active] = found
+    return out
+
+
+def select_on_device(score: torch.Tensor, token: torch.Tensor, parent: torch.Tensor, sizes: torch.Tensor, N: int,
+                     w: int, levels: int) -> tuple[torch.Tensor, ...]:
+    """`TreeDrafter.select` on the device: candidates [A, M] (score fp64, -inf where none; token;
+    parent candidate id), sizes [A] nodes wanted -> the tree padded to N nodes: tokens, parents
+    (-1 the root, -2 padding), depths, mask rows [A, N]. The sizes[a] best by score (a stable sort:
+    ties to the earlier), in candidate order (a child's score is at most its parent's, so its
+    parent is kept and comes first); a node's mask row by `levels` steps up its ancestors."""
+    A, M = score.shape
+    device = score.device
+    best = torch.sort(-score, dim=-1, stable=True).indices[:, :N]  # [A, min(M, N)]
+    best = torch.nn.functional.pad(best, (0, N - best.shape[1]), value=M)  # [A, N] (a longer chain beside it)
+    wanted = torch.arange(N, device=device)[None, :] < sizes[:, None]  # [A, N]
+    chosen = torch.where(wanted, best, M).sort(dim=-1).values  # [A, N] candidate order, padding (M) last
     real = chosen < M
     kept = chosen.clamp(max=M - 1)
-    node_of = torch.full((A, M + 2), -1, dtype=torch.int64, device=device)  # column 1 + c: candidate c's node
     nodes = torch.arange(N, device=device).expand(A, N)
-    node_of.scatter_(1, torch.where(real, 1 + kept, M + 1), nodes)
+    node_of = torch.full((A, M + 2), -1, dtype=torch.int64, device=device)  # column 1 + c: candidate c's node
+    node_of.scatter_(1, torch.where(real, 1 + kept, M + 1), nodes)  # (column 0: the root, -1; M + 1: spare)
     parents = torch.where(real, node_of.gather(1, parent.gather(1, kept) + 1), -2)  # [A, N]
-    depths = torch.where(kept < w, 1, 2 + (kept - w) // (w * w))  # [A, N]
-    bits = torch.where(real, torch.bitwise_left_shift(torch.ones_like(nodes), nodes), 0)
+    depths = torch.where(kept < w, 1, 2 + (kept - w) // (w * w))  # [A, N] from the candidate layout
+    one = torch.ones_like(nodes)
+    bits = torch.where(real, torch.bitwise_left_shift(one, nodes), 0)  # [A, N]
     ancestor = parents
     for _ in range(levels):
         up = ancestor >= 0
-        bits = bits | torch.where(up, torch.bitwise_left_shift(torch.ones_like(nodes), ancestor.clamp(min=0)), 0)
+        bits = bits | torch.where(up, torch.bitwise_left_shift(one, ancestor.clamp(min=0)), 0)
         ancestor = torch.where(up, parents.gather(1, ancestor.clamp(min=0)), -1)
-    active = sent[p + "active"]  # [A] batch rows
-    out.tokens[active], out.parents[active] = token.gather(1, kept), parents
-    out.depths[active], out.bits[active] = depths, bits
-    return out
+    return token.gather(1, kept), parents, depths, bits
