@@ -82,9 +82,10 @@ from dataclasses import dataclass
 import torch
 
 from .drafters.base import Drafter
-from .drafters.tree import DraftTree
+from .drafters.tree import DraftTree, StagedTrees
 from .pathwise import gumbel_max, lane_gumbel_max, noise_lanes
 from .randomness import Purpose, finish, row_lanes, spread, uniform, uniforms
+from .runtime.layout import Prepared
 from .runtime.metrics import StepTimes
 from .runtime.runner import DrawnTree, Feed, ModelRunner, TreeFeed
 from .runtime.sequence import Sequence
@@ -417,53 +418,27 @@ class DeviceWalk:
 
 def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, max_depth: list[int],
                      emit: Callable[[Sequence, int], bool], times: StepTimes) -> list[StepResult]:
-    """The four steps in one upload and one download (runtime/transfers.py). A tree drafter that
-    searches on the device (`stage_trees`: drafters/tree.py) lays its forwards out in the step's
-    upload; one that proposes on the host (prompt lookup in front, a confidence threshold) drafts
-    now and its trees ride up. The host lays out the verification (a device-drafted tree's nodes,
-    positions and mask rows are placeholders the device overwrites: runner.DrawnTree) and what
-    the walk needs that the host knows (`stage_walk`); ONE copy sends it all; the device drafts,
+    """The four steps in one upload and one download (runtime/transfers.py). The host lays the
+    step out (`lay_out_tree_step`) and ONE copy sends it; the device searches (`drafted_trees`),
     verifies, builds the walk's tables (`walk_tables`), walks (`walk_on_device`), moves the path's
     K/V (`move_path_on_device`) and gathers the drafter's features; ONE copy brings the tokens,
     the path and the trees back."""
     upload = Upload()
     with times.timing("draft_s", target.device):
-        staged = drafter.stage_trees(seqs, max_depth, upload)
-        if staged is None:  # every tree is the host's
-            host_trees = dict(enumerate(drafter.propose_trees(seqs, max_depth)))
-            sizes = [len(host_trees[b]) for b in range(len(seqs))]
-        else:  # the search's trees, and prompt lookup's chains in front of it (host data)
-            host_trees, sizes = staged.host_trees, staged.sizes
-    feeds = [tree_feed(s, host_trees[b]) if b in host_trees else placeholder_feed(s, sizes[b]) for b, s in enumerate(seqs)]
-    starts, lengths = [s.target_table.num_cached for s in seqs], [len(s) for s in seqs]
-    verification = target.prepare(feeds, upload)  # (reserves the nodes' key slots)
-    children = max([1] + [len(c) for t in host_trees.values() for c in t.children()])
-    depth = max([1] + [max(t.depths(), default=0) for t in host_trees.values()])
-    if staged is not None:
-        children, depth = max(children, staged.width), max([depth] + staged.levels)
-    shape = stage_walk(upload, seqs, feeds, sizes, target.vocab_size, children, depth, host_trees)
+        plan = lay_out_tree_step(seqs, target, drafter, max_depth, upload)
     sent = target.staging.send(upload)  # THE upload
-
     with times.timing("draft_s", target.device):
-        drawn, drawn_tree = None, None
-        tokens, parents = sent["tree.tokens"], sent["tree.parents"]  # [B, N] the host's trees
-        if staged is not None:  # the search, on the device
-            found = drafter.run_staged_trees(seqs, staged, sent)
-            from_host = sent["tree.from_host"][:, None]  # [B, 1]
-            tokens, parents = torch.where(from_host, tokens, found.tokens), torch.where(from_host, parents, found.parents)
-            if len(sent["tree.node_index"]):
-                nodes = sent["tree.node_index"]  # [sum sizes] each drafted node's place in [B, N], in feed order
-                drawn = tokens.flatten()[nodes]
-                drawn_tree = DrawnTree(sent["tree.node_root"] + found.depths.flatten()[nodes],
-                                       found.bits.flatten()[nodes])
+        tokens, parents, drawn, drawn_tree = drafted_trees(seqs, drafter, plan, sent)  # [B, N], [B, N], ...
     with times.verifying(seqs, target.device):
-        layers = drafter.target_layers
-        out = target.run(verification, drawn=drawn, drawn_tree=drawn_tree, **({"hidden_layers": layers} if layers else {}))
+        layers, shape = drafter.target_layers, plan.shape
+        out = target.run(plan.verification, drawn=drawn, drawn_tree=drawn_tree,
+                         **({"hidden_layers": layers} if layers else {}))
         logits, hidden = out if layers else (out, None)  # [sum(N_b + 1), V], features or None
         warp = None
         if not all(s.params.greedy for s in seqs):
-            warp = WarpParams.of([s.params for s in seqs for _ in range(shape.nodes + 1)], target.vocab_size, None,
-                                 {name: sent["tree.warp." + name] for name in WARP_DTYPES})
+            rows = [s.params for s in seqs for _ in range(shape.nodes + 1)]
+            sent_warp = {name: sent["tree.warp." + name] for name in WARP_DTYPES}
+            warp = WarpParams.of(rows, target.vocab_size, None, sent_warp)
         tables = walk_tables(tokens, parents, sent, shape)
         walk = walk_on_device(logits, sent, tables, shape, warp)  # 3. Accept / reject
         move_path_on_device(target, sent, walk.path)  # 4. KV: needs nothing from the host
@@ -471,20 +446,80 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
             hidden = hidden[observed_rows(sent, walk.path)]  # [sum(widths), F]
         emitted, num_accepted, path, broken, tree_tokens, tree_parents = target.staging.download(
             [walk.tokens, walk.num_accepted, walk.path, walk.broken.long(), tokens, parents])  # THE download
-    trees = [host_trees[b] if b in host_trees else DraftTree(t[:n], p[:n])
-             for b, (t, p, n) in enumerate(zip(tree_tokens, tree_parents, sizes))]
+    trees = [plan.host_trees[b] if b in plan.host_trees else DraftTree(t[:n], p[:n])
+             for b, (t, p, n) in enumerate(zip(tree_tokens, tree_parents, shape.sizes))]
     paths = [p[: n[0]] for p, n in zip(path, num_accepted)]
-    failures = {b: lengths[b] + n[0] for b, (n, x) in enumerate(zip(num_accepted, broken)) if x[0]}
+    failures = {b: plan.lengths[b] + n[0] for b, (n, x) in enumerate(zip(num_accepted, broken)) if x[0]}
     drafted = [[t.tokens[i] for i in p] for t, p in zip(trees, paths)]
-    emit_accepted(seqs, emitted, [n[0] for n in num_accepted], [max(t.depths(), default=0) for t in trees],
-                  [None] * len(seqs), failures, emit)
+    depths = [max(t.depths(), default=0) for t in trees]
+    emit_accepted(seqs, emitted, [n[0] for n in num_accepted], depths, [None] * len(seqs), failures, emit)
     for s in seqs:
         s.target_table.truncate(len(s) - 1, target.cache.allocator)
     if hidden is not None:
-        drafter.observe(seqs, starts, shape.widths, hidden)
+        drafter.observe(seqs, plan.starts, shape.widths, hidden)
     drafter.rollback(seqs)
-    return [StepResult(d + first_rejected(t, p), len(d), max(t.depths(), default=0))
-            for d, t, p in zip(drafted, trees, paths)]
+    return [StepResult(d + first_rejected(t, p), len(d), depth)
+            for d, t, p, depth in zip(drafted, trees, paths, depths)]
+
+
+@dataclass
+class TreeStepPlan:
+    """A device tree step laid out on the host (`lay_out_tree_step`): the drafter's staged search
+    (None: every tree is the host's), the trees the host has (by batch row), the verification
+    prepared, the walk's shape, and each sequence's cached count and length before the step."""
+
+    staged: StagedTrees | None
+    host_trees: dict[int, DraftTree]
+    verification: Prepared
+    shape: WalkShape
+    starts: list[int]
+    lengths: list[int]
+
+
+def lay_out_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, max_depth: list[int],
+                      upload: Upload) -> TreeStepPlan:
+    """The host's half of `device_tree_step`, into `upload`: a tree drafter that searches on the
+    device lays its forwards out (`stage_trees`, drafters/tree.py); one that proposes on the host
+    (a confidence threshold; prompt lookup's chains, beside a device search or not) drafts now and
+    its trees ride up. Then the verification (a device-drafted tree's nodes are drawn tokens with
+    placeholder positions and mask rows, `placeholder_feed`) and what the walk needs that the
+    host knows (`stage_walk`)."""
+    staged = drafter.stage_trees(seqs, max_depth, upload)
+    if staged is None:  # every tree is the host's
+        host_trees = dict(enumerate(drafter.propose_trees(seqs, max_depth)))
+        sizes = [len(host_trees[b]) for b in range(len(seqs))]
+    else:  # the search's trees, and prompt lookup's chains in front of it (host data)
+        host_trees, sizes = staged.host_trees, staged.sizes
+    feeds = [tree_feed(s, host_trees[b]) if b in host_trees else placeholder_feed(s, sizes[b])
+             for b, s in enumerate(seqs)]
+    starts, lengths = [s.target_table.num_cached for s in seqs], [len(s) for s in seqs]
+    verification = target.prepare(feeds, upload)  # (reserves the nodes' key slots)
+    children = max([1] + [len(c) for t in host_trees.values() for c in t.children()])
+    depth = max([1] + [max(t.depths(), default=0) for t in host_trees.values()])
+    if staged is not None:
+        children, depth = max(children, staged.width), max([depth] + staged.levels)
+    shape = stage_walk(upload, seqs, feeds, sizes, target.vocab_size, children, depth, host_trees)
+    return TreeStepPlan(staged, host_trees, verification, shape, starts, lengths)
+
+
+def drafted_trees(seqs: list[Sequence], drafter: Drafter, plan: TreeStepPlan, sent: dict[str, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, DrawnTree | None]:
+    """The step's trees on the device, tokens and parents [B, N]: the host's from the upload, the
+    device search's (`run_staged_trees`) in the other rows; and for the verification, the
+    searched nodes as drawn tokens in feed order with their positions (the root's + depth) and
+    mask rows (None, None where there are none)."""
+    tokens, parents = sent["tree.tokens"], sent["tree.parents"]  # [B, N] the host's trees
+    if plan.staged is None:
+        return tokens, parents, None, None
+    found = drafter.run_staged_trees(seqs, plan.staged, sent)
+    from_host = sent["tree.from_host"][:, None]  # [B, 1]
+    tokens = torch.where(from_host, tokens, found.tokens)
+    parents = torch.where(from_host, parents, found.parents)
+    nodes = sent["tree.node_index"]  # [sum sizes] each searched node's place in [B, N], in feed order
+    if not len(nodes):
+        return tokens, parents, None, None
+    positions = sent["tree.node_root"] + found.depths.flatten()[nodes]
+    return tokens, parents, tokens.flatten()[nodes], DrawnTree(positions, found.bits.flatten()[nodes])
 
 
 def placeholder_feed(s: Sequence, n: int) -> Feed:
@@ -536,8 +571,8 @@ def stage_walk(upload: Upload, seqs: list[Sequence], feeds: list[Feed], sizes: l
     upload.add("tree.root_slot", root_slot)  # [B]
     upload.add("tree.keep_rows", keep_rows)  # [sum widths]
     upload.add("tree.keep_path", keep_path)  # [sum widths]
-    upload.add("tree.branch_lanes", [[row_lanes(s.key, len(s) - 1 + d, Purpose.BRANCH, len(s)) for d in range(1, D + 1)]
-                                     for s in seqs])  # [B, D, 2]
+    branch = [[row_lanes(s.key, len(s) - 1 + d, Purpose.BRANCH, len(s)) for d in range(1, D + 1)] for s in seqs]
+    upload.add("tree.branch_lanes", branch)  # [B, D, 2]
     none = DraftTree()
     upload.add("tree.tokens", [host_trees.get(b, none).tokens + [0] * (N - len(host_trees.get(b, none)))
                                for b in range(len(seqs))])  # [B, N]
@@ -548,15 +583,16 @@ def stage_walk(upload: Upload, seqs: list[Sequence], feeds: list[Feed], sizes: l
     upload.add("tree.node_index", [b * N + i for b in drafted for i in range(sizes[b])])  # [sum sizes]
     upload.add("tree.node_root", [len(seqs[b]) - 1 for b in drafted for _ in range(sizes[b])])  # [sum sizes]
     if not greedy:
-        for name, values in WarpParams.arrays([s.params for s in seqs for _ in range(N + 1)], vocab_size).items():
+        row_params = [s.params for s in seqs for _ in range(N + 1)]
+        for name, values in WarpParams.arrays(row_params, vocab_size).items():
             upload.add("tree.warp." + name, values, WARP_DTYPES[name])  # [B * (N+1)]
-        upload.add("tree.token_u", [[uniform(s.key, len(s) + j, Purpose.TOKEN) for j in range(D + 1)] for s in seqs],
-                   torch.float64)  # [B, D+1]
+        token_u = [[uniform(s.key, len(s) + j, Purpose.TOKEN) for j in range(D + 1)] for s in seqs]
+        upload.add("tree.token_u", token_u, torch.float64)  # [B, D+1]
         chosen = [b for b, s in enumerate(seqs) if s.pathwise]
         if chosen:
             upload.add("tree.pathwise_rows", chosen)  # [P]
-            upload.add("tree.noise_lanes", [noise_lanes([seqs[b].key] * (D + 1), [len(seqs[b]) + d for d in range(D + 1)])
-                                            for b in chosen])  # [P, D+1, 2]
+            lanes = [noise_lanes([seqs[b].key] * (D + 1), [len(seqs[b]) + d for d in range(D + 1)]) for b in chosen]
+            upload.add("tree.noise_lanes", lanes)  # [P, D+1, 2]
     return WalkShape(sizes, N, children, D, widths)
 
 
@@ -571,7 +607,8 @@ def walk_tables(tokens: torch.Tensor, parents: torch.Tensor, sent: dict[str, tor
     C, D = shape.children, shape.depth
     device = tokens.device
     real = parents >= -1  # [B, N]
-    earlier = torch.arange(N, device=device)[None, :] < torch.arange(N, device=device)[:, None]  # [N(i), N(j)]: j < i
+    index = torch.arange(N, device=device)
+    earlier = index[None, :] < index[:, None]  # [N(i), N(j)]: j < i
     siblings = (parents[:, :, None] == parents[:, None, :]) & real[:, None, :] & earlier  # [B, N, N]
     rank = siblings.sum(-1)  # [B, N]
     repeat = (siblings & (tokens[:, :, None] == tokens[:, None, :])).any(-1)  # [B, N]

@@ -122,7 +122,8 @@ class LookupFirstDrafter(Drafter):
         lookup found nothing for, and lookup's chains are host trees of the others (None where
         the tree drafter searches on the host)."""
         looked_up = [self.lookup.lookup(s.tokens, n) if n > 0 else [] for s, n in zip(seqs, max_depth)]
-        staged = self.model_drafter.stage_trees(seqs, [0 if found else n for found, n in zip(looked_up, max_depth)], upload)
+        rest = [0 if found else n for found, n in zip(looked_up, max_depth)]  # the drafter's
+        staged = self.model_drafter.stage_trees(seqs, rest, upload)
         if staged is None:
             return None  # (propose_trees looks up again: the same chains)
         self.lookup_drafts += sum(1 for found in looked_up if found)

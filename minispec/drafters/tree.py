@@ -220,13 +220,16 @@ class TreeDrafter(Drafter):
         upload.add(p + "sizes", [sizes[b] for b in active])  # [A]
         for level in range(1, max(levels)):
             fed = [b for b in active if levels[b] > level]
-            low = (1 << (level - 1)) - 1  # placeholder mask rows with `level` bits (their position's); the device writes them
+            # Placeholder mask rows with `level` bits set (as their position says); the device writes them.
+            low = (1 << (level - 1)) - 1
+            rows = [low | 1 << ((level - 1) * w + n) for n in range(w)]
             feeds = [Feed(seqs[b].draft_table, [0] * w, w,
-                          TreeFeed(block_start[b], [len(seqs[b]) + head.tree_root_offset + level] * w,
-                                   [low | 1 << ((level - 1) * w + n) for n in range(w)]), drawn=w) for b in fed]
+                          TreeFeed(block_start[b], [len(seqs[b]) + head.tree_root_offset + level] * w, rows), drawn=w)
+                     for b in fed]
             staged.forwards.append(head.runner.prepare(feeds, upload))
             upload.add(f"{p}fed{level}", [active.index(b) for b in fed])  # [F] rows among the active
-            upload.add(f"{p}parent_row{level}", [previous.index(b) * (1 if level == 1 else w) for b in fed])  # [F]
+            per_parent = 1 if level == 1 else w  # rows the previous forward gave each sequence
+            upload.add(f"{p}parent_row{level}", [previous.index(b) * per_parent for b in fed])  # [F]
             previous = fed
         return staged
 
@@ -292,7 +295,7 @@ class StagedTrees:
     ahead: list = field(default_factory=list)
     first: tuple | None = None
     forwards: list = field(default_factory=list)
-    host_trees: dict[int, DraftTree] = field(default_factory=dict)  # rows another drafter filled on the host (lookup)
+    host_trees: dict[int, DraftTree] = field(default_factory=dict)  # rows lookup filled on the host
 
 
 @dataclass
@@ -356,7 +359,8 @@ def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTree
         frontier_bits[rows] = bits
         extra = {} if carry is None else head.chain_args(carry[carry_rows.flatten()])
         fed = token[rows].gather(1, frontier)  # [F, w]
-        result = head.runner.run(prepared, drawn=fed.flatten(), drawn_tree=DrawnTree(bits=bits.flatten()), **extra)
+        mask = DrawnTree(bits=bits.flatten())
+        result = head.runner.run(prepared, drawn=fed.flatten(), drawn_tree=mask, **extra)
         logits, carry = head.split(result)  # [F * w, V_d]
         values, children = self.top_children(logits, w)  # [F * w, w]
         made = slice(hi, hi + w * w)  # the next level's candidates

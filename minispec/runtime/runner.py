@@ -126,7 +126,7 @@ class ModelRunner(core.ModelRunner):
         tokens drawn on the device, in feed order (Feed.drawn); drawn_tree, where those tokens are
         tree nodes placed on the device, their positions and mask rows (the feeds' are placeholders)."""
         sent, p = prepared.upload.device, prepared.prefix
-        if drawn_tree is not None:  # (into the sent layout, this step's own device copy, before either path reads it)
+        if drawn_tree is not None:  # (into the sent layout, this step's own copy, before either path reads it)
             for name, values in (("positions", drawn_tree.positions), ("tree_bits", drawn_tree.bits)):
                 if values is not None:
                     sent[p + name].index_copy_(0, sent[p + "drawn_rows"], values)
