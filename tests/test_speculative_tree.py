@@ -711,8 +711,9 @@ def test_an_interrupted_tree_step_ends_every_request_and_leaves_the_llm_usable(t
     clean = [o.token_ids for o in llm.generate(PROMPTS, params)]
     owner = llm.engine.drafter if where[0] == "drafter" else minispec.speculative_tree
     name = where[1]
-    if llm.engine.target.device.type != "cpu":  # (the walk and the K/V move run on the device there)
-        name = {"accept_tree": "walk_on_device", "move_path": "move_path_on_device"}.get(name, name)
+    if llm.engine.target.device.type != "cpu":  # (the search, the walk and the K/V move run on the device there)
+        name = {"propose_trees": "run_staged_trees", "accept_tree": "walk_on_device",
+                "move_path": "move_path_on_device"}.get(name, name)
     generate_interrupted(llm, PROMPTS, params, owner, name, 3)  # the third call: mid-answer, after the head's first trees
     assert idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == clean
