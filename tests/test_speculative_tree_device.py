@@ -278,3 +278,23 @@ def test_the_device_selection_is_the_host_selection(seed):
         assert depths[0, :n].tolist() == host.depths() and bits[0, :n].tolist() == host.ancestor_bits()
         assert parents[0, n:].tolist() == [-2] * (N - n)
 
+
+
+@pytest.mark.parametrize("where", [("drafter", "run_staged_trees"), ("module", "walk_on_device"),
+                                   ("module", "move_path_on_device"), ("drafter", "rollback")], ids=lambda w: w[1])
+def test_an_interrupted_device_step_ends_every_request_and_leaves_the_llm_usable(tiny_llama, tiny_llama_eagle,
+                                                                                 monkeypatch, where):
+    """test_speculative_tree.py's interrupt test with the step forced on the device: a
+    KeyboardInterrupt in the search, the walk, the K/V move or the rollback ends every request
+    with "error", frees every page of both pools, and the next call equals an uninterrupted one."""
+    from test_reliability import PROMPTS, generate_interrupted, idle_and_whole
+
+    force_device(monkeypatch)
+    llm = LLM(model=str(tiny_llama), draft_model=str(tiny_llama_eagle), num_speculative_tokens=3, draft_tree_budget=6,
+              draft_tree_top_k=3, kv_cache_gib=0.01, dtype="float32")
+    params = SP(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3)
+    clean = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    owner = llm.engine.drafter if where[0] == "drafter" else tree_module
+    generate_interrupted(llm, PROMPTS, params, owner, where[1], 3)
+    assert idle_and_whole(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == clean
