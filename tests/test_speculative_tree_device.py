@@ -298,3 +298,25 @@ def test_an_interrupted_device_step_ends_every_request_and_leaves_the_llm_usable
     generate_interrupted(llm, PROMPTS, params, owner, where[1], 3)
     assert idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == clean
+
+
+@pytest.mark.parametrize("drafter", ["draft-tree", "eagle-tree", "lookup+eagle-tree"])
+def test_the_device_step_with_static_shapes(tiny_llama, tiny_llama_draft, tiny_llama_eagle, monkeypatch, drafter):
+    """With the step on the device, static shapes (what a CUDA graph replays) give the dynamic
+    path's tokens, and after warm-up no forward of any runner is dynamic: the search's levels and
+    the verification of a searched tree, whose positions and mask rows the device writes into a
+    bucket, are static shapes (tests/test_graphs.py's check)."""
+    from test_graphs import PROMPTS as GRAPH_PROMPTS
+    from test_graphs import REPEATING, drafter_args, trace_forwards
+
+    force_device(monkeypatch)
+    args = dict(model=str(tiny_llama), kv_cache_gib=0.01, **drafter_args(drafter, tiny_llama_draft, tiny_llama_eagle))
+    dynamic, static = LLM(**args, cuda_graphs=False), LLM(**args, static_shapes=True, max_num_seqs=4)
+    log = trace_forwards(static)
+    prompts = REPEATING if "lookup" in drafter else GRAPH_PROMPTS
+    params = [SP(temperature=0, max_tokens=20, ignore_eos=True)] + [
+        SP(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True, seed=i) for i in range(len(prompts) - 1)]
+    assert [o.token_ids for o in dynamic.generate(prompts, params)] == [o.token_ids for o in static.generate(prompts, params)]
+    warm_up = max(i for i, (_, _, from_start) in enumerate(log) if from_start) + 1
+    assert [entry for entry in log[warm_up:] if entry[1] == "dynamic"] == []
+    assert sum(1 for role, path, _ in log[warm_up:] if role == "draft" and path == "static") >= 3
