@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.runner import DrawnTree, Feed, TreeFeed
-from ..runtime.transfers import Upload
 from ..runtime.sequence import Sequence
+from ..runtime.transfers import Upload
 from ..core.drafters import drop_nonfinite
 from .base import AutoregressiveDrafter, Drafter
 
@@ -276,7 +276,6 @@ class TreeDrafter(Drafter):
                          [index[candidates[i].parent] if candidates[i].parent >= 0 else -1 for i in keep])
 
 
-
 @dataclass
 class StagedTrees:
     """A tree search laid out in a step's upload (`TreeDrafter.stage_trees`), to run on the device
@@ -311,7 +310,7 @@ class DeviceTrees:
     bits: torch.Tensor
 
 
-def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTrees,
+def search_on_device(drafter: TreeDrafter, seqs: list[Sequence], staged: StagedTrees,
                      sent: dict[str, torch.Tensor]) -> DeviceTrees:
     """`propose_trees` on the device (TreeDrafter.run_staged_trees). Candidates of sequence b
     live in a fixed layout [M], M = w + (levels - 1) w^2 (w = staged.width): level 1 at 0..w-1
@@ -325,7 +324,7 @@ def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTree
     Python floats. Then `select_on_device`. The same trees as the host search wherever each
     drafted row is finite and has w finite logits (elsewhere the host feeds fewer nodes: still a
     tree fixed by the prefix, so still exact)."""
-    head, p, w = self.head, staged.prefix, staged.width
+    head, p, w = drafter.head, staged.prefix, staged.width
     device = head.runner.device
     B, N = len(seqs), max(1, max(staged.sizes, default=0))
     out = DeviceTrees(*(torch.full((B, N), fill, dtype=torch.int64, device=device) for fill in (0, -2, 1, 0)))
@@ -340,7 +339,7 @@ def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTree
         head.runner.run(prepared, **args)
     prepared, args = staged.first
     logits, carry = head.split(head.runner.run(prepared, **args))  # [A, V_d], the carry or None
-    score[:, :w], token[:, :w] = self.top_children(logits, w)
+    score[:, :w], token[:, :w] = drafter.top_children(logits, w)
     keys = torch.arange(w, device=device)  # [w]
     frontier_bits = torch.zeros(A, w, dtype=torch.int64, device=device)  # [A, w] the last frontier's mask rows
     for level, prepared in enumerate(staged.forwards, start=1):
@@ -362,7 +361,7 @@ def search_on_device(self: TreeDrafter, seqs: list[Sequence], staged: StagedTree
         mask = DrawnTree(bits=bits.flatten())
         result = head.runner.run(prepared, drawn=fed.flatten(), drawn_tree=mask, **extra)
         logits, carry = head.split(result)  # [F * w, V_d]
-        values, children = self.top_children(logits, w)  # [F * w, w]
+        values, children = drafter.top_children(logits, w)  # [F * w, w]
         made = slice(hi, hi + w * w)  # the next level's candidates
         score[rows, made] = (score[rows].gather(1, frontier)[..., None] + values.view(F, w, w)).flatten(1)
         token[rows, made] = children.view(F, w * w)
