@@ -1,18 +1,24 @@
-"""The tree walk on the device (speculative_tree.py `device_tree_step`) is the host walk.
+"""The tree step on the device (speculative_tree.py `device_tree_step`, drafters/tree.py
+`search_on_device`) is the host step.
 
-The host walk (`accept_tree`, the reference twin) is what tests/test_speculative_tree.py shows
-exact: enumeration of `walk_one`, chi-square over the whole pipeline, planted bugs. The device
-walk makes the same decisions from the same numbers (the same rows warped, the same keyed
-uniforms, the masses subtracted child by child in fp64, the same final draw), so it is checked
-for IDENTITY with the host walk rather than for its law again:
-  1. draw by draw, on random trees and logits (repeated siblings, non-finite rows, greedy,
-     standard and pathwise requests in one batch): the same path, final token and failure;
-  2. end to end, LLM.generate with the device walk forced against the host walk: the same tokens
-     for greedy, seeded sampled and pathwise requests, batch 1 and 3, trees grown by the EAGLE
-     head and by a draft model, and prompt lookup in front;
+The host step (the host search `propose_trees`, the host walk `accept_tree`: the reference twin)
+is what tests/test_speculative_tree.py shows exact: enumeration of `walk_one`, chi-square over the
+whole pipeline, planted bugs. The device step makes the same decisions from the same numbers (the
+same rows warped, the same keyed uniforms, the masses subtracted child by child in fp64, the same
+final draw; the same frontiers and selection, scores in fp64), so it is checked for IDENTITY with
+the host step rather than for its law alone:
+  1. the walk draw by draw, on random trees and logits (repeated siblings, non-finite rows,
+     greedy, standard and pathwise requests in one batch): the same path, final token and
+     failure; the selection of a tree from its candidates: the host's `select`;
+  2. end to end, LLM.generate with the step forced on the device against the host step: the same
+     tokens and drafted / accepted counts for greedy, seeded sampled and pathwise requests, batch
+     1 and 3, trees grown by the EAGLE head and by a draft model (several shapes), prompt lookup
+     in front, a mixed batch; a penalised request takes the host step;
   3. power: a device walk whose tests keep the full mass (the residual not updated) is caught by 1;
-  4. and, as a check of its own, the law: test_speculative_tree.py's chi-square cases and planted
-     bugs with the device step forced.
+  4. the law as a check of its own: test_speculative_tree.py's chi-square cases and planted bugs
+     with the device step forced;
+  5. the rest of a step's contract on the device: static shapes (no dynamic forward after
+     warm-up), interrupts anywhere, non-finite rows the walk never reaches.
 """
 
 from __future__ import annotations
@@ -320,3 +326,37 @@ def test_the_device_step_with_static_shapes(tiny_llama, tiny_llama_draft, tiny_l
     warm_up = max(i for i, (_, _, from_start) in enumerate(log) if from_start) + 1
     assert [entry for entry in log[warm_up:] if entry[1] == "dynamic"] == []
     assert sum(1 for role, path, _ in log[warm_up:] if role == "draft" and path == "static") >= 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_node_rows_the_device_walk_never_reaches_change_nothing(temperature):
+    """test_speculative_tree.py's non-finite test, walked on the device: every row past the root is
+    NaN. The root prefers 4: both of its children are rejected at its finite row and the step
+    emits 4. The root prefers 9: 9 is accepted, the next token would come from its NaN row, so
+    the request emits 9 and ends with "error" at that position."""
+    from test_reliability import ScriptedTarget
+    from test_speculative_tree import FixedTree
+
+    from minispec.runtime.metrics import StepTimes
+    from minispec.speculative import StepResult
+
+    class Reserving(ScriptedTarget):
+        def prepare(self, feeds, upload):  # (the device step reads the nodes' pool slots)
+            for f in feeds:
+                f.table.reserve(f.table.num_cached + len(f.tokens), self.cache.allocator)
+            return feeds
+
+    def run(best: int):
+        seq = Sequence(0, [1, 2, 3], SP(temperature=temperature, max_tokens=5, seed=0, ignore_eos=True), 16)
+        target = Reserving(vocab=32, best=best, nan_after_draft=True)
+        target.cache.copy_slots = lambda src, dst: None  # no K/V here
+        verdicts = tree_module.tree_step([seq], target, FixedTree(), 3, lambda s, t: s.append(t, [], None),
+                                         StepTimes(), on_device=True)
+        return seq, verdicts
+
+    seq, verdicts = run(best=4)
+    assert seq.finish_reason is None and seq.output_ids == [4]
+    assert verdicts == [StepResult([9], 0, 2)]
+    seq, verdicts = run(best=9)
+    assert seq.output_ids == [9] and seq.finish_reason == "error" and "position 4" in seq.error
+    assert verdicts == [StepResult([9, 12], 1, 2)]
