@@ -18,7 +18,8 @@ the host step rather than for its law alone:
   4. the law as a check of its own: test_speculative_tree.py's chi-square cases and planted bugs
      with the device step forced;
   5. the rest of a step's contract on the device: static shapes (no dynamic forward after
-     warm-up), interrupts anywhere, non-finite rows the walk never reaches.
+     warm-up), interrupts anywhere, non-finite rows the walk never reaches, the end of the
+     context, preemption.
 """
 
 from __future__ import annotations
@@ -360,3 +361,35 @@ def test_non_finite_node_rows_the_device_walk_never_reaches_change_nothing(tempe
     seq, verdicts = run(best=9)
     assert seq.output_ids == [9] and seq.finish_reason == "error" and "position 4" in seq.error
     assert verdicts == [StepResult([9, 12], 1, 2)]
+
+
+def test_a_device_step_at_the_end_of_the_context(models, monkeypatch):
+    """test_speculative_tree.py's end-of-context test with the step on the device: the last steps'
+    trees reach key slots past the context (their verification runs dynamically even with static
+    shapes), and the tokens are plain decoding's."""
+    force_device(monkeypatch)
+    model = (models["target"], models["tok"])
+    params = SP(temperature=0, max_tokens=64 - len(PROMPT), ignore_eos=True)  # prompt + answer = the context (64)
+    plain = LLM(model=model, kv_cache_gib=0.01, page_size=4).generate([PROMPT], params)[0].token_ids
+    for static in (False, True):
+        llm = LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=4, draft_tree_budget=12,
+                  draft_tree_top_k=3, kv_cache_gib=0.01, page_size=4, max_num_seqs=1, static_shapes=static)
+        assert llm.generate([PROMPT], params)[0].token_ids == plain
+
+
+def test_a_device_step_with_preemption(models, monkeypatch):
+    """A KV pool small enough to preempt and recompute sequences mid-answer: with the step on the
+    device, greedy requests give plain decoding's tokens and seeded sampled ones the host step's."""
+    model = (models["target"], models["tok"])
+    prompts = [PROMPT, [0, 1], [4, 4, 4, 4], [2, 5, 3], [1], [3, 3, 0, 1, 2]]
+    tree = dict(draft_model=models["eagle"], num_speculative_tokens=3, draft_tree_budget=6, draft_tree_top_k=3)
+    small = dict(model=model, page_size=4, kv_cache_gib=22 * 512 / 2**30, max_num_seqs=6, **tree)  # ~10 pages a pool
+    greedy = SP(temperature=0, max_tokens=20, ignore_eos=True)
+    sampled = [SP(temperature=0.9, max_tokens=20, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    plain = [o.token_ids for o in LLM(model=model, kv_cache_gib=0.01, page_size=4).generate(prompts, greedy)]
+    host = [o.token_ids for o in LLM(**small).generate(prompts, sampled)]
+    force_device(monkeypatch)
+    llm = LLM(**small)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert llm.last_metrics.num_preemptions > 0
+    assert [o.token_ids for o in llm.generate(prompts, sampled)] == host
