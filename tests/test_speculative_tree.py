@@ -378,7 +378,21 @@ def test_tree_drafting_keeps_the_target_distribution(models, case):
 
 
 def no_residual_update(monkeypatch):
+    """In the host walk and in the device walk (where the target runs on a GPU)."""
     monkeypatch.setattr(minispec.speculative_tree, "walk_one", residual_not_updated)
+    monkeypatch.setattr(minispec.speculative_tree, "child_tests", full_mass_child_tests)
+
+
+def full_mass_child_tests(probs, children, child_tokens, repeat, branch_u):
+    """The device walk's `child_tests` with residual_not_updated's mistake: every child tested
+    against the full mass of its parent's row."""
+    tested = torch.where(children >= 0, probs.gather(-1, child_tokens).double(), 0.0)
+    mass = probs.sum(-1, dtype=torch.float64)
+    accepted = torch.full_like(children[..., 0], -1)
+    for j in range(children.shape[-1]):
+        hit = (children[..., j] >= 0) & (accepted < 0) & (branch_u[..., j] < tested[..., j] / mass)
+        accepted = torch.where(hit, children[..., j], accepted)
+    return accepted
 
 
 def non_ancestor_attention(monkeypatch):
@@ -392,6 +406,7 @@ def non_ancestor_attention(monkeypatch):
 
 def path_kv_not_moved(monkeypatch):
     monkeypatch.setattr(minispec.speculative_tree, "move_path", lambda *args: None)
+    monkeypatch.setattr(minispec.speculative_tree, "move_path_on_device", lambda *args: None)
 
 
 TREE_MUTANTS = [("eagle-tree", no_residual_update), ("near-tree", no_residual_update),
@@ -695,7 +710,11 @@ def test_an_interrupted_tree_step_ends_every_request_and_leaves_the_llm_usable(t
     params = SP(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3)
     clean = [o.token_ids for o in llm.generate(PROMPTS, params)]
     owner = llm.engine.drafter if where[0] == "drafter" else minispec.speculative_tree
-    generate_interrupted(llm, PROMPTS, params, owner, where[1], 3)  # the third call: mid-answer, after the head's first trees
+    name = where[1]
+    if llm.engine.target.device.type != "cpu":  # (the search, the walk and the K/V move run on the device there)
+        name = {"propose_trees": "run_staged_trees", "accept_tree": "walk_on_device",
+                "move_path": "move_path_on_device"}.get(name, name)
+    generate_interrupted(llm, PROMPTS, params, owner, name, 3)  # the third call: mid-answer, after the head's first trees
     assert idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == clean
 

@@ -20,6 +20,8 @@ when the sequence arrives and is set to None again when a preemption frees the s
 
 A tree drafter (`drafts_trees`, drafters/tree.py) proposes with `propose_trees` instead, one
 `DraftTree` per sequence, and is verified by speculative_tree.py; observe and rollback are the same.
+One that can search on the device lays its search out in the step's upload with `stage_trees`
+and runs it with `run_staged_trees` (the default: None, it proposes on the host).
 
 A new drafter is one file: a `Drafter` subclass, or an `AutoregressiveDrafter` subclass when a
 model drafts token by token (it then supplies the forwards; the sampling loop is shared here).
@@ -96,6 +98,15 @@ class Drafter(core.Drafter):
 
     def propose_trees(self, seqs: list[Sequence], max_depth: list[int]) -> list:
         """A tree drafter's proposal: one drafters.tree.DraftTree per sequence, at most max_depth[b] deep."""
+        raise NotImplementedError
+
+    def stage_trees(self, seqs: list[Sequence], max_depth: list[int], upload: Upload):
+        """A tree drafter's search laid out in a step's upload to run on the device
+        (drafters/tree.py `TreeDrafter.stage_trees`), or None: it proposes on the host."""
+        return None
+
+    def run_staged_trees(self, seqs: list[Sequence], staged, sent: dict[str, torch.Tensor]):
+        """The device's half of `stage_trees`: drafters.tree.DeviceTrees."""
         raise NotImplementedError
 
     def tree_slots(self, depth: int) -> int:

@@ -117,6 +117,25 @@ class LookupFirstDrafter(Drafter):
         self.model_drafts += sum(1 for t in trees if len(t))
         return [DraftTree.chain(found) if found else t for found, t in zip(looked_up, trees)]
 
+    def stage_trees(self, seqs: list[Sequence], max_depth: list[int], upload: Upload):
+        """`propose_trees`' choice, laid out: the tree drafter's search is staged for the sequences
+        lookup found nothing for, and lookup's chains are host trees of the others (None where
+        the tree drafter searches on the host)."""
+        looked_up = [self.lookup.lookup(s.tokens, n) if n > 0 else [] for s, n in zip(seqs, max_depth)]
+        rest = [0 if found else n for found, n in zip(looked_up, max_depth)]  # the drafter's
+        staged = self.model_drafter.stage_trees(seqs, rest, upload)
+        if staged is None:
+            return None  # (propose_trees looks up again: the same chains)
+        self.lookup_drafts += sum(1 for found in looked_up if found)
+        self.model_drafts += sum(1 for n in staged.sizes if n > 0)
+        for b, found in enumerate(looked_up):
+            if found:
+                staged.host_trees[b], staged.sizes[b] = DraftTree.chain(found), len(found)
+        return staged
+
+    def run_staged_trees(self, seqs: list[Sequence], staged, sent: dict[str, torch.Tensor]):
+        return self.model_drafter.run_staged_trees(seqs, staged, sent)
+
     def observe(self, seqs: list[Sequence], starts: list[int], num_fed: list[int], hidden: torch.Tensor) -> None:
         self.model_drafter.observe(seqs, starts, num_fed, hidden)
 

@@ -113,12 +113,14 @@ class KVCache(core.KVCache):
     def nbytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
 
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+    def copy_slots(self, src: list[int] | torch.Tensor, dst: list[int] | torch.Tensor) -> None:
         """K/V of pool slots src -> dst in every layer (all read before any is written): how a
-        tree verification moves its accepted path's K/V to the sequence's next positions."""
-        if not src:
+        tree verification moves its accepted path's K/V to the sequence's next positions. src,
+        dst: host lists, or int64 tensors on the pool's device (a walk made there: no upload)."""
+        if len(src) == 0:
             return
         device = self.pool.device
-        src_t, dst_t = (torch.tensor(x, dtype=torch.int64, device=device) for x in (src, dst))
+        src_t, dst_t = (x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64, device=device)
+                        for x in (src, dst))
         flat = self.pool.flatten(2, 3).flatten(0, 1)  # [L * 2, (pages + 1) * page_size, Hkv, D], a view
         flat[:, dst_t] = flat[:, src_t]

@@ -38,6 +38,18 @@ class TreeFeed:
 
 
 @dataclass
+class DrawnTree:
+    """Tree nodes drawn on the device (a tree drafter's level, a tree it verifies): per drawn
+    token (Feed.drawn, in feed order) its position and its mask row, where the host could not
+    know them; None keeps the feed's. `ModelRunner.run` writes them over the feeds' placeholders
+    (which must pass layout.tree_layout's check: a node's position is its block's start - 1 + its
+    bits set)."""
+
+    positions: torch.Tensor | None = None  # [sum drawn] int64
+    bits: torch.Tensor | None = None  # [sum drawn] int64
+
+
+@dataclass
 class Feed(core.Feed):
     """The core's feed (new tokens for one sequence: they take key indices, and without a tree
     positions, table.num_cached, table.num_cached + 1, ...), with a tree and device-drawn tokens."""
@@ -108,13 +120,19 @@ class ModelRunner(core.ModelRunner):
             f.table.num_cached += n
         return prepared
 
-    def run(self, prepared: Prepared, drawn: torch.Tensor | None = None, **model_args) -> torch.Tensor | tuple:
+    def run(self, prepared: Prepared, drawn: torch.Tensor | None = None, drawn_tree: DrawnTree | None = None,
+            **model_args) -> torch.Tensor | tuple:
         """The device's half, once prepared.upload is sent: drawn [sum(f.drawn)] int64 holds the
-        tokens drawn on the device, in feed order (Feed.drawn)."""
+        tokens drawn on the device, in feed order (Feed.drawn); drawn_tree, where those tokens are
+        tree nodes placed on the device, their positions and mask rows (the feeds' are placeholders)."""
+        sent, p = prepared.upload.device, prepared.prefix
+        if drawn_tree is not None:  # (into the sent layout, this step's own copy, before either path reads it)
+            for name, values in (("positions", drawn_tree.positions), ("tree_bits", drawn_tree.bits)):
+                if values is not None:
+                    sent[p + name].index_copy_(0, sent[p + "drawn_rows"], values)
         if prepared.bucket is not None:
             return self.static.run(prepared, drawn, **model_args)
         self.forward_counts["dynamic"] += 1
-        sent, p = prepared.upload.device, prepared.prefix
         meta = BatchMetadata(
             positions=sent[p + "positions"],
             query_start_loc=sent[p + "query_start_loc"],
