@@ -88,6 +88,18 @@ class Drafter(core.Drafter):
         return Staged([len(d) for d in proposal.tokens], proposal.tokens, [False] * len(seqs), inputs=prefix,
                       proposal=proposal)
 
+    @property
+    def stops_on_device(self) -> bool:
+        """Whether a confidence threshold's stop is decided on the device, in the step's one
+        upload and one download, or on the host, where stopping saves the forwards after the last
+        sequence's stop but costs a host copy a depth. `confidence_on_device` if set, else on
+        CUDA: there a host copy a depth stalls the launch queue and a graphed draft forward is
+        cheap; on a CPU the forwards are the cost (docs/kernels-and-gpu.md has the measurement).
+        Either way the same drafts: the stop depends only on what was drafted."""
+        if self.confidence_on_device is not None:
+            return self.confidence_on_device
+        return self.runner.device.type == "cuda"
+
     def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
         """The device's half of `stage`, once the upload is sent (`sent`: its tensors)."""
         p = staged.inputs
@@ -148,6 +160,7 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
     vocab_size: int  # the target's: the width of q
     draft_ids: torch.Tensor | None = None  # target id of each logit column (None: the columns are target ids)
     tree_root_offset: int = -1  # drafters/tree.py: the first forward's row for seq sits at position len(seq) + this
+    confidence_on_device: bool | None = None  # where a confidence threshold stops: see `stops_on_device`
 
     def __init__(self, confidence_threshold: float | None = None):
         if confidence_threshold is not None and not 0 < confidence_threshold < 1:
@@ -201,11 +214,10 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
         their rows among the active ones and the NOISE lanes of the drafted position) in the step's
         upload: the loop then runs on the device with no host round-trip (`run_staged`).
 
-        With a confidence threshold the loop stays on the host (`propose`, a host copy per depth):
-        stopping at an unsure token is what saves the later forwards, and only the host can decide
-        not to launch them (on the device they would all run: measured on a CPU, the shipped
-        head's k <= 8 conf 0.3 row went from 1.41x to 1.15x)."""
-        if self.confidence_threshold is not None:
+        With a confidence threshold the stop is decided where `stops_on_device` says: on the
+        device, the loop's forwards all run and a sequence's draws past its stop fall past its
+        num_draft; on the host, the loop is `propose`'s (a host copy a depth)."""
+        if self.confidence_threshold is not None and not self.stops_on_device:
             return Drafter.stage(self, seqs, num_draft, upload)
         lengths = [self.draftable(s, n) if n > 0 else 0 for s, n in zip(seqs, num_draft)]
         prefix = upload.scope()
@@ -240,8 +252,9 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
         the host), penalises the logits as `adjust` does (`adjust_staged`, from the step's
         sampling.Penalties), draws from the warped q as `draw_from` does (the keyed DRAFT uniforms,
         or a pathwise request's Gumbel-max with the uploaded noise lanes; greedy: the argmax), and
-        a sequence stops where `propose` would: before an unusable (non-finite) row. Its later
-        forwards still run (their K/V are rolled back); what they draw is past num_draft."""
+        a sequence stops where `propose` would: before an unusable (non-finite) row, after a token
+        below the confidence threshold. Its later forwards still run (their K/V are rolled back);
+        what they draw is past num_draft."""
         if staged.proposal is not None:  # (drafted on the host: `stage`)
             return Drafter.run_staged(self, seqs, staged, sent)
         p, B, K = staged.inputs, len(seqs), len(staged.forwards)
@@ -280,8 +293,12 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
                 else:  # 0 outside the draft's vocabulary
                     probs[rows[:, None], i, self.draft_ids[None, :]] = q
             tokens[rows, i] = drawn if self.draft_ids is None else self.draft_ids[drawn]
-            live = num_draft[rows] > i  # [A] still drafting: stop before an unusable row
-            num_draft[rows] = torch.where(live & ~ok, i, num_draft[rows])
+            stop = torch.where(ok, num_draft[rows], i)  # [A]: before an unusable row
+            if self.confidence_threshold is not None:  # after an unsure token (`draw`'s test)
+                own = logits.float().softmax(-1).gather(-1, drawn[:, None]).squeeze(-1)  # [A]
+                stop = torch.where(ok & (own < self.confidence_threshold), i + 1, stop)
+            live = num_draft[rows] > i  # [A] still drafting
+            num_draft[rows] = torch.where(live, torch.minimum(stop, num_draft[rows]), num_draft[rows])
         if probs is not None:
             probs *= (torch.arange(K + 1, device=device)[None, :] < num_draft[:, None])[..., None]
         return Drafts(tokens, num_draft, probs)
