@@ -13,13 +13,13 @@ from there. What it adds, each without changing the law of an emitted token:
     request's NOISE lanes for the positions the step verifies, and the device accepts while the
     draft is the target's Gumbel-max token (`pathwise_accept`), so nothing a drafter does changes
     the tokens;
-  * penalties and min_tokens in the same step (`penalized_on_device`, sampling.Penalties): row j
-    of a sequence's verification is penalised with its tokens' counts, kept on the device, plus
-    the drafts before j, as a model drafter's q at that position is, so the law is the penalised
-    target's; logprobs of the verified rows computed there too (`logprobs_on_device`), brought
-    back in the same download;
+  * penalties and min_tokens in the same step (verification_options.py `penalized_on_device`,
+    penalties.py `Penalties`): row j of a sequence's verification is penalised with its tokens'
+    counts, kept on the device, plus the drafts before j, as a model drafter's q at that position
+    is, so the law is the penalised target's; logprobs of the verified rows computed there too
+    (`logprobs_on_device`), brought back in the same download;
   * the host path (`host_step`), the same step one forward and one host copy at a time: the
-    reference twin of the one above (`sampling.penalize`, `top_logprobs`, pathwise.verify), which
+    reference twin of the one above (`penalized`, `top_logprobs`, pathwise.verify), which
     tests reach by making `needs_host` true;
   * non-finite target rows (nonfinite.py): a sequence whose final token would come from one
     finishes with an error instead of emitting a token drawn from garbage;
@@ -37,14 +37,16 @@ from .core import speculative as rule  # the rule itself: rejection_sample, stan
 from .core.speculative import StepResult, greedy_verify, rule_uniforms
 from .drafters.base import Drafter, Drafts, Proposal, Staged
 from .nonfinite import guard_nonfinite
-from .outputs import Logprob
 from .pathwise import lane_gumbel_max, noise_lanes
 from .pathwise import verify as pathwise_verify
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
-from .sampling import WARP_DTYPES, Penalties, WarpParams, finite_rows, penalize, warp_probs
+from .penalties import Penalties
+from .sampling import WARP_DTYPES, WarpParams, finite_rows, warp_probs
+from .verification_options import (host_logprobs, logprobs_on_device, penalized, penalized_on_device,
+                                   top_logprobs, with_sampled)
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
@@ -130,7 +132,7 @@ def conclude(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, verdic
     for s in seqs:
         s.target_table.truncate(len(s) - 1, target.cache.allocator)
         if s.finish_reason is not None:
-            s.token_counts = None  # (its penalties' counts: sampling.Penalties)
+            s.token_counts = None  # (its penalties' counts: penalties.Penalties)
     if hidden is not None:
         drafter.observe(seqs, starts, num_fed, hidden)
     drafter.rollback(seqs)
@@ -243,59 +245,6 @@ def accept_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], drafts
     return tokens, num_accepted, cut
 
 
-def penalized_on_device(target_logits: torch.Tensor, penalties: Penalties,
-                        draft_tokens: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-    """`penalized` on the device: target_logits [B, K+1, V], row j of sequence b penalised with
-    b's tokens (penalties: their counts, kept on the device) and its first j drafts (draft_tokens
-    [B, K], those with drafted [B, K]): the cumulative count of the drafts before each row."""
-    B, K1, V = target_logits.shape
-    device = target_logits.device
-    before = torch.zeros(B, K1, V, device=device)  # [B, K+1, V]
-    # row j + 1 gets draft j, then a running sum: the counts of the drafts before each row
-    before[:, 1:].scatter_(-1, draft_tokens[..., None], drafted[..., None].float())
-    before = before.cumsum(1)  # [B, K+1, V]
-    batch_rows = torch.arange(B, device=device)[:, None].expand(B, K1).flatten()  # [B * (K+1)]
-    depth = torch.arange(K1, device=device)[None, :].expand(B, K1).flatten()  # [B * (K+1)]
-    out = penalties.apply(target_logits.flatten(0, 1), batch_rows, before.flatten(0, 1), depth)
-    return out.view(B, K1, V)
-
-
-def logprobs_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], tokens: torch.Tensor,
-                       seqs: list[Sequence]) -> list[torch.Tensor]:
-    """`top_logprobs` on the device, for the L sequences that asked (logprob_rows [L]): each
-    verified row's log_softmax of the raw logits [R, V] (before penalties and the warp, as vLLM's),
-    its n most likely tokens (n the largest number asked), and the log-probability and rank of
-    the token the step emits there (tokens [B, K+1]; the rank is vLLM's: the tokens at least as
-    likely, itself included). Returns [top ids [L, (K+1) n], top values [L, (K+1) n] fp32, the
-    emitted tokens' logprobs [L, K+1] fp32, their ranks [L, K+1]] for the step's download."""
-    chosen = sent["logprob_rows"]  # [L]
-    n = min(max(s.params.logprobs for s in seqs if s.params.logprobs is not None), logits.shape[-1])
-    lp = logits[sent["verify_rows"][chosen]].float().log_softmax(-1)  # [L, K+1, V]
-    values, ids = lp.topk(n, dim=-1)  # [L, K+1, n]
-    emitted = lp.gather(-1, tokens[chosen][..., None])  # [L, K+1, 1]
-    rank = (lp >= emitted).sum(-1)  # [L, K+1]
-    return [ids.flatten(1), values.flatten(1), emitted.squeeze(-1), rank]
-
-
-def host_logprobs(seqs: list[Sequence], downloaded: list, num_accepted: list[int]) -> list:
-    """`Verdict.top` from `logprobs_on_device`'s download: per sequence that asked, per emitted
-    position j, ({top id: Logprob}, the emitted token's Logprob); None for the others."""
-    top: list = [None] * len(seqs)
-    if not downloaded:
-        return top
-    ids, values, emitted, ranks = downloaded
-    asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
-    n = len(ids[0]) // len(emitted[0])  # the top count computed for every row
-    for i, b in enumerate(asking):
-        m = min(seqs[b].params.logprobs, n)
-        top[b] = []
-        for j in range(num_accepted[b] + 1):  # (the emitted positions only)
-            best = zip(ids[i][j * n : j * n + m], values[i][j * n : j * n + m])
-            top[b].append(({t: Logprob(v, r) for r, (t, v) in enumerate(best, 1)},
-                           Logprob(emitted[i][j], ranks[i][j])))
-    return top
-
-
 def pathwise_accept(target_probs: torch.Tensor, lanes: torch.Tensor, draft_tokens: torch.Tensor,
                     drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """pathwise.verify on the device, for P pathwise sequences: target_probs [P, K+1, V] the warped
@@ -377,15 +326,6 @@ def sample_verify(logits: torch.Tensor, seqs: list[Sequence], proposal: Proposal
 # --- The step's helpers ---------------------------------------------------------------------------
 
 
-def penalized(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
-    """The flat verification logits [sum(n_b + 1), V] with each request's penalties and min_tokens
-    applied (sampling.penalize); row j of sequence b sees the tokens before its position: the
-    sequence's, then its first j drafts, the history the drafter's row j saw too."""
-    if not any(s.params.adjusts_logits for s in seqs):
-        return logits
-    return penalize(logits, [s.penalty_row(d[:j]) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)])
-
-
 def verify_forward(target: ModelRunner, feeds: list[Feed], layers: tuple[int, ...], upload: Upload | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's forward: logits [sum(num_logits), V], and the inputs of `layers` at every fed
@@ -416,29 +356,3 @@ def emit_accepted(seqs: list[Sequence], tokens: list[list[int]], num_accepted: l
             s.error = f"the target's logits are not finite (NaN or inf) for the token at position {failures[b]}"
 
 
-def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int]) -> list:
-    """For sequences that asked for logprobs: per verified position, ({top id: Logprob}, the
-    position's full log_softmax row) from the raw logits [sum(n_b + 1), V]; None for the others."""
-    out, row = [], 0
-    for s, n in zip(seqs, num_draft):
-        if s.params.logprobs is None:
-            out.append(None)
-        else:
-            lp = logits[row : row + n + 1].float().log_softmax(-1).cpu()  # [n + 1, V]
-            values, ids = lp.topk(min(s.params.logprobs, lp.shape[-1]), dim=-1)
-            out.append([({i: Logprob(v, rank) for rank, (i, v) in enumerate(zip(i_.tolist(), v_.tolist()), 1)}, r)
-                        for i_, v_, r in zip(ids, values, lp)])
-        row += n + 1
-    return out
-
-
-def with_sampled(top: dict[int, Logprob], row: torch.Tensor | Logprob, token: int
-                 ) -> dict[int, Logprob]:
-    """The top entries plus the sampled token's; its rank is vLLM's: the tokens at least as likely,
-    itself and its ties included (a top entry keeps its place in the top). row: the position's
-    log_softmax row [V], or the token's Logprob already computed (`logprobs_on_device`)."""
-    if token in top:
-        return dict(top)
-    if isinstance(row, Logprob):
-        return {**top, token: row}
-    return {**top, token: Logprob(row[token].item(), int((row >= row[token]).sum()))}

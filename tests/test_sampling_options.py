@@ -169,7 +169,7 @@ def test_min_tokens_holds_back_stop_strings_and_stop_token_text_is_left_out(llms
 def test_min_tokens_keeps_eos_out_even_with_ignore_eos():
     """vLLM counts EOS among the tokens min_tokens holds back whatever ignore_eos says; it used
     to be sampled inside min_tokens once ignore_eos was set (5 of 192 completions in a review)."""
-    from minispec.sampling import penalize
+    from minispec.penalties import penalize
 
     rows = [(SamplingParams(min_tokens=3, ignore_eos=True), 1, [2], [1])]  # prompt [2], no output yet, EOS 1
     assert penalize(torch.zeros(1, 4), rows)[0].tolist() == [0.0, float("-inf"), 0.0, 0.0]
@@ -191,7 +191,7 @@ def test_a_sampled_tokens_rank_counts_its_ties_as_vllm_does():
     """vLLM ranks a sampled token outside the top entries by the tokens at least as likely (bf16
     logits tie often); it was 1 + those strictly more likely."""
     from minispec.outputs import Logprob
-    from minispec.speculative import with_sampled
+    from minispec.verification_options import with_sampled
 
     row = torch.tensor([-0.5, -1.0, -2.0, -2.0, -3.0])
     top = {0: Logprob(-0.5, 1)}

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 
 from minispec import sampling
 from minispec.drafters.base import AutoregressiveDrafter
+from minispec.penalties import penalize
 from minispec.randomness import Purpose, request_key, uniform, uniforms
-from minispec.sampling import SamplingParams, penalize, sample, warp_probs
+from minispec.sampling import SamplingParams, sample, warp_probs
 from minispec.core.speculative import accept_probability, rejection_sample, residual_distribution
 from test_speculative_statistical import ALPHA, pooled_chi_square
 
@@ -203,7 +204,7 @@ PENALTY_PROMPT = (1, 1, 2)
 
 def penalized_model(seed: int, vocab: int, sharpness: float, params: SamplingParams, stale: bool = False):
     """prefix_model's logits with the request's penalties and min_tokens applied for the history
-    prompt + context (sampling.penalize), then warped: the law a penalised request samples from,
+    prompt + context (penalties.penalize), then warped: the law a penalised request samples from,
     in fp64. stale=True: the penalty sees the prompt only, not the context (a planted bug)."""
     base = prefix_model(seed, vocab, sharpness)
 

@@ -50,7 +50,8 @@ from minispec.drafters.reduced_vocab import reduce_vocab
 from minispec.fast.int4 import cpu_int4_available, quantize_int4_model
 from minispec.fast.int8 import quantize_model
 from minispec.model.eagle import init_eagle
-from minispec.sampling import WarpParams, penalize, sample, warp_probs
+from minispec.penalties import penalize
+from minispec.sampling import WarpParams, sample, warp_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a 2nd OpenMP thread only contends
 

@@ -1,7 +1,7 @@
 """Penalties, min_tokens and logprobs on the one-upload, one-download step (speculative.py).
 
 Requests with these options take the same step as the others: their token counts live on the
-device (sampling.Penalties) and grow by the tokens each upload carries, the verification rows (and
+device (penalties.Penalties) and grow by the tokens each upload carries, the verification rows (and
 a draft model's q) are penalised there, and the logprobs of the verified rows come back in the
 step's one download. What this checks, with plain decoding, the n-gram drafter, a draft model and
 the EAGLE head (and the target drafting for itself), greedy, seeded and pathwise requests, alone and beside plain ones:
@@ -89,7 +89,7 @@ def generate(llm: LLM, params: list[SamplingParams], monkeypatch, host: bool):
 
 @pytest.mark.parametrize("case", ["greedy", "sampled", "pathwise"])
 def test_the_device_step_gives_the_host_steps_tokens_and_logprobs(llm, case, monkeypatch):
-    """The one-upload step and its host twin (`host_step`: `sampling.penalize` row by row,
+    """The one-upload step and its host twin (`host_step`: `penalties.penalize` row by row,
     `top_logprobs`, pathwise.verify) emit the same tokens for greedy and seeded requests, and the
     same logprobs: the same top ids and ranks, values within fp tolerance."""
     stop = [greedy_tokens(llm, PROMPTS[1:2])[0][1]]
@@ -142,7 +142,7 @@ def test_penalize_is_vllms_arithmetic():
     """`penalize` (and so the device's `Penalties`, which shares its formula) against vLLM's
     definitions written out token by token: repetition over prompt and output, presence and
     frequency over the output, min_tokens masking EOS and the stop ids."""
-    from minispec.sampling import penalize
+    from minispec.penalties import penalize
 
     logits = torch.tensor([[1.5, -0.5, 2.0, 0.25, -1.0, 0.75]])  # [1, V]
     p = SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2, min_tokens=4,

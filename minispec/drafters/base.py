@@ -39,7 +39,8 @@ from ..pathwise import gumbel_max, lane_gumbel_max, noise_lanes
 from ..runtime.runner import Feed, ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
-from ..sampling import WARP_DTYPES, Penalties, WarpParams, penalize, sample, warp_probs
+from ..penalties import Penalties, penalize
+from ..sampling import WARP_DTYPES, WarpParams, sample, warp_probs
 
 
 @dataclass
@@ -250,7 +251,7 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
     def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
         """`propose`'s loop on the device: depth i feeds the tokens depth i - 1 drew (never read on
         the host), penalises the logits as `adjust` does (`adjust_staged`, from the step's
-        sampling.Penalties), draws from the warped q as `draw_from` does (the keyed DRAFT uniforms,
+        penalties.Penalties), draws from the warped q as `draw_from` does (the keyed DRAFT uniforms,
         or a pathwise request's Gumbel-max with the uploaded noise lanes; greedy: the argmax), and
         a sequence stops where `propose` would: before an unusable (non-finite) row, after a token
         below the confidence threshold. Its later forwards still run (their K/V are rolled back);
@@ -323,7 +324,7 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
         return {}
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
-        """The requests' penalties and min_tokens (sampling.penalize) on draft logits [n, V_d],
+        """The requests' penalties and min_tokens (penalties.penalize) on draft logits [n, V_d],
         with the same history the target's verification row will see (the tokens so far and
         the drafts before this one). A draft vocabulary is lifted to the target's to apply them."""
         if not any(s.params.adjusts_logits for s in seqs):

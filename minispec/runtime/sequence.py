@@ -11,7 +11,8 @@ from __future__ import annotations
 from ..core import sequence as core
 from ..core.sequence import Status
 from ..outputs import Logprob
-from ..sampling import SamplingParams, TokenCounts
+from ..penalties import TokenCounts
+from ..sampling import SamplingParams
 from .detokenizer import Decoder, TextState, match_stop_strings
 from .kv_cache import BlockTable
 from .metrics import RequestMetrics
@@ -37,12 +38,12 @@ class Sequence(core.Sequence):
         self.text: TextState | None = None  # the text side (detokenizer.py), made when first needed
         self.metrics = RequestMetrics()
         self.logprobs: list[dict[int, Logprob]] = []  # per output token, when params.logprobs is set
-        # Its tokens' counts on the device, for its penalties and min_tokens (sampling.Penalties):
+        # Its tokens' counts on the device, for its penalties and min_tokens (penalties.Penalties):
         # made by its first step with them, dropped when it finishes.
         self.token_counts: TokenCounts | None = None
 
     def penalty_row(self, drafts: list[int]) -> tuple:
-        """What `sampling.penalize` needs for the position after `drafts` (drafts not yet accepted,
+        """What `penalties.penalize` needs for the position after `drafts` (drafts not yet accepted,
         in a speculative step): (params, prompt length, the tokens before it, the EOS ids)."""
         return self.params, len(self.prompt_ids), self.tokens + list(drafts), self.eos_ids
 
