@@ -110,7 +110,7 @@ class Drafter(core.Drafter):
     drafts_trees: bool = False  # proposes with propose_trees
 
     def propose_trees(self, seqs: list[Sequence], max_depth: list[int]) -> list:
-        """A tree drafter's proposal: one drafters.tree.DraftTree per sequence, at most max_depth[b] deep."""
+        """A tree drafter's proposal: one drafters.draft_tree.DraftTree per sequence, at most max_depth[b] deep."""
         raise NotImplementedError
 
     def stage_trees(self, seqs: list[Sequence], max_depth: list[int], upload: Upload):
@@ -119,7 +119,7 @@ class Drafter(core.Drafter):
         return None
 
     def run_staged_trees(self, seqs: list[Sequence], staged, sent: dict[str, torch.Tensor]):
-        """The device's half of `stage_trees`: drafters.tree.DeviceTrees."""
+        """The device's half of `stage_trees`: drafters.tree_search_on_device.DeviceTrees."""
         raise NotImplementedError
 
     def tree_slots(self, depth: int) -> int:

@@ -30,8 +30,8 @@ from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
 from ..core.speculative import one_hot_q
 from .base import AutoregressiveDrafter, Drafter, Drafts, Proposal, Staged
+from .draft_tree import DraftTree
 from .ngram import NgramDrafter
-from .tree import DraftTree
 
 
 class LookupFirstDrafter(Drafter):
