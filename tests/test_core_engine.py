@@ -112,7 +112,7 @@ def test_the_feature_words_are_found_where_they_are():
     """Power of the grep: the production files that hold each feature do name it."""
     root = CORE.parent
     for word, where in [("prefix", "runtime/prefix_cache.py"), ("tree", "speculative_tree.py"),
-                        ("pathwise", "pathwise.py"), ("penalt", "sampling.py"), ("eagle", "drafters/eagle.py")]:
+                        ("pathwise", "pathwise.py"), ("penalt", "penalties.py"), ("eagle", "drafters/eagle.py")]:
         assert word in (root / where).read_text().lower()
 
 

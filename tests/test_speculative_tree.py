@@ -36,9 +36,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minispec.speculative_tree
+import minispec.tree_on_device
+import minispec.tree_walk_on_device
 from minispec import LLM, SamplingParams
 from minispec.drafters.base import Drafter
-from minispec.drafters.tree import DraftTree
+from minispec.drafters.draft_tree import DraftTree
 from minispec.randomness import Purpose, request_key, uniform
 from minispec.runtime.layout import tree_layout
 from minispec.runtime.runner import Feed, TreeFeed
@@ -380,7 +382,7 @@ def test_tree_drafting_keeps_the_target_distribution(models, case):
 def no_residual_update(monkeypatch):
     """In the host walk and in the device walk (where the target runs on a GPU)."""
     monkeypatch.setattr(minispec.speculative_tree, "walk_one", residual_not_updated)
-    monkeypatch.setattr(minispec.speculative_tree, "child_tests", full_mass_child_tests)
+    monkeypatch.setattr(minispec.tree_walk_on_device, "child_tests", full_mass_child_tests)
 
 
 def full_mass_child_tests(probs, children, child_tokens, repeat, branch_u):
@@ -406,7 +408,7 @@ def non_ancestor_attention(monkeypatch):
 
 def path_kv_not_moved(monkeypatch):
     monkeypatch.setattr(minispec.speculative_tree, "move_path", lambda *args: None)
-    monkeypatch.setattr(minispec.speculative_tree, "move_path_on_device", lambda *args: None)
+    monkeypatch.setattr(minispec.tree_on_device, "move_path_on_device", lambda *args: None)
 
 
 TREE_MUTANTS = [("eagle-tree", no_residual_update), ("near-tree", no_residual_update),
@@ -714,6 +716,7 @@ def test_an_interrupted_tree_step_ends_every_request_and_leaves_the_llm_usable(t
     if llm.engine.target.device.type != "cpu":  # (the search, the walk and the K/V move run on the device there)
         name = {"propose_trees": "run_staged_trees", "accept_tree": "walk_on_device",
                 "move_path": "move_path_on_device"}.get(name, name)
+        owner = owner if where[0] == "drafter" else minispec.tree_on_device  # (where the device step looks them up)
     generate_interrupted(llm, PROMPTS, params, owner, name, 3)  # the third call: mid-answer, after the head's first trees
     assert idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == clean

@@ -1,5 +1,5 @@
-"""The tree step on the device (speculative_tree.py `device_tree_step`, drafters/tree.py
-`search_on_device`) is the host step.
+"""The tree step on the device (tree_on_device.py `device_tree_step`, tree_walk_on_device.py,
+drafters/tree_search_on_device.py `search_on_device`) is the host step.
 
 The host step (the host search `propose_trees`, the host walk `accept_tree`: the reference twin)
 is what tests/test_speculative_tree.py shows exact: enumeration of `walk_one`, chi-square over the
@@ -33,12 +33,17 @@ import torch
 import minispec.drafters.tree
 import minispec.engine
 import minispec.speculative_tree as tree_module
+import minispec.tree_on_device
+import minispec.tree_walk_on_device
 from minispec import LLM, SamplingParams
-from minispec.drafters.tree import DraftTree
+from minispec.drafters.draft_tree import DraftTree
 from minispec.runtime.sequence import Sequence
 from minispec.runtime.transfers import Staging, Upload
 from minispec.sampling import WARP_DTYPES, WarpParams
-from minispec.speculative_tree import accept_tree, stage_walk, tree_feed, tree_offsets, walk_on_device, walk_tables
+from minispec.speculative_tree import accept_tree
+from minispec.tree_layout import tree_feed, tree_offsets
+from minispec.tree_on_device import stage_walk
+from minispec.tree_walk_on_device import walk_on_device, walk_tables
 from test_speculative_statistical import ALPHA, N, PROMPT, models  # noqa: F401
 from test_speculative_tree import TREE_CASES, TREE_MUTANTS, full_mass_child_tests, tree_p_value
 
@@ -116,7 +121,7 @@ def test_the_device_walk_decides_as_the_host_walk(seed):
 def test_a_device_walk_without_the_residual_update_is_caught(monkeypatch):
     """Power: child tests against the full mass of the row (rejected siblings keep theirs) give
     other paths than the host walk on some of the same batches."""
-    monkeypatch.setattr(tree_module, "child_tests", full_mass_child_tests)
+    monkeypatch.setattr(minispec.tree_walk_on_device, "child_tests", full_mass_child_tests)
     differ = sum(device_verdicts(*random_batch(seed)) != host_verdicts(*random_batch(seed)) for seed in range(60))
     assert differ > 0
 
@@ -254,7 +259,8 @@ def test_the_device_selection_is_the_host_selection(seed):
     purpose by rounding), for trees of every size up to past the candidates (as a lookup chain
     beside the search pads them): the same tokens and parents, depths and mask rows that
     DraftTree computes."""
-    from minispec.drafters.tree import Candidate, TreeDrafter, select_on_device
+    from minispec.drafters.tree import Candidate, TreeDrafter
+    from minispec.drafters.tree_search_on_device import select_on_device
 
     class Budget:  # what TreeDrafter.select reads of its drafter
         def __init__(self, budget: int):
@@ -287,8 +293,8 @@ def test_the_device_selection_is_the_host_selection(seed):
 
 
 
-@pytest.mark.parametrize("where", [("drafter", "run_staged_trees"), ("module", "walk_on_device"),
-                                   ("module", "move_path_on_device"), ("drafter", "rollback")], ids=lambda w: w[1])
+@pytest.mark.parametrize("where", [("drafter", "run_staged_trees"), ("step", "walk_on_device"),
+                                   ("step", "move_path_on_device"), ("drafter", "rollback")], ids=lambda w: w[1])
 def test_an_interrupted_device_step_ends_every_request_and_leaves_the_llm_usable(tiny_llama, tiny_llama_eagle,
                                                                                  monkeypatch, where):
     """test_speculative_tree.py's interrupt test with the step forced on the device: a
@@ -301,7 +307,7 @@ def test_an_interrupted_device_step_ends_every_request_and_leaves_the_llm_usable
               draft_tree_top_k=3, kv_cache_gib=0.01, dtype="float32")
     params = SP(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3)
     clean = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    owner = llm.engine.drafter if where[0] == "drafter" else tree_module
+    owner = llm.engine.drafter if where[0] == "drafter" else minispec.tree_on_device  # (where the step looks them up)
     generate_interrupted(llm, PROMPTS, params, owner, where[1], 3)
     assert idle_and_whole(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == clean

@@ -1,4 +1,4 @@
-"""A tree step's host <-> device traffic (speculative_tree.py `device_tree_step`): one upload,
+"""A tree step's host <-> device traffic (tree_on_device.py `device_tree_step`): one upload,
 one download, as a chain step's (tests/test_transfers.py, whose counter this reuses).
 
 The device step is forced (on a CPU the host step is the default: there is no device to wait
@@ -22,8 +22,10 @@ import pytest
 import minispec.drafters.tree
 import minispec.engine
 import minispec.speculative_tree as tree_module
+import minispec.tree_on_device
 from minispec import LLM
-from minispec.drafters.tree import DraftTree, TreeDrafter
+from minispec.drafters.draft_tree import DraftTree
+from minispec.drafters.tree import TreeDrafter
 from test_transfers import GREEDY, MIXED, PATHWISE, SAMPLED, TransferCounter, step_transfers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,7 +87,7 @@ def test_a_step_of_host_trees_makes_one_upload_and_one_download(tiny_llama, tiny
     monkeypatch.setattr(TreeDrafter, "stage_trees", lambda self, seqs, max_depth, upload: None)
     monkeypatch.setattr(TreeDrafter, "propose_trees", fixed_trees)
     walks = []
-    monkeypatch.setattr(tree_module, "walk_on_device", counted(tree_module.walk_on_device, walks))
+    monkeypatch.setattr(minispec.tree_on_device, "walk_on_device", counted(minispec.tree_on_device.walk_on_device, walks))
     for params in (GREEDY, SAMPLED, PATHWISE, MIXED):
         for step in step_transfers(llm, params, monkeypatch, steps=2):
             assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
