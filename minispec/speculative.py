@@ -39,11 +39,11 @@ from .drafters.base import Drafter, Drafts, Proposal, Staged
 from .nonfinite import guard_nonfinite
 from .pathwise import lane_gumbel_max, noise_lanes
 from .pathwise import verify as pathwise_verify
+from .penalties import Penalties
 from .runtime.metrics import StepTimes
 from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
-from .penalties import Penalties
 from .sampling import WARP_DTYPES, WarpParams, finite_rows, warp_probs
 from .verification_options import (host_logprobs, logprobs_on_device, penalized, penalized_on_device,
                                    top_logprobs, with_sampled)
