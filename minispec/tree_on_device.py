@@ -3,8 +3,8 @@
 
 The host lays the step out (`lay_out_tree_step`) and ONE copy sends it: the tree drafter's search
 (drafters/tree_search_on_device.py: the same trees as its host search), or the trees the host
-already has (prompt lookup's chains, a search with a confidence threshold, which stays on the
-host), which ride up with the step; the verification (tree_layout.py's feed, with placeholder
+already has (prompt lookup's chains, a search with a confidence threshold where its head decides
+stops on the host), which ride up with the step; the verification (tree_layout.py's feed, with placeholder
 rows for the nodes the device will draft); and what the walk needs that the host knows
 (`stage_walk`: each slot's row, the keyed lanes of the uniforms, each row's warp). The device then
 searches, verifies, walks (tree_walk_on_device.py: the host walk's decisions, so the host walk's
@@ -103,7 +103,7 @@ def lay_out_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafte
                       upload: Upload) -> TreeStepPlan:
     """The host's half of `device_tree_step`, into `upload`: a tree drafter that searches on the
     device lays its forwards out (`stage_trees`, drafters/tree.py); one that proposes on the host
-    (a confidence threshold; prompt lookup's chains, beside a device search or not) drafts now and
+    (a confidence threshold on a CPU; prompt lookup's chains, beside a device search or not) drafts now and
     its trees ride up. Then the verification (a device-drafted tree's nodes are drawn tokens with
     placeholder positions and mask rows, `placeholder_feed`) and what the walk needs that the
     host knows (`stage_walk`)."""

@@ -36,6 +36,7 @@ import minispec.speculative_tree as tree_module
 import minispec.tree_on_device
 import minispec.tree_walk_on_device
 from minispec import LLM, SamplingParams
+from minispec.drafters.base import AutoregressiveDrafter
 from minispec.drafters.draft_tree import DraftTree
 from minispec.runtime.sequence import Sequence
 from minispec.runtime.transfers import Staging, Upload
@@ -142,19 +143,21 @@ class Run:
 
 
 def generate_both(models, drafter: str, params: list[SamplingParams], prompts: list[list[int]],
-                  shape: tuple[int, int, int] = (3, 6, 2)) -> tuple[Run, Run]:
+                  shape: tuple[int, int, int] = (3, 6, 2), threshold: float | None = None) -> tuple[Run, Run]:
     """LLM.generate with the tree step forced on the host (the host search and walk), then on the
     device (the device search where the drafter has one, and the device walk), a fresh LLM each.
-    shape: the trees' (depth, budget, top_k)."""
+    shape: the trees' (depth, budget, top_k); threshold: a confidence threshold, whose stops are
+    decided where the step runs (AutoregressiveDrafter.stops_on_device)."""
     draft = (models["near"], models["tok"]) if drafter.startswith("near") else models["eagle"]
     depth, budget, top_k = shape
     options = dict(model=(models["target"], models["tok"]), draft_model=draft, num_speculative_tokens=depth,
                    draft_tree_budget=budget, draft_tree_top_k=top_k, kv_cache_gib=0.01, page_size=4,
-                   prompt_lookup_min=2 if drafter.endswith("+lookup") else None)
+                   prompt_lookup_min=2 if drafter.endswith("+lookup") else None, draft_confidence_threshold=threshold)
     runs = []
     for on_device in (False, True):
         steps, searches = [], []
         with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(AutoregressiveDrafter, "confidence_on_device", on_device)
             patch.setattr(tree_module, "device_tree_step", counted(tree_module.device_tree_step, steps))
             patch.setattr(minispec.drafters.tree, "search_on_device", counted(minispec.drafters.tree.search_on_device, searches))
             patch.setattr(minispec.engine, "tree_step", functools.partial(tree_module.tree_step, on_device=on_device))
@@ -220,6 +223,22 @@ def test_other_tree_shapes_search_the_same_trees(models, drafter, shape):
     host, device = generate_both(models, drafter, params, BATCH, shape)
     assert device.tokens == host.tokens and device.counts == host.counts and host.counts[2] > 0
     assert device.device_searches > 0
+
+
+@pytest.mark.parametrize("rule", ["greedy", "sampled"])
+@pytest.mark.parametrize("drafter", ["eagle-tree", "near-tree"])
+def test_a_confidence_threshold_stops_the_device_search_where_the_host_search_stops(models, drafter, rule):
+    """With a confidence threshold the device search runs every level and drops the levels the
+    host search would not have grown (`stop_growing`): the same trees, so the same tokens and
+    counts. The threshold does cut trees here (fewer nodes drafted than without it), so a device
+    search that ignored it would draft more than the host's."""
+    params = [dataclasses.replace(RULES[rule], seed=21 + i, max_tokens=20) for i in range(3)]
+    shape = (4, 12, 3)
+    host, device = generate_both(models, drafter, params, BATCH, shape, threshold=0.3)
+    assert device.tokens == host.tokens and device.counts == host.counts and host.counts[2] > 0
+    assert device.device_searches == device.device_steps > 0
+    unbounded, _ = generate_both(models, drafter, params, BATCH, shape)
+    assert unbounded.counts[1] > host.counts[1]
 
 
 # --- 4. the law, with the device step forced ----------------------------------------------------

@@ -8,8 +8,9 @@ for). Counted over every runner (the target's and the drafter's) for the whole s
     verification, the walk, the path's K/V move, the features handed to the drafter and its
     rollback cross once each way;
   * trees the host knows (a drafter that proposes on the host: here fixed trees), the same.
-A tree drafter with a confidence threshold searches on the host (stopping a tree early is a host
-decision); past its search its step makes one upload and one download as well.
+A tree drafter with a confidence threshold searches on the device where its head decides stops
+there (CUDA's default, forced here), else on the host (a CPU's: stopping early saves the later
+forwards); past a host search its step makes one upload and one download as well.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import minispec.engine
 import minispec.speculative_tree as tree_module
 import minispec.tree_on_device
 from minispec import LLM
+from minispec.drafters.base import AutoregressiveDrafter
 from minispec.drafters.draft_tree import DraftTree
 from minispec.drafters.tree import TreeDrafter
 from test_transfers import GREEDY, MIXED, PATHWISE, SAMPLED, TransferCounter, step_transfers
@@ -50,14 +52,19 @@ def counted(function, calls: list):
     return wrapped
 
 
-@pytest.mark.parametrize("lookup", [False, True], ids=["tree", "lookup+tree"])
+@pytest.mark.parametrize("lookup", [False, True, "threshold"], ids=["tree", "lookup+tree", "threshold"])
 @pytest.mark.parametrize("model", ["draft", "eagle"])
 def test_a_tree_step_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, tiny_llama_eagle, model, lookup,
                                                        monkeypatch):
-    """Trees searched on the device (prompt lookup in front, or not), greedy, sampled, pathwise
-    and a pathwise request beside a standard one: one upload, one download, nothing else."""
+    """Trees searched on the device (prompt lookup in front, or not; with a confidence threshold
+    whose stops the device decides, as on CUDA), greedy, sampled, pathwise and a pathwise request
+    beside a standard one: one upload, one download, nothing else."""
+    options = {"threshold": dict(draft_confidence_threshold=0.05)}.get(lookup, {})
+    if options:
+        monkeypatch.setattr(AutoregressiveDrafter, "confidence_on_device", True)
+        lookup = False
     llm = tree_llm(model, tiny_llama, tiny_llama_draft, tiny_llama_eagle, monkeypatch,
-                   prompt_lookup_min=1 if lookup else None)
+                   prompt_lookup_min=1 if lookup else None, **options)
     searches = []
     monkeypatch.setattr(minispec.drafters.tree, "search_on_device", counted(minispec.drafters.tree.search_on_device, searches))
     for params in (GREEDY, SAMPLED, PATHWISE, MIXED):

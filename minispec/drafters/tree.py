@@ -28,9 +28,10 @@ The drafter's K/V for the fed nodes are scratch: its rollback drops them, and th
 catch-up feeds the accepted tokens again (a draft model) or rewrites the accepted positions from
 the target's real features (an EAGLE head, drafters/eagle.py).
 
-On the device (drafters/tree_search_on_device.py, in the tree step's one upload): without a
-confidence threshold the search's shape is fixed before it runs, so `stage_trees` lays every level
-out in the step's upload and the device runs them back to back, finding this search's trees.
+On the device (drafters/tree_search_on_device.py, in the tree step's one upload): the search's
+shape is fixed before it runs, so `stage_trees` lays every level out in the step's upload and the
+device runs them back to back, finding this search's trees; a confidence threshold's stops are
+applied after the levels ran (on a CPU they stay on the host, which saves the later forwards).
 """
 
 from __future__ import annotations
@@ -143,17 +144,18 @@ class TreeDrafter(Drafter):
     def stage_trees(self, seqs: list[Sequence], max_depth: list[int], upload: Upload) -> StagedTrees | None:
         """Lay `propose_trees`' search out in the step's upload, to run on the device with no
         host round-trip between levels (`run_staged_trees`): which sequences feed at which
-        level is known before (their depths), only the nodes are not. None with a confidence
-        threshold: stopping a tree at an unsure level is what saves the later forwards, and only
-        the host can decide not to launch them (as the chain's `AutoregressiveDrafter.stage`)."""
-        if self.confidence_threshold is not None:
+        level is known before (their depths), only the nodes are not. With a confidence threshold,
+        None where the head decides its stops on the host (`AutoregressiveDrafter.stops_on_device`:
+        there, stopping at an unsure level saves the later forwards); on the device every level
+        runs and the stops are applied after (tree_search_on_device.py `stop_growing`)."""
+        if self.confidence_threshold is not None and not self.head.stops_on_device:
             return None
         head = self.head
         levels = [head.draftable(s, d) if d > 0 else 0 for s, d in zip(seqs, max_depth)]
         active = [b for b, d in enumerate(levels) if d > 0]
         w = min(self.top_k, head.vocab_size if head.draft_ids is None else len(head.draft_ids))
         sizes = [min(self.budget, w + (d - 1) * w * w) if d > 0 else 0 for d in levels]
-        staged = StagedTrees(levels, sizes, active, w, upload.scope())
+        staged = StagedTrees(levels, sizes, active, w, upload.scope(), min_score=self.min_score)
         self.block_start = {}
         if not active:
             return staged

@@ -15,11 +15,15 @@ order are the tree (`select_on_device`, the host's `select`): the host search's 
 each drafted row is finite and has w finite logits (tests/test_speculative_tree_device.py compares
 the two through whole generations). Elsewhere the host feeds fewer nodes; either way the tree is
 fixed by the prefix before the target's random numbers are drawn, so the verification stays exact.
-With a threshold the search stays on the host, which alone can decide not to launch the next level.
+
+With a confidence threshold (on CUDA: `AutoregressiveDrafter.stops_on_device`) every level still
+runs, and the stop is applied after the fact (`stop_growing`): the candidates of the levels the
+host would not have fed are dropped, so the tree is the host's; only the forwards are spent.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +43,8 @@ class StagedTrees:
     per expanded node, width = min(top_k, the logits' width)); active, the sequences that draft;
     the head's forwards: `feed_ahead`'s pieces, the first (catch-up) forward and one per level
     fed (prepared forward, model arguments); prefix, the upload's names of the search's arrays;
-    host_trees, trees of other rows that a drafter in front (prompt lookup) found on the host."""
+    host_trees, trees of other rows that a drafter in front (prompt lookup) found on the host;
+    min_score, the log of the confidence threshold (-inf: none)."""
 
     levels: list[int]
     sizes: list[int]
@@ -50,6 +55,7 @@ class StagedTrees:
     first: tuple | None = None
     forwards: list = field(default_factory=list)
     host_trees: dict[int, DraftTree] = field(default_factory=dict)  # rows lookup filled on the host
+    min_score: float = -math.inf
 
 
 @dataclass
@@ -123,9 +129,28 @@ def search_on_device(head: AutoregressiveDrafter, seqs: list[Sequence], staged: 
         token[rows, made] = children.view(F, w * w)
         parent[rows, made] = frontier[..., None].expand(F, w, w).flatten(1)
     active = sent[p + "active"]  # [A] batch rows
-    found = select_on_device(score, token, parent, sent[p + "sizes"], N, w, levels)
+    score, sizes = stop_growing(score, sent[p + "sizes"], staged.min_score, w, levels)
+    found = select_on_device(score, token, parent, sizes, N, w, levels)
     out.tokens[active], out.parents[active], out.depths[active], out.bits[active] = found
     return out
+
+
+def stop_growing(score: torch.Tensor, sizes: torch.Tensor, min_score: float, w: int, levels: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host search's stops, applied to a search that ran every level: a sequence's tree grows
+    past level l only if l's best candidate scores >= min_score (the log of the confidence
+    threshold; a level with no finite candidate stops it too), so the candidates of the levels
+    after its first failing one are dropped (score -inf). A tree then keeps at most its finite
+    candidates, as the host's `select` does among the candidates it made. score [A, M] in the
+    candidate layout (`search_on_device`), sizes [A] -> (score, sizes)."""
+    level = torch.arange(score.shape[1], device=score.device)  # [M] candidate ids ...
+    level = torch.where(level < w, 0, 1 + (level - w).div(w * w, rounding_mode="floor"))  # [M] ... -> level - 1
+    best = torch.full((score.shape[0], levels), float("-inf"), dtype=score.dtype, device=score.device)
+    best = best.scatter_reduce(1, level.expand_as(score), score, "amax")  # [A, levels] each level's best
+    grows = torch.cat([torch.ones_like(best[:, :1], dtype=torch.bool), (best >= min_score)[:, :-1]], 1)
+    kept = grows.cumprod(1).bool()  # [A, levels]: every level before it grew
+    score = score.masked_fill(~kept.gather(1, level.expand_as(score)), float("-inf"))
+    return score, torch.minimum(sizes, (score > float("-inf")).sum(-1))
 
 
 def top_children(head: AutoregressiveDrafter, logits: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
