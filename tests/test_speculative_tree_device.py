@@ -165,7 +165,8 @@ def generate_both(models, drafter: str, params: list[SamplingParams], prompts: l
     depth, budget, top_k = shape
     options = dict(model=(models["target"], models["tok"]), draft_model=draft, num_speculative_tokens=depth,
                    draft_tree_budget=budget, draft_tree_top_k=top_k, kv_cache_gib=0.01, page_size=4,
-                   prompt_lookup_min=2 if drafter.endswith("+lookup") else None)
+                   prompt_lookup_min=2 if drafter.endswith("+lookup") else None,
+                   max_num_seqs=4)  # (every batch here fits; on a GPU, fewer batch buckets to capture as graphs)
     runs = []
     for on_device in (False, True):
         steps, searches = [], []
