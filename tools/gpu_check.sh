@@ -36,10 +36,10 @@
 # drafters (CUDA graphs on, bf16; plain vs the EAGLE head as a chain and as a tree of 32 nodes,
 # depth 4, searched and walked on the device (no confidence stop, which searches on the host), the
 # draft model and n-gram, greedy, batch 1 and 16, 32-token answers, 6 paired rounds, transformers as
-# peer, greedy identity checked), which runs bench.py itself on CUDA end to end. The measurement replaced tools/roofline.py and
-# `bench.py --kernels` here: it measures the copy ceiling and each decode step's share of it at four
-# shapes, where the roofline did at one, and the attention kernels' timings alone matter less than
-# whole steps (both tools still run by hand). Results: $OUT/gpu_check.log (every step's output),
+# peer, greedy identity checked), which runs bench.py itself on CUDA end to end. The measurement
+# replaced tools/roofline.py and `bench.py --kernels` here: it measures the copy ceiling and each
+# decode step's share of it at four shapes, where the roofline did at one, and the attention
+# kernels' timings alone matter less than whole steps (both tools still run by hand). Results: $OUT/gpu_check.log (every step's output),
 # gpu_measure.md (the tables for docs/results.md and the README), gpu_measure.json, bench.json; the
 # random target lives in a temporary folder, never under $OUT (what is there comes back). A failing
 # step is reported and the others still run; the exit status is 1 if any failed, 2 if the machine
