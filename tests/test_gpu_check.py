@@ -195,7 +195,8 @@ def test_the_gpu_bench_arguments_parse_and_plan_the_rows_the_header_names():
 
 
 DEVICE_STEP_TESTS = {  # what the GPU's device-step-tests step must run, by file: the device step against the host's
-    "test_speculative_tree_device.py": {"test_the_device_step_gives_the_host_steps_tokens",
+    "test_speculative_tree_device.py": {"test_the_device_walk_decides_as_the_host_walk",
+                                        "test_the_device_step_gives_the_host_steps_tokens",
                                         "test_a_mixed_batch_and_requests_that_need_the_host",
                                         "test_an_interrupted_device_step_ends_every_request_and_leaves_the_llm_usable"},
     "test_transfers_options.py": {"test_a_step_with_the_options_makes_one_upload_and_one_download",

@@ -113,6 +113,7 @@ def host_verdicts(seqs: list[Sequence], trees: list[DraftTree], logits: torch.Te
 @pytest.mark.parametrize("seed", range(60))
 def test_the_device_walk_decides_as_the_host_walk(seed):
     seqs, trees, logits = random_batch(seed)
+    logits = logits.to(default_device(None))  # (on a GPU both walk from CUDA logits, as in a step)
     assert device_verdicts(seqs, trees, logits) == host_verdicts(seqs, trees, logits)
 
 
