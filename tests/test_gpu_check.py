@@ -7,8 +7,9 @@ with room to spare; its two commands' step timeouts add up to less than their co
 which with start-up fit the 15 minutes; a machine without torch is told so (not "no CUDA device"),
 and one without a GPU is told to use --dry-run; the dry run passes end to end (every step at tiny
 sizes on CPU), leaves only its three result files in $OUT and no scratch folder behind; the random
-target of SmolLM2-135M-Instruct's shape takes the shipped draft and EAGLE head, and the GPU bench's
-arguments parse into the rows the script's header names; bench.py with a
+target of SmolLM2-135M-Instruct's shape takes the shipped draft and EAGLE head, the GPU bench's
+arguments parse into the rows the script's header names, and the GPU's device-step selection
+collects the tests it names; bench.py with a
 user's --target benches only the drafters made for it (never the shipped head of another model),
 and refuses a head for another target in one line; tools/random_pair.py writes a pair minispec
 decodes speculatively with greedy output equal to plain decoding.
@@ -114,7 +115,7 @@ def test_no_torch_is_said_so_and_no_gpu_asks_for_the_dry_run(tmp_path):
 
 
 def test_the_dry_run_passes_end_to_end(tmp_path):
-    """Every step at tiny sizes on CPU (about 40 CPU-seconds): the kernel and graph tests, the
+    """Every step at tiny sizes on CPU (about 45 CPU-seconds): the kernel, graph and device-step tests, the
     measurement (every section: forwards, engine runs with each kind of drafter, the transformers
     peer, predictions, the controlled pair), a random target written outside $OUT, and the bench
     with a draft model and n-gram."""
@@ -186,10 +187,47 @@ def test_the_gpu_bench_arguments_parse_and_plan_the_rows_the_header_names():
               for name, body in re.findall(r"(DRAFTS|BENCH)=\(([^)]*)\)", gpu_branch)}
     args = bench.parse_args(["--target", "random-target"] + arrays["DRAFTS"] + arrays["BENCH"] + ["--no-plots"])
     plan = bench.plan(args, gpu=True)
-    assert plan["drafters"] == ["eagle", "draft", "ngram"]
+    assert plan["drafters"] == ["eagle", "eagle-tree", "draft", "ngram"]
+    assert plan["tree_budgets"] == [32] and args.tree_confidence == 0  # (one tree row: searched on the device)
     assert plan["groups"] == [("greedy", 1), ("greedy", 16)] and plan["rounds"] >= 6
     assert (ROOT / args.draft / "config.json").is_file() and (ROOT / args.eagle / "config.json").is_file()
     assert args.dtype == "bfloat16"
+
+
+DEVICE_STEP_TESTS = {  # what the GPU's device-step-tests step must run, by file: the device step against the host's
+    "test_speculative_tree_device.py": {"test_the_device_walk_decides_as_the_host_walk",
+                                        "test_the_device_step_gives_the_host_steps_tokens",
+                                        "test_a_mixed_batch_and_requests_that_need_the_host",
+                                        "test_an_interrupted_device_step_ends_every_request_and_leaves_the_llm_usable"},
+    "test_transfers_options.py": {"test_a_step_with_the_options_makes_one_upload_and_one_download",
+                                  "test_the_device_step_gives_the_host_steps_tokens_and_logprobs",
+                                  "test_the_options_act_on_the_device_step"},
+    "test_transfers_tree.py": {"test_a_tree_step_makes_one_upload_and_one_download",
+                               "test_a_step_of_host_trees_makes_one_upload_and_one_download",
+                               "test_past_a_host_search_a_tree_step_makes_one_upload_and_one_download"},
+    "test_transfers.py": {"test_a_step_makes_one_upload_and_one_download",
+                          "test_lookup_in_front_of_a_model_makes_one_upload_and_one_download",
+                          "test_a_catch_up_after_looked_up_steps_rides_in_the_same_upload",
+                          "test_the_counter_sees_a_transfer"},
+    "test_pathwise.py": {"test_steps_laid_out_for_the_device_emit_the_host_paths_tokens"},
+}
+
+
+def test_the_gpu_device_step_selection_collects_the_tests_it_names():
+    """The GPU branch's device-step selection (files and -k, as the script builds them) collects
+    exactly these tests: a test renamed or moved would otherwise drop out of the GPU run unseen."""
+    text = SCRIPT.read_text()
+    files = re.search(r"DEVICE_STEP=\(([^)]*)\)", text)[1].split()
+    k = "".join(re.findall(r'DEVICE_STEP_K\+?="([^"]*)"', text))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files,
+                           "-k", k], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    collected: dict[str, set[str]] = {}
+    for node in re.findall(r"^tests/(\S+?)::(\w+)", proc.stdout, flags=re.M):
+        collected.setdefault(node[0], set()).add(node[1])
+    assert collected == DEVICE_STEP_TESTS
+    assert "test_the_device_step_gives_the_host_steps_tokens[eagle-tree-greedy-3]" in proc.stdout
+    assert "test_the_device_step_gives_the_host_steps_tokens[eagle-tree-greedy-1]" not in proc.stdout  # (batch 3 only)
 
 
 def test_a_users_pair_is_benched_without_the_shipped_head(tiny_llama, tiny_llama_draft, tmp_path, capsys):

@@ -123,7 +123,8 @@ def test_static_shapes_with_the_triton_kernels(tiny_llama, tiny_llama_draft):
     expected = [o.token_ids for o in LLM(**args).generate(PROMPTS, params)]  # (the twins, dynamic: fp32 greedy is the same)
     static = LLM(**args, backend="triton", static_shapes=True)
     assert [o.token_ids for o in static.generate(PROMPTS, params)] == expected
-    assert static.engine.target.forward_counts["static"] > 0
+    counts = static.engine.target.forward_counts
+    assert counts["static"] + counts["graph"] > 0  # (on a GPU the static forwards replay graphs)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="captures fail only where there is no CUDA")
@@ -237,8 +238,8 @@ def test_no_forward_is_dynamic_after_warm_up(tiny_llama, tiny_llama_draft, tiny_
     warm_up = max(i for i, (_, _, from_start) in enumerate(log) if from_start) + 1
     after = log[warm_up:]
     assert [entry for entry in after if entry[1] == "dynamic"] == []
-    for role in ("target", "draft"):
-        assert sum(1 for r, path, _ in after if r == role and path == "static") >= 3, (role, after)
+    for role in ("target", "draft"):  # (on a GPU the static forwards replay graphs)
+        assert sum(1 for r, path, _ in after if r == role and path in ("static", "graph")) >= 3, (role, after)
     if "lookup" in drafter:
         assert llm.engine.drafter.lookup_drafts > 0 and llm.engine.drafter.model_drafts > 0
 
@@ -249,7 +250,7 @@ def test_the_eagle_heads_features_come_from_persistent_per_bucket_buffers(tiny_l
     for good, one per width; the tokens are the dynamic path's."""
     args = dict(model=str(tiny_llama), draft_model=str(tiny_llama_eagle), num_speculative_tokens=3, draft_tree_budget=6,
                 draft_tree_top_k=2, kv_cache_gib=0.01)
-    llm = LLM(**args, static_shapes=True)
+    llm = LLM(**args, static_shapes=True, cuda_graphs=False)  # (eager: a graph's replay calls no Python)
     head = llm.engine.runners[1][0]
     calls = []  # (metadata, features, project) of each forward of the head
     model = head.model

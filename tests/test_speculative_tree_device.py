@@ -13,7 +13,8 @@ the host step rather than for its law alone:
   2. end to end, LLM.generate with the step forced on the device against the host step: the same
      tokens and drafted / accepted counts for greedy, seeded sampled and pathwise requests, batch
      1 and 3, trees grown by the EAGLE head and by a draft model (several shapes), prompt lookup
-     in front, a mixed batch; a penalised request takes the host step;
+     in front, a mixed batch; a penalised request takes the host step. On a GPU these run on
+     CUDA (with its CUDA graphs), elsewhere on the CPU (`step_models`);
   3. power: a device walk whose tests keep the full mass (the residual not updated) is caught by 1;
   4. the law as a check of its own: test_speculative_tree.py's chi-square cases and planted bugs
      with the device step forced;
@@ -24,6 +25,7 @@ the host step rather than for its law alone:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -35,9 +37,10 @@ import minispec.engine
 import minispec.speculative_tree as tree_module
 import minispec.tree_on_device
 import minispec.tree_walk_on_device
-from minispec import LLM, SamplingParams
+from minispec import LLM, AttentionBackend, SamplingParams
 from minispec.drafters.base import AutoregressiveDrafter
 from minispec.drafters.draft_tree import DraftTree
+from minispec.io.checkpoint import default_device
 from minispec.runtime.sequence import Sequence
 from minispec.runtime.transfers import Staging, Upload
 from minispec.sampling import WARP_DTYPES, WarpParams
@@ -116,6 +119,7 @@ def host_verdicts(seqs: list[Sequence], trees: list[DraftTree], logits: torch.Te
 @pytest.mark.parametrize("seed", range(60))
 def test_the_device_walk_decides_as_the_host_walk(seed):
     seqs, trees, logits = random_batch(seed)
+    logits = logits.to(default_device(None))  # (on a GPU both walk from CUDA logits, as in a step)
     assert device_verdicts(seqs, trees, logits) == host_verdicts(seqs, trees, logits)
 
 
@@ -128,6 +132,23 @@ def test_a_device_walk_without_the_residual_update_is_caught(monkeypatch):
 
 
 # --- 2. end to end --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step_models(models):
+    """test_speculative_statistical.py's models on the device an LLM takes by default: on a CPU
+    those models themselves; on a GPU copies on CUDA, where the device step is the default and
+    the steps replay CUDA graphs, so the device walk and search run there against the host's.
+    The copies attend with the Triton kernels: the torch backend plans each forward on the host
+    (fast/attention_plans.py), and a captured graph would keep its capture's plan."""
+    device = default_device(None)
+    if device.type == "cpu":
+        return models
+    moved = copy.deepcopy({name: model for name, model in models.items() if name != "tok"})
+    for model in moved.values():
+        model.backend = AttentionBackend()  # (the Triton kernels on CUDA)
+        model.to(device)
+    return {**moved, "tok": models["tok"]}
 
 
 @dataclasses.dataclass
@@ -152,7 +173,8 @@ def generate_both(models, drafter: str, params: list[SamplingParams], prompts: l
     depth, budget, top_k = shape
     options = dict(model=(models["target"], models["tok"]), draft_model=draft, num_speculative_tokens=depth,
                    draft_tree_budget=budget, draft_tree_top_k=top_k, kv_cache_gib=0.01, page_size=4,
-                   prompt_lookup_min=2 if drafter.endswith("+lookup") else None, draft_confidence_threshold=threshold)
+                   prompt_lookup_min=2 if drafter.endswith("+lookup") else None, draft_confidence_threshold=threshold,
+                   max_num_seqs=4)  # (every batch here fits; on a GPU, fewer batch buckets to capture as graphs)
     runs = []
     for on_device in (False, True):
         steps, searches = [], []
@@ -186,14 +208,14 @@ RULES = {"greedy": SP(temperature=0, max_tokens=16, ignore_eos=True),
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("drafter", ["eagle-tree", "near-tree", "eagle-tree+lookup"])
-def test_the_device_step_gives_the_host_steps_tokens(models, drafter, rule, batch):
+def test_the_device_step_gives_the_host_steps_tokens(step_models, drafter, rule, batch):
     """Greedy, seeded sampled and pathwise requests (seeds differ within a batch), alone and three
     at a time: the device step's tokens are the host step's, token for token, and so are the
     drafted and accepted counts (the trees searched on the device are the host's: a seeded
     sampled request's tokens depend on the tree). The EAGLE head and the draft model search on
     the device, behind prompt lookup too (its chains ride up as host trees)."""
     params = [dataclasses.replace(RULES[rule], seed=7 + i) for i in range(batch)]
-    host, device = generate_both(models, drafter, params, BATCH[:batch])
+    host, device = generate_both(step_models, drafter, params, BATCH[:batch])
     assert device.tokens == host.tokens
     assert device.counts == host.counts and host.counts[2] > 0  # (some node was accepted)
     assert host.device_steps == 0 and device.device_steps > 0
@@ -202,42 +224,42 @@ def test_the_device_step_gives_the_host_steps_tokens(models, drafter, rule, batc
         assert device.looked_up > 0
 
 
-def test_a_mixed_batch_and_requests_that_need_the_host(models):
+def test_a_mixed_batch_and_requests_that_need_the_host(step_models):
     """A greedy, a standard and a pathwise request in one batch step on the device together; a
     batch with a penalised request (penalties read tokens on the host) takes the host step, with
     the same tokens either way."""
     mixed = [RULES["greedy"], dataclasses.replace(RULES["sampled"], seed=3), dataclasses.replace(RULES["pathwise"], seed=4)]
-    host, device = generate_both(models, "eagle-tree", mixed, BATCH)
+    host, device = generate_both(step_models, "eagle-tree", mixed, BATCH)
     assert device.tokens == host.tokens and device.counts == host.counts and device.device_steps > 0
     penalised = [dataclasses.replace(RULES["sampled"], seed=5, repetition_penalty=1.3)] + mixed[1:]
-    host, device = generate_both(models, "near-tree", penalised, BATCH)
+    host, device = generate_both(step_models, "near-tree", penalised, BATCH)
     assert device.tokens == host.tokens and device.device_steps == 0
 
 
 @pytest.mark.parametrize("shape", [(4, 12, 3), (5, 9, 1), (2, 3, 4)], ids=lambda s: "d{}-n{}-k{}".format(*s))
 @pytest.mark.parametrize("drafter", ["eagle-tree", "near-tree"])
-def test_other_tree_shapes_search_the_same_trees(models, drafter, shape):
+def test_other_tree_shapes_search_the_same_trees(step_models, drafter, shape):
     """Deeper, wider, a chain (top_k 1) and a budget below the first level's candidates: the
     device search keeps the host's trees (the same seeded sampled tokens and counts)."""
     params = [dataclasses.replace(RULES["sampled"], seed=11 + i, max_tokens=20) for i in range(3)]
-    host, device = generate_both(models, drafter, params, BATCH, shape)
+    host, device = generate_both(step_models, drafter, params, BATCH, shape)
     assert device.tokens == host.tokens and device.counts == host.counts and host.counts[2] > 0
     assert device.device_searches > 0
 
 
 @pytest.mark.parametrize("rule", ["greedy", "sampled"])
 @pytest.mark.parametrize("drafter", ["eagle-tree", "near-tree"])
-def test_a_confidence_threshold_stops_the_device_search_where_the_host_search_stops(models, drafter, rule):
+def test_a_confidence_threshold_stops_the_device_search_where_the_host_search_stops(step_models, drafter, rule):
     """With a confidence threshold the device search runs every level and drops the levels the
     host search would not have grown (`stop_growing`): the same trees, so the same tokens and
     counts. The threshold does cut trees here (fewer nodes drafted than without it), so a device
     search that ignored it would draft more than the host's."""
     params = [dataclasses.replace(RULES[rule], seed=21 + i, max_tokens=20) for i in range(3)]
     shape = (4, 12, 3)
-    host, device = generate_both(models, drafter, params, BATCH, shape, threshold=0.3)
+    host, device = generate_both(step_models, drafter, params, BATCH, shape, threshold=0.3)
     assert device.tokens == host.tokens and device.counts == host.counts and host.counts[2] > 0
     assert device.device_searches == device.device_steps > 0
-    unbounded, _ = generate_both(models, drafter, params, BATCH, shape)
+    unbounded, _ = generate_both(step_models, drafter, params, BATCH, shape)
     assert unbounded.counts[1] > host.counts[1]
 
 
@@ -351,7 +373,8 @@ def test_the_device_step_with_static_shapes(tiny_llama, tiny_llama_draft, tiny_l
     assert [o.token_ids for o in dynamic.generate(prompts, params)] == [o.token_ids for o in static.generate(prompts, params)]
     warm_up = max(i for i, (_, _, from_start) in enumerate(log) if from_start) + 1
     assert [entry for entry in log[warm_up:] if entry[1] == "dynamic"] == []
-    assert sum(1 for role, path, _ in log[warm_up:] if role == "draft" and path == "static") >= 3
+    static = ("static", "graph")  # (a GPU replays the static layout as CUDA graphs)
+    assert sum(1 for role, path, _ in log[warm_up:] if role == "draft" and path in static) >= 3
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

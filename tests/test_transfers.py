@@ -14,6 +14,8 @@ inside what stands for the GPU's attention kernels on a CPU: Triton's interprete
 backend's CPU attention plans (fast/attention_plans.py plans on the host from the metadata, a CPU
 choice). Static shapes, as on a GPU. Plain decoding runs on the Triton backend (its launchers are
 what a GPU runs); the drafters on the torch backend (the same step code, far faster under test).
+On a GPU the same tests count real transfers, on CUDA with its CUDA graphs and the Triton kernels
+everywhere (`DRAFTER_BACKEND`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minispec import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+# The drafters' tests on a CPU take the torch backend (far faster than the interpreter); on a GPU
+# the default, the Triton kernels: the torch backend plans each forward on the host
+# (fast/attention_plans.py), and a CUDA graph (the default there) would keep its capture's plan.
+DRAFTER_BACKEND = None if torch.cuda.is_available() else "torch"
 
 EXEMPT = ("runtime/transfers.py", "triton/runtime/interpreter.py", "triton/language", "fast/attention_plans.py")
 
@@ -127,7 +134,7 @@ def test_a_step_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, 
     args = {"none": {}, "ngram": dict(draft_model="ngram", num_speculative_tokens=3),
             "draft": dict(draft_model=str(tiny_llama_draft), num_speculative_tokens=3),
             "eagle": dict(draft_model=str(tiny_llama_eagle), num_speculative_tokens=3)}[drafter]
-    backend = "triton" if drafter == "none" else "torch"
+    backend = "triton" if drafter == "none" else DRAFTER_BACKEND
     llm = LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend=backend, static_shapes=True, **args)
     # (Plain decoding runs the Triton kernels in the interpreter: greedy, and the mix of a pathwise
     # and a standard sampled request, cover its paths.)
@@ -136,7 +143,8 @@ def test_a_step_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, 
         for step in step_transfers(llm, params, monkeypatch, steps=2):
             assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
     if drafter in ("draft", "eagle"):  # (the drafter did draft, on the device)
-        assert llm.engine.drafter.runner.forward_counts["static"] > 0
+        counts = llm.engine.drafter.runner.forward_counts
+        assert counts["static"] + counts["graph"] > 0  # (on a GPU the static forwards replay graphs)
 
 
 REPEATING = ["a b a b a b a b", "the quick brown fox"]  # lookup finds matches in the first, and some steps of the second
@@ -145,8 +153,8 @@ REPEATING = ["a b a b a b a b", "the quick brown fox"]  # lookup finds matches i
 def lookup_llm(model: str, tiny_llama, tiny_llama_draft, tiny_llama_eagle) -> LLM:
     """Prompt lookup (of >= 1 token) in front of the draft model or the EAGLE head, static shapes."""
     draft = {"draft": tiny_llama_draft, "eagle": tiny_llama_eagle}[model]
-    return LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="torch", static_shapes=True, draft_model=str(draft),
-               num_speculative_tokens=3, prompt_lookup_min=1)
+    return LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend=DRAFTER_BACKEND, static_shapes=True,
+               draft_model=str(draft), num_speculative_tokens=3, prompt_lookup_min=1)
 
 
 @pytest.mark.parametrize("model", ["draft", "eagle"])

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from minispec import LLM, SamplingParams
-from test_transfers import step_transfers
+from test_transfers import DRAFTER_BACKEND, step_transfers
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:draft_model .* is not smaller")]  # (the target drafting for itself)
@@ -56,7 +56,7 @@ def make_llm(drafter: str, tiny_llama, tiny_llama_draft, tiny_llama_eagle) -> LL
             "draft": dict(draft_model=str(tiny_llama_draft), num_speculative_tokens=3),
             "eagle": dict(draft_model=str(tiny_llama_eagle), num_speculative_tokens=3),
             "self": dict(draft_model=str(tiny_llama), num_speculative_tokens=5)}[drafter]
-    return LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend="torch", static_shapes=True, **args)
+    return LLM(model=str(tiny_llama), kv_cache_gib=0.01, backend=DRAFTER_BACKEND, static_shapes=True, **args)
 
 
 @pytest.fixture(scope="module", params=DRAFTERS)

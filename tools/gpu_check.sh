@@ -16,24 +16,30 @@
 #
 # Time: 15 minutes of GPU time in all, start-up (1-2 minutes) included; 600 s at most a command.
 # Two commands, each step under its own timeout (--plan prints the sums), most valuable first:
-#   run(command="bash tools/gpu_check.sh tests", timeout_s=300)   # 1. kernels vs twins, CUDA graphs
+#   run(command="bash tools/gpu_check.sh tests", timeout_s=330)   # 1. kernels, CUDA graphs, device step
 #   run(command="bash tools/gpu_check.sh bench", timeout_s=420)   # 2. measurement, then bench
-# Worst case 2 + 5 + 7 = 14 minutes; a part that finishes early leaves time to rerun the other.
+# Worst case 2 + 5.5 + 7 = 14.5 minutes; a part that finishes early leaves time to rerun the other.
 #
-# Part "tests": the environment; tests/test_kernels.py (bf16 included) and tests/test_graphs.py
-# (CUDA-graph replay against eager) on the GPU. Part "bench": tools/gpu_measure.py (step costs of
+# Part "tests": the environment; tests/test_kernels.py (bf16 included), tests/test_graphs.py
+# (CUDA-graph replay against eager), then the device step's tests on CUDA, where that step is the
+# default: the tree step's device search and walk against the host step's, token for token
+# (greedy, sampled, pathwise; the EAGLE head, a draft model, lookup in front; a mixed batch; an
+# interrupt in the walk), penalties, min_tokens and logprobs on the one-upload step against the
+# host path, pathwise noise from uploaded lanes, and one upload and one download a step (chains,
+# trees, the options) counted on CUDA. Part "bench": tools/gpu_measure.py (step costs of
 # minispec's own runner, KV cache and CUDA graphs at real shapes built on the GPU from seeds:
 # SmolLM2-135M, a Qwen2.5-1.5B target with a 0.5B draft, an 8B target with an EAGLE-3-shaped head;
 # decode and k+1 verification, drafted tokens, bandwidth against the measured copy ceiling,
 # transformers' generate as the peer; each drafter's speedup predicted with the step model from
 # the acceptance measured on CPU; a pair whose acceptance epsilon controls, predicted against
 # measured); then bench.py on a random target of SmolLM2-135M-Instruct's shape with the shipped
-# drafters (CUDA graphs on, bf16; plain vs the EAGLE head, the draft model and n-gram, greedy, batch 1
-# and 16, 32-token answers, 6 paired rounds, transformers as peer, greedy identity checked), which
-# runs bench.py itself on CUDA end to end. The measurement replaced tools/roofline.py and
-# `bench.py --kernels` here: it measures the copy ceiling and each decode step's share of it at four
-# shapes, where the roofline did at one, and the attention kernels' timings alone matter less than
-# whole steps (both tools still run by hand). Results: $OUT/gpu_check.log (every step's output),
+# drafters (CUDA graphs on, bf16; plain vs the EAGLE head as a chain and as a tree of 32 nodes,
+# depth 4, searched and walked on the device (no confidence stop, which searches on the host), the
+# draft model and n-gram, greedy, batch 1 and 16, 32-token answers, 6 paired rounds, transformers as
+# peer, greedy identity checked), which runs bench.py itself on CUDA end to end. The measurement
+# replaced tools/roofline.py and `bench.py --kernels` here: it measures the copy ceiling and each
+# decode step's share of it at four shapes, where the roofline did at one, and the attention
+# kernels' timings alone matter less than whole steps (both tools still run by hand). Results: $OUT/gpu_check.log (every step's output),
 # gpu_measure.md (the tables for docs/results.md and the README), gpu_measure.json, bench.json; the
 # random target lives in a temporary folder, never under $OUT (what is there comes back). A failing
 # step is reported and the others still run; the exit status is 1 if any failed, 2 if the machine
@@ -45,9 +51,9 @@ ROOT=$PWD
 # Each step's timeout in seconds on the GPU (the dry run's are five times as long). A part's steps
 # add up to at most its command's timeout_s above less 30 s for the checks between them
 # (tests/test_gpu_check.py checks the sums against the two commands and the 15 minutes).
-T_ENV=30 T_KERNEL_TESTS=150 T_GRAPH_TESTS=90
+T_ENV=30 T_KERNEL_TESTS=125 T_GRAPH_TESTS=80 T_DEVICE_STEP_TESTS=65
 T_MEASURE=210 T_TARGET=30 T_BENCH=120
-TESTS_S=$((T_ENV + T_KERNEL_TESTS + T_GRAPH_TESTS))
+TESTS_S=$((T_ENV + T_KERNEL_TESTS + T_GRAPH_TESTS + T_DEVICE_STEP_TESTS))
 BENCH_S=$((T_ENV + T_MEASURE + T_TARGET + T_BENCH))
 
 DRY=0
@@ -56,7 +62,8 @@ for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
         --plan)
-            echo "tests $TESTS_S: environment $T_ENV, kernel-tests $T_KERNEL_TESTS, graph-tests $T_GRAPH_TESTS"
+            echo "tests $TESTS_S: environment $T_ENV, kernel-tests $T_KERNEL_TESTS, graph-tests $T_GRAPH_TESTS," \
+                 "device-step-tests $T_DEVICE_STEP_TESTS"
             echo "bench $BENCH_S: environment $T_ENV, measure $T_MEASURE, random-target $T_TARGET, bench $T_BENCH"
             exit 0 ;;
         tests|bench|all) PART=$arg ;;
@@ -117,14 +124,27 @@ print('gguf', 'installed' if importlib.util.find_spec('gguf') else 'not installe
 
 if [ "$PART" != bench ]; then
     # 1. The kernels against their torch twins (bf16 included on a GPU; a few small cases interpreted on
-    # CPU), then CUDA-graph replay against eager steps (on CPU: the static layout run eagerly).
+    # CPU), CUDA-graph replay against eager steps (on CPU: the static layout run eagerly), then the
+    # device step against the host step, its transfers counted, on CUDA (these files' fixtures put
+    # their models there where there is one): the selection below, the most telling first (-v: a
+    # timeout still shows which tests passed); on CPU one tree case of the same files.
     PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+    DEVICE_STEP=(tests/test_speculative_tree_device.py tests/test_transfers_options.py tests/test_transfers_tree.py
+                 tests/test_transfers.py tests/test_pathwise.py)
+    DEVICE_STEP_K="device_walk_decides or (host_steps_tokens and not -1]) or mixed_batch_and_requests"
+    DEVICE_STEP_K+=" or (interrupted and walk_on_device)"
+    DEVICE_STEP_K+=" or upload_and_one_download or rides_in_the_same_upload or counter_sees or options_act"
+    DEVICE_STEP_K+=" or (laid_out_for_the_device and ([model] or [ngram] or [eagle+lookup]))"
     if [ "$DRY" = 1 ]; then
         TRITON_INTERPRET=1 step kernel-tests "$T_KERNEL_TESTS" "${PYTEST[@]}" -x tests/test_kernels.py -k "write_kv_scatters"
         step graph-tests "$T_GRAPH_TESTS" "${PYTEST[@]}" -x tests/test_graphs.py -k "prompts_take or padding"
+        step device-step-tests "$T_DEVICE_STEP_TESTS" "${PYTEST[@]}" -x "${DEVICE_STEP[@]}" \
+            -k "host_steps_tokens and eagle-tree-pathwise-3]"
     else
         step kernel-tests "$T_KERNEL_TESTS" "${PYTEST[@]}" tests/test_kernels.py -m "slow or not slow"
         step graph-tests "$T_GRAPH_TESTS" "${PYTEST[@]}" tests/test_graphs.py
+        step device-step-tests "$T_DEVICE_STEP_TESTS" "$PY" -m pytest -v -p no:cacheprovider "${DEVICE_STEP[@]}" \
+            -k "$DEVICE_STEP_K"
     fi
 fi
 
@@ -144,8 +164,8 @@ if [ "$PART" != tests ]; then
     else
         step random-target "$T_TARGET" "$PY" tools/random_pair.py "$PAIR" --size smollm2 --device cuda
         DRAFTS=(--draft weights/draft-smollm2 --eagle weights/eagle-smollm2)
-        BENCH=(--dtype bfloat16 --drafters eagle,draft,ngram --ks 4 --eagle-ks 4 --batch-sizes 1,16 --modes greedy
-               --rounds 6 --max-tokens 32)
+        BENCH=(--dtype bfloat16 --drafters eagle,eagle-tree,draft,ngram --ks 4 --eagle-ks 4 --tree-budgets 32
+               --tree-confidence 0 --batch-sizes 1,16 --modes greedy --rounds 6 --max-tokens 32)
     fi
     if [ -f "$PAIR/target/config.json" ]; then
         step bench "$T_BENCH" "$PY" bench.py --target "$PAIR/target" "${DRAFTS[@]}" "${BENCH[@]}" \
