@@ -198,16 +198,19 @@ def kv_budget(kv_cache_gib: float | None, utilization: float, device: torch.devi
 
 
 def use_cuda_graphs(o: EngineOptions, models: list) -> bool:
-    """Graphs by default on CUDA; never for a quantized model (its batch-invariant attention plans
-    each forward in Python: a graph would freeze one plan)."""
+    """Graphs by default on CUDA, for models on the Triton kernels only: the torch twins and the
+    batch-invariant backend (a quantized model's) plan each forward's attention on the host from
+    its metadata, and a graph would freeze the plan of its capture, attending wrongly ever after."""
     on_cuda = models[0].device.type == "cuda"
     if o.cuda_graphs and not on_cuda:
         raise ValueError("cuda_graphs=True needs a CUDA device (static_shapes=True runs the same layout eagerly)")
     graphs = on_cuda if o.cuda_graphs is None else bool(o.cuda_graphs)
-    if graphs and any(m.backend.name == "invariant" for m in models):
+    planned = sorted({m.backend.name for m in models} - {"triton"})
+    if graphs and planned:
         if o.cuda_graphs:
-            raise ValueError("cuda_graphs=True cannot run a quantized model (its batch-invariant attention "
-                             "plans each forward in Python); use static_shapes=True or leave cuda_graphs unset")
+            raise ValueError(f"cuda_graphs=True needs the Triton kernels, but the {' and '.join(planned)} attention "
+                             "backend plans each forward on the host (a quantized model runs the invariant one); "
+                             "use static_shapes=True or leave cuda_graphs unset")
         return False
     return graphs
 

@@ -143,6 +143,25 @@ def test_a_failed_capture_is_an_error_naming_the_bucket(tiny_llama, tiny_llama_e
         LLM(model=str(tiny_llama), kv_cache_gib=0.01, cuda_graphs=True)
 
 
+@pytest.mark.parametrize("backends, default", [(("triton", "triton"), True), (("triton", "torch"), False),
+                                               (("invariant",), False)])
+def test_graphs_run_only_models_on_the_triton_kernels(backends, default):
+    """The torch twins and the invariant backend plan attention on the host from each forward's
+    metadata: a graph would freeze its capture's plan. On CUDA (faked here: the choice reads the
+    models' device and backend) graphs are on by default only when every model runs the Triton
+    kernels, and asking for them otherwise is an error naming the backend."""
+    from types import SimpleNamespace
+
+    from minispec.build import use_cuda_graphs
+    from minispec.options import EngineOptions
+
+    models = [SimpleNamespace(device=torch.device("cuda"), backend=SimpleNamespace(name=b)) for b in backends]
+    assert use_cuda_graphs(EngineOptions(model="m"), models) is default
+    if not default:
+        with pytest.raises(ValueError, match=f"the {backends[-1]} attention backend plans each forward"):
+            use_cuda_graphs(EngineOptions(model="m", cuda_graphs=True), models)
+
+
 def test_the_padding_never_touches_a_sequences_pages(tiny_llama):
     """The padding rows write only the scratch page: every other slot of the pool holds what the
     dynamic path leaves there (the same slots written, values equal up to fp32 rounding: the
