@@ -29,50 +29,18 @@ model drafts token by token (it then supplies the forwards; the sampling loop is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ..core import drafters as core
 from ..core.drafters import Proposal, draft_uniforms, drop_nonfinite
-from ..pathwise import gumbel_max, lane_gumbel_max, noise_lanes
-from ..runtime.runner import Feed, ModelRunner
+from ..pathwise import gumbel_max
+from ..penalties import penalize
+from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
-from ..penalties import Penalties, penalize
-from ..sampling import WARP_DTYPES, WarpParams, sample, warp_probs
-
-
-@dataclass
-class Staged:
-    """A step's drafting laid out before anything runs (`Drafter.stage`), as the verification sees
-    it: sequence b gets at most lengths[b] drafts; host_tokens[b] are the host's drafts, or
-    placeholders when drawn[b] (drawn on the device: the verification reads them there). forwards:
-    a model drafter's prepared forwards (active sequences, the forward, its model arguments);
-    inputs: the prefix of its other arrays in the upload; proposal: a host drafter's own.
-    ahead: a model drafter's catch-up pieces (prepared forward, model arguments: `feed_ahead`),
-    run in order before its first forward; inner: the staging of a drafter this one stands in
-    front of (drafters/lookup.py)."""
-
-    lengths: list[int]
-    host_tokens: list[list[int]]
-    drawn: list[bool]
-    forwards: list = field(default_factory=list)
-    inputs: str = ""
-    proposal: Proposal | None = None
-    ahead: list = field(default_factory=list)
-    inner: Staged | None = None
-
-
-@dataclass
-class Drafts:
-    """A step's drafts on the device (`Drafter.run_staged`): tokens [B, K] int64 (target ids; row b
-    valid up to num_draft[b]), num_draft [B] int64 (<= Staged.lengths: a model may stop early),
-    probs [B, K+1, V] q or None (one-hot at each draft)."""
-
-    tokens: torch.Tensor
-    num_draft: torch.Tensor
-    probs: torch.Tensor | None
+from ..sampling import sample, warp_probs
+from .draft_loop_on_device import DraftLoopOnDevice
+from .staged import Drafts, Staged
 
 
 class Drafter(core.Drafter):
@@ -88,18 +56,6 @@ class Drafter(core.Drafter):
         upload.add(prefix + "num_draft", [len(d) for d in proposal.tokens])  # [B]
         return Staged([len(d) for d in proposal.tokens], proposal.tokens, [False] * len(seqs), inputs=prefix,
                       proposal=proposal)
-
-    @property
-    def stops_on_device(self) -> bool:
-        """Whether a confidence threshold's stop is decided on the device, in the step's one
-        upload and one download, or on the host, where stopping saves the forwards after the last
-        sequence's stop but costs a host copy a depth. `confidence_on_device` if set, else on
-        CUDA: there a host copy a depth stalls the launch queue and a graphed draft forward is
-        cheap; on a CPU the forwards are the cost (docs/kernels-and-gpu.md has the measurement).
-        Either way the same drafts: the stop depends only on what was drafted."""
-        if self.confidence_on_device is not None:
-            return self.confidence_on_device
-        return self.runner.device.type == "cuda"
 
     def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
         """The device's half of `stage`, once the upload is sent (`sent`: its tensors)."""
@@ -143,7 +99,7 @@ class NoDrafter(Drafter):
         return Proposal.empty(len(seqs))
 
 
-class AutoregressiveDrafter(Drafter, core.DraftLoop):
+class AutoregressiveDrafter(DraftLoopOnDevice, Drafter, core.DraftLoop):
     """A model that drafts one token per forward: the first forward catches up on what the draft
     has not seen, each later one feeds the token just drafted. Subclasses give the forwards; the
     loop is the core's (`DraftLoop.propose`), which samples each token from the request's warped q
@@ -161,7 +117,6 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
     vocab_size: int  # the target's: the width of q
     draft_ids: torch.Tensor | None = None  # target id of each logit column (None: the columns are target ids)
     tree_root_offset: int = -1  # drafters/tree.py: the first forward's row for seq sits at position len(seq) + this
-    confidence_on_device: bool | None = None  # where a confidence threshold stops: see `stops_on_device`
 
     def __init__(self, confidence_threshold: float | None = None):
         if confidence_threshold is not None and not 0 < confidence_threshold < 1:
@@ -209,101 +164,6 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
     def device(self) -> torch.device:
         return self.runner.device
 
-    def stage(self, seqs: list[Sequence], num_draft: list[int], upload: Upload) -> Staged:
-        """Lay out the draft loop's forwards (`propose`'s, with the same sequences active at each
-        depth) and each depth's draw inputs (warp parameters, DRAFT uniforms; for pathwise requests
-        their rows among the active ones and the NOISE lanes of the drafted position) in the step's
-        upload: the loop then runs on the device with no host round-trip (`run_staged`).
-
-        With a confidence threshold the stop is decided where `stops_on_device` says: on the
-        device, the loop's forwards all run and a sequence's draws past its stop fall past its
-        num_draft; on the host, the loop is `propose`'s (a host copy a depth)."""
-        if self.confidence_threshold is not None and not self.stops_on_device:
-            return Drafter.stage(self, seqs, num_draft, upload)
-        lengths = [self.draftable(s, n) if n > 0 else 0 for s, n in zip(seqs, num_draft)]
-        prefix = upload.scope()
-        upload.add(prefix + "num_draft", lengths)  # [B]
-        greedy = all(s.params.greedy for s in seqs)
-        width = self.vocab_size if self.draft_ids is None else len(self.draft_ids)  # V_d, the logits' width
-        forwards, active, previous, ahead = [], [b for b, n in enumerate(lengths) if n > 0], [], []
-        for i in range(max(lengths, default=0)):
-            if i == 0:
-                ahead = self.feed_ahead([seqs[b] for b in active], upload)
-                feeds, args = self.first_feeds(seqs, active)
-            else:  # each active sequence feeds the token it drew at depth i - 1, on the device
-                feeds, args = [Feed(seqs[b].draft_table, [0], drawn=1) for b in active], None
-                upload.add(f"{prefix}keep{i}", [previous.index(b) for b in active])  # [A_i] rows of depth i - 1
-            forwards.append((active, self.runner.prepare(feeds, upload), args))
-            upload.add(f"{prefix}rows{i}", active)  # [A_i] batch rows
-            if not greedy:
-                for name, values in WarpParams.arrays([seqs[b].params for b in active], width).items():
-                    upload.add(f"{prefix}warp{i}.{name}", values, WARP_DTYPES[name])
-                upload.add(f"{prefix}u{i}", draft_uniforms([seqs[b] for b in active], i), torch.float64)  # [A_i]
-                chosen = [r for r, b in enumerate(active) if seqs[b].pathwise]
-                if chosen:  # (draw_from's Gumbel-max, at position len(s) + i)
-                    upload.add(f"{prefix}pathwise{i}", chosen)  # [P_i] rows of depth i
-                    drawing = [seqs[active[r]] for r in chosen]
-                    lanes = noise_lanes([s.key for s in drawing], [len(s) + i for s in drawing])
-                    upload.add(f"{prefix}noise{i}", lanes)  # [P_i, 2]
-            previous, active = active, [b for b in active if lengths[b] > i + 1]
-        return Staged(lengths, [[0] * n for n in lengths], [n > 0 for n in lengths], forwards, prefix, ahead=ahead)
-
-    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
-        """`propose`'s loop on the device: depth i feeds the tokens depth i - 1 drew (never read on
-        the host), penalises the logits as `adjust` does (`adjust_staged`, from the step's
-        penalties.Penalties), draws from the warped q as `draw_from` does (the keyed DRAFT uniforms,
-        or a pathwise request's Gumbel-max with the uploaded noise lanes; greedy: the argmax), and
-        a sequence stops where `propose` would: before an unusable (non-finite) row, after a token
-        below the confidence threshold. Its later forwards still run (their K/V are rolled back);
-        what they draw is past num_draft."""
-        if staged.proposal is not None:  # (drafted on the host: `stage`)
-            return Drafter.run_staged(self, seqs, staged, sent)
-        p, B, K = staged.inputs, len(seqs), len(staged.forwards)
-        device = self.runner.device
-        tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
-        num_draft = sent[p + "num_draft"].clone()  # [B]
-        greedy = all(s.params.greedy for s in seqs)
-        probs = None if greedy else torch.zeros(B, K + 1, self.vocab_size, device=device)  # [B, K+1, V]
-        penalties = Penalties(seqs, sent, self.vocab_size) if "penalty.values" in sent else None
-        carry = None
-        for prepared, args in staged.ahead:  # a long catch-up's first pieces (their logits are unused)
-            self.runner.run(prepared, **args)
-        for i, (active, prepared, args) in enumerate(staged.forwards):
-            rows = sent[f"{p}rows{i}"]  # [A]
-            if i == 0:
-                out = self.runner.run(prepared, **args)
-            else:
-                keep = sent[f"{p}keep{i}"]
-                out = self.runner.run(prepared, drawn=tokens[rows, i - 1], **self.chain_args(None if carry is None else carry[keep]))
-            logits, carry = self.split(out)  # [A, V_d], the carry or None
-            if penalties is not None:
-                logits = self.adjust_staged(logits, penalties, rows, tokens[rows, :i])
-            logits, ok = drop_nonfinite(logits)
-            if greedy:
-                drawn = logits.argmax(-1)  # [A]
-            else:
-                warp = WarpParams.of([seqs[b].params for b in active], logits.shape[-1], device,
-                                     {name: sent[f"{p}warp{i}.{name}"] for name in WARP_DTYPES})
-                q = warp_probs(logits, warp)  # [A, V_d]
-                drawn = sample(q, sent[f"{p}u{i}"])  # [A]
-                if f"{p}pathwise{i}" in sent:
-                    chosen = sent[f"{p}pathwise{i}"]  # [P_i]
-                    drawn[chosen] = lane_gumbel_max(q[chosen], sent[f"{p}noise{i}"], self.draft_ids)
-                if self.draft_ids is None:
-                    probs[rows, i] = q
-                else:  # 0 outside the draft's vocabulary
-                    probs[rows[:, None], i, self.draft_ids[None, :]] = q
-            tokens[rows, i] = drawn if self.draft_ids is None else self.draft_ids[drawn]
-            stop = torch.where(ok, num_draft[rows], i)  # [A]: before an unusable row
-            if self.confidence_threshold is not None:  # after an unsure token (`draw`'s test)
-                own = logits.float().softmax(-1).gather(-1, drawn[:, None]).squeeze(-1)  # [A]
-                stop = torch.where(ok & (own < self.confidence_threshold), i + 1, stop)
-            live = num_draft[rows] > i  # [A] still drafting
-            num_draft[rows] = torch.where(live, torch.minimum(stop, num_draft[rows]), num_draft[rows])
-        if probs is not None:
-            probs *= (torch.arange(K + 1, device=device)[None, :] < num_draft[:, None])[..., None]
-        return Drafts(tokens, num_draft, probs)
-
     def first_feeds(self, seqs: list[Sequence], active: list[int]) -> tuple[list, dict]:
         """The feeds and model arguments of the first forward of a step (`first_forward`'s), after
         `feed_ahead`."""
@@ -335,21 +195,6 @@ class AutoregressiveDrafter(Drafter, core.DraftLoop):
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # [n, V]
         full[:, self.draft_ids] = logits
         return penalize(full, rows)[:, self.draft_ids]
-
-    def adjust_staged(self, logits: torch.Tensor, penalties: Penalties, rows: torch.Tensor,
-                      drafted: torch.Tensor) -> torch.Tensor:
-        """`adjust` on the device, in `run_staged`: draft logits [A, V_d] of batch rows rows [A],
-        each penalised with its sequence's tokens (penalties: their counts on the device) and its
-        drafts so far, drafted [A, i] (target ids), as the target's verification row there is."""
-        A, depth = drafted.shape
-        before = torch.zeros(A, self.vocab_size, device=logits.device)  # [A, V]: the drafts' counts
-        before.scatter_add_(1, drafted, torch.ones(A, depth, device=logits.device))
-        at = torch.full((A,), depth, device=logits.device)  # [A] drafts before each row
-        if self.draft_ids is None:
-            return penalties.apply(logits, rows, before, at)
-        full = logits.new_full((A, self.vocab_size), float("-inf"))  # [A, V]
-        full[:, self.draft_ids] = logits
-        return penalties.apply(full, rows, before, at)[:, self.draft_ids]
 
     def draw(self, seqs: list[Sequence], active: list[int], logits: torch.Tensor, greedy: bool, depth: int
              ) -> tuple[list[int], list[bool], list[bool], torch.Tensor | None]:
