@@ -80,7 +80,8 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
         if "tree.logprob_rows" in sent:
             logprobs = tree_logprobs_on_device(logits, sent, walk.path, walk.tokens, seqs)
         emitted, num_accepted, path, broken, tree_tokens, tree_parents, *logprobs = target.staging.download(
-            [walk.tokens, walk.num_accepted, walk.path, walk.broken.long(), tokens, parents, *logprobs])  # THE download
+            [walk.tokens, walk.num_accepted, walk.path, walk.broken.long(), tokens, parents,
+             *logprobs])  # THE download
     trees = [plan.host_trees[b] if b in plan.host_trees else DraftTree(t[:n], p[:n])
              for b, (t, p, n) in enumerate(zip(tree_tokens, tree_parents, shape.sizes))]
     num_accepted = [n[0] for n in num_accepted]
@@ -88,7 +89,8 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     failures = {b: plan.lengths[b] + n for b, (n, x) in enumerate(zip(num_accepted, broken)) if x[0]}
     drafted = [[t.tokens[i] for i in p] for t, p in zip(trees, paths)]
     depths = [max(t.depths(), default=0) for t in trees]
-    emit_accepted(seqs, emitted, num_accepted, depths, host_logprobs(seqs, logprobs, num_accepted), failures, emit)
+    top = host_logprobs(seqs, logprobs, num_accepted)
+    emit_accepted(seqs, emitted, num_accepted, depths, top, failures, emit)
     for s in seqs:
         s.target_table.truncate(len(s) - 1, target.cache.allocator)
         if s.finish_reason is not None:

@@ -3,7 +3,7 @@ in the step's one upload and one download (tree_on_device.py `device_tree_step`)
 
 The twin on the host is speculative_tree.py's `host_tree_step`: `penalized_tree` penalises the
 root's row with the sequence's tokens and node i's row with them plus the tokens of its path
-(the root's child down to i, i included: the tokens before i's child's position), and
+(the root's child down to i, i included: the tokens before the position its row predicts), and
 `top_logprobs` reads the raw rows of the accepted path (the root's, then each path node's).
 
 Penalties and min_tokens (`penalized_tree_on_device`). The sequence's part is the chain's:
@@ -11,7 +11,7 @@ penalties.py `Penalties`, each sequence's counts kept on the device and grown by
 upload carries. The path's part is made on the device from the trees (which may be searched
 there): for every node, its own token and each ancestor's are added to its row's counts by
 walking up the parents D times (one scatter-add of B * N ones per level), and a row is masked
-for min_tokens while its depth (the tokens of the path before its child's position) is below
+for min_tokens while its depth (the path's tokens before the position it predicts) is below
 min_left. Both are the host's history for that row, fed to the same formula
 (`penalty_logits`), so every row's penalised logits are the host's, bit for bit, and the walk
 (tree_walk_on_device.py) decides on them as the host walk does: the law is the penalised
@@ -21,7 +21,8 @@ device as on the host (any tree is exact).
 Logprobs (`tree_logprobs_on_device`). The accepted path's rows of the RAW logits (before
 penalties and the warp, as vLLM's), gathered with the path the walk found, through the chain's
 `logprobs_of_rows`: top-n, the emitted token's logprob and rank, packed into the one download.
-They only report: no emitted token depends on them.
+They only report: no emitted token depends on them. tests/test_tree_options_on_device.py checks
+the two steps give the same tokens, counts and logprobs.
 
 Memory: the path's counts are a [B, N+1, V] fp32 tensor, the penalised rows another [B, N+1, V]
 in the logits' dtype, and `penalty_logits` makes a few temporaries of that shape, all freed

@@ -14,7 +14,8 @@ The device step makes the same rows from the same history, so it is checked for 
      front, fixed trees the host knows, and a batch mixing them with plain requests; each option
      acts (the tokens are not plain decoding's);
   2. power: a device step that leaves the path's tokens out of a row's counts, or the node's
-     own token, or masks min_tokens one token short, gives other tokens than the host step;
+     own token, or masks min_tokens one token short, gives other tokens than the host step; and
+     the chi-square over the whole pipeline rejects the node's own token left out;
   3. one upload and one download a step with these options, after warm-up.
 """
 
@@ -26,11 +27,14 @@ import functools
 import pytest
 import torch
 
+import minispec.engine
+import minispec.speculative_tree as tree_module
 import minispec.tree_on_device
 import minispec.tree_options_on_device as options_module
 from minispec import LLM, SamplingParams
 from minispec.drafters.tree import TreeDrafter
-from test_speculative_statistical import models  # noqa: F401
+from test_speculative_statistical import ALPHA, models  # noqa: F401
+from test_speculative_tree import TREE_CASES, tree_p_value
 from test_speculative_tree_device import BATCH, RULES, Run, generate_both
 from test_transfers import step_transfers
 from minispec.drafters.draft_tree import DraftTree
@@ -40,8 +44,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PENALISED = dict(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.4)
 
 
-def generate_both_with_logprobs(models, drafter: str, params: list[SamplingParams], prompts: list[list[int]],
-                                **options) -> tuple[Run, Run, list, list]:
+def generate_both_with_logprobs(models, drafter: str, params: list[SamplingParams],
+                                prompts: list[list[int]], **options) -> tuple[Run, Run, list, list]:
     """`generate_both` (the tree step forced on the host, then on the device), with each run's
     logprobs per request (None where a request did not ask)."""
     outputs, original = [], LLM.generate
@@ -65,7 +69,8 @@ def assert_same_logprobs(device: list, host: list) -> None:
         for dl, hl in zip(d or [], h or []):
             assert list(dl) == list(hl)
             assert [x.rank for x in dl.values()] == [x.rank for x in hl.values()]
-            assert [x.logprob for x in dl.values()] == pytest.approx([x.logprob for x in hl.values()], abs=1e-5)
+            values = [x.logprob for x in hl.values()]
+            assert [x.logprob for x in dl.values()] == pytest.approx(values, abs=1e-5)
 
 
 def plain_tokens(models, drafter: str, params: list[SamplingParams]) -> list[list[int]]:
@@ -91,7 +96,8 @@ def first_stop(models, drafter: str, rule: str) -> int:
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("option", ["penalties", "min_tokens", "logprobs"])
 @pytest.mark.parametrize("drafter", ["eagle-tree", "near-tree", "eagle-tree+lookup"])
-def test_the_device_step_with_options_gives_the_host_steps_tokens_and_logprobs(models, drafter, option, rule):
+def test_the_device_step_with_options_gives_the_host_steps_tokens_and_logprobs(models, drafter, option,
+                                                                                 rule):
     """Three requests of one rule with one option: the device step's tokens, counts and logprobs
     are the host step's; the option acts (penalties and min_tokens change the tokens, min_tokens
     keeps the stop token out of the first 10; logprobs come for every emitted token)."""
@@ -105,7 +111,8 @@ def test_the_device_step_with_options_gives_the_host_steps_tokens_and_logprobs(m
     if option == "penalties":
         assert host.tokens != plain_tokens(models, drafter, params)
     if option == "min_tokens":
-        assert stop not in host.tokens[0][:10] and stop in plain_tokens(models, drafter, params[:1])[0][:10]
+        assert stop not in host.tokens[0][:10]
+        assert stop in plain_tokens(models, drafter, params[:1])[0][:10]
     if option == "logprobs":
         assert all(len(lp) == len(t) for lp, t in zip(host_lp, host.tokens))
 
@@ -119,7 +126,8 @@ def test_a_mixed_batch_with_every_option(models, drafter):
               dataclasses.replace(RULES["sampled"], seed=7, min_tokens=10, stop_token_ids=[stop]),
               dataclasses.replace(RULES["pathwise"], seed=9, repetition_penalty=1.3, logprobs=1),
               dataclasses.replace(RULES["sampled"], seed=11)]
-    host, device, host_lp, device_lp = generate_both_with_logprobs(models, drafter, params, BATCH + [[4, 4]])
+    prompts = BATCH + [[4, 4]]
+    host, device, host_lp, device_lp = generate_both_with_logprobs(models, drafter, params, prompts)
     assert device.tokens == host.tokens and device.counts == host.counts and host.counts[2] > 0
     assert host.device_steps == 0 and device.device_steps > 0
     assert_same_logprobs(device_lp, host_lp)
@@ -140,7 +148,8 @@ def test_host_trees_with_options_on_the_device(models, rule, monkeypatch):
     token on a path), penalised on the device: the host step's tokens, counts and logprobs."""
     monkeypatch.setattr(TreeDrafter, "stage_trees", lambda self, seqs, max_depth, upload: None)
     monkeypatch.setattr(TreeDrafter, "propose_trees", repeating_trees)
-    params = [dataclasses.replace(RULES[rule], seed=7 + i, logprobs=2, min_tokens=4, **PENALISED) for i in range(3)]
+    params = [dataclasses.replace(RULES[rule], seed=7 + i, logprobs=2, min_tokens=4, **PENALISED)
+              for i in range(3)]
     host, device, host_lp, device_lp = generate_both_with_logprobs(models, "near-tree", params, BATCH)
     assert device.tokens == host.tokens and device.counts == host.counts
     assert host.device_steps == 0 and device.device_steps > 0
@@ -169,9 +178,11 @@ def min_tokens_one_short(penalized, target_logits, *, penalties, tokens, parents
                      slot_depth=slot_depth + 1, depth=depth)
 
 
-@pytest.mark.parametrize("mutant,rule", [(without_ancestors, "greedy"), (without_the_node, "greedy"),
-                                         (without_ancestors, "sampled"), (min_tokens_one_short, "sampled")],
-                         ids=lambda x: getattr(x, "__name__", x))
+MUTANTS = [(without_ancestors, "greedy"), (without_the_node, "greedy"), (without_ancestors, "sampled"),
+           (min_tokens_one_short, "sampled")]
+
+
+@pytest.mark.parametrize("mutant,rule", MUTANTS, ids=lambda x: getattr(x, "__name__", x))
 def test_a_device_step_that_misses_part_of_the_path_is_caught(models, monkeypatch, mutant, rule):
     """Power: each planted bug gives the device step other tokens than the host step on a batch
     the real step passes (test_the_device_step_with_options_..., the draft model's trees, whose
@@ -189,24 +200,39 @@ def test_a_device_step_that_misses_part_of_the_path_is_caught(models, monkeypatc
     assert device.tokens != host.tokens
 
 
+def test_the_statistic_rejects_a_path_count_bug_in_the_device_step(models, monkeypatch):
+    """Power of test_speculative_tree.py's chi-square (its penalised draft-model case, which
+    test_speculative_tree_device.py runs on the device step and passes): a device step whose
+    node rows leave the node's own token out of the counts is rejected."""
+    on_device = functools.partial(tree_module.tree_step, on_device=True)
+    monkeypatch.setattr(minispec.engine, "tree_step", on_device)
+    planted = functools.partial(without_the_node, options_module.path_counts)
+    monkeypatch.setattr(options_module, "path_counts", planted)
+    case = next(c for c in TREE_CASES if c[0] == "near-tree" and c[4].adjusts_logits)
+    pval, llm = tree_p_value(models, *case)
+    assert pval < ALPHA
+
+
 # --- 3. transfers --------------------------------------------------------------------------------
 
 
 OPTIONS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, **PENALISED),
-           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=1, min_tokens=6,
-                          stop_token_ids=[5], repetition_penalty=1.2),
-           SamplingParams(temperature=0.8, top_k=20, max_tokens=12, ignore_eos=True, seed=2, pathwise=True,
-                          logprobs=1, presence_penalty=0.5)]
+           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=1,
+                          min_tokens=6, stop_token_ids=[5], repetition_penalty=1.2),
+           SamplingParams(temperature=0.8, top_k=20, max_tokens=12, ignore_eos=True, seed=2,
+                          pathwise=True, logprobs=1, presence_penalty=0.5)]
 
 
 @pytest.mark.parametrize("lookup", [False, True], ids=["tree", "lookup+tree"])
 @pytest.mark.parametrize("model", ["draft", "eagle"])
-def test_a_tree_step_with_options_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft, tiny_llama_eagle,
-                                                                    model, lookup, monkeypatch):
+def test_a_tree_step_with_options_makes_one_upload_and_one_download(tiny_llama, tiny_llama_draft,
+                                                                    tiny_llama_eagle, model, lookup,
+                                                                    monkeypatch):
     """Penalties, min_tokens and logprobs, greedy, sampled and pathwise, trees searched on the
     device (prompt lookup in front or not): one upload, one download, nothing else."""
     llm = tree_llm(model, tiny_llama, tiny_llama_draft, tiny_llama_eagle, monkeypatch,
                    prompt_lookup_min=1 if lookup else None)
     for params in (OPTIONS[:2], OPTIONS[1:]):
         for step in step_transfers(llm, params, monkeypatch, steps=2, prompts=PROMPTS):
-            assert (step["uploads"], step["downloads"], step["up"], step["down"]) == (1, 1, 0, 0), step["where"]
+            counts = (step["uploads"], step["downloads"], step["up"], step["down"])
+            assert counts == (1, 1, 0, 0), step["where"]
