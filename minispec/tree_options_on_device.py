@@ -64,11 +64,14 @@ def staged_penalties(seqs: list[Sequence], sent: dict[str, torch.Tensor], slices
     return Penalties(seqs, sent, vocab_size)
 
 
-def path_counts(tokens: torch.Tensor, parents: torch.Tensor, depth: int, vocab_size: int) -> torch.Tensor:
-    """Each slot's path counts [B, N+1, V] fp32 from the trees tokens, parents [B, N] (parents
+def path_counts(tokens: torch.Tensor, parents: torch.Tensor, depth: int, vocab_size: int
+                ) -> torch.Tensor:
+    """Each slot's path counts [B, N+1, V] fp32 from the trees' tokens, parents [B, N] (parents
     first; -1 the root's child, -2 padding): slot 0 (the root) counts nothing, slot 1 + i counts
-    node i's token and each of its ancestors' tokens: the path before the position its row predicts.
-    Found by walking up `depth` levels (at least the deepest node's depth), one scatter-add a level."""
+    node i's token and each of its ancestors' tokens, the path before the position its row
+    predicts. Found by walking up `depth` levels (at least the deepest node's depth), one
+    scatter-add of B * N ones a level: the [B, N, N] path mask times a one-hot [N, V] without
+    making the one-hot."""
     B, N = tokens.shape
     counts = torch.zeros(B, N + 1, vocab_size, device=tokens.device)  # [B, N+1, V]
     node = torch.arange(N, device=tokens.device).expand(B, N)  # [B, N] each row's node on its path
@@ -82,15 +85,18 @@ def path_counts(tokens: torch.Tensor, parents: torch.Tensor, depth: int, vocab_s
 
 
 def penalized_tree_on_device(target_logits: torch.Tensor, penalties: Penalties, tokens: torch.Tensor,
-                             parents: torch.Tensor, slot_depth: torch.Tensor, depth: int) -> torch.Tensor:
+                             parents: torch.Tensor, slot_depth: torch.Tensor, depth: int
+                             ) -> torch.Tensor:
     """`penalized_tree` on the device: target_logits [B, N+1, V] each slot's verification row
     (slot 0 the root's, 1 + i node i's), penalised with its sequence's counts (penalties) plus
     its path's (`path_counts`); min_tokens masks the stop tokens of a row whose slot_depth
-    [B, N+1] (the path's tokens before the position the row predicts) is below the sequence's min_left."""
+    [B, N+1] (the path's tokens before the position the row predicts) is below the sequence's
+    min_left."""
     B, slots, V = target_logits.shape
     before = path_counts(tokens, parents, depth, V)  # [B, N+1, V]
-    batch_rows = torch.arange(B, device=target_logits.device)[:, None].expand(B, slots).flatten()  # [B (N+1)]
-    out = penalties.apply(target_logits.flatten(0, 1), batch_rows, before.flatten(0, 1), slot_depth.flatten())
+    batch_rows = torch.arange(B, device=target_logits.device)[:, None].expand(B, slots)  # [B, N+1]
+    out = penalties.apply(target_logits.flatten(0, 1), batch_rows.flatten(), before.flatten(0, 1),
+                          slot_depth.flatten())
     return out.view(B, slots, V)
 
 

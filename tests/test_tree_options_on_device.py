@@ -12,7 +12,7 @@ The device step makes the same rows from the same history, so it is checked for 
      within fp tolerance) for penalties, min_tokens and logprobs, greedy, seeded sampled and
      pathwise, trees grown by the EAGLE head and by a draft model, prompt lookup's chains in
      front, fixed trees the host knows, and a batch mixing them with plain requests; each option
-     acts (the tokens are not plain decoding's);
+     acts (the tokens are not plain decoding's); preemption mid-answer leaves the counts right;
   2. power: a device step that leaves the path's tokens out of a row's counts, or the node's
      own token, or masks min_tokens one token short, gives other tokens than the host step; and
      the chi-square over the whole pipeline rejects the node's own token left out;
@@ -27,15 +27,13 @@ import functools
 import pytest
 import torch
 
-import minispec.engine
-import minispec.speculative_tree as tree_module
 import minispec.tree_on_device
 import minispec.tree_options_on_device as options_module
 from minispec import LLM, SamplingParams
 from minispec.drafters.tree import TreeDrafter
-from test_speculative_statistical import ALPHA, models  # noqa: F401
+from test_speculative_statistical import ALPHA, PROMPT, models  # noqa: F401
 from test_speculative_tree import TREE_CASES, tree_p_value
-from test_speculative_tree_device import BATCH, RULES, Run, generate_both
+from test_speculative_tree_device import BATCH, RULES, Run, force_device, generate_both
 from test_transfers import step_transfers
 from minispec.drafters.draft_tree import DraftTree
 from test_transfers_tree import PROMPTS, tree_llm
@@ -156,6 +154,24 @@ def test_host_trees_with_options_on_the_device(models, rule, monkeypatch):
     assert_same_logprobs(device_lp, host_lp)
 
 
+def test_preemption_leaves_the_counts_right(models, monkeypatch):
+    """A KV pool small enough to preempt and recompute sequences mid-answer, penalised and
+    min_tokens requests: a preempted sequence keeps its tokens and its counts on the device,
+    and the device step gives the host step's tokens."""
+    prompts = [PROMPT, [0, 1], [4, 4, 4, 4], [2, 5, 3], [1], [3, 3, 0, 1, 2]]
+    tree = dict(draft_model=models["eagle"], num_speculative_tokens=3, draft_tree_budget=6,
+                draft_tree_top_k=3)
+    small = dict(model=(models["target"], models["tok"]), page_size=4, kv_cache_gib=22 * 512 / 2**30,
+                 max_num_seqs=6, **tree)  # ~10 pages a pool
+    params = [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True, seed=i, min_tokens=3 * i,
+                             stop_token_ids=[1], **PENALISED) for i in range(len(prompts))]
+    host = [o.token_ids for o in LLM(**small).generate(prompts, params)]
+    force_device(monkeypatch)
+    llm = LLM(**small)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == host
+    assert llm.last_metrics.num_preemptions > 0
+
+
 # --- 2. power ------------------------------------------------------------------------------------
 
 
@@ -204,8 +220,7 @@ def test_the_statistic_rejects_a_path_count_bug_in_the_device_step(models, monke
     """Power of test_speculative_tree.py's chi-square (its penalised draft-model case, which
     test_speculative_tree_device.py runs on the device step and passes): a device step whose
     node rows leave the node's own token out of the counts is rejected."""
-    on_device = functools.partial(tree_module.tree_step, on_device=True)
-    monkeypatch.setattr(minispec.engine, "tree_step", on_device)
+    force_device(monkeypatch)
     planted = functools.partial(without_the_node, options_module.path_counts)
     monkeypatch.setattr(options_module, "path_counts", planted)
     case = next(c for c in TREE_CASES if c[0] == "near-tree" and c[4].adjusts_logits)
