@@ -13,6 +13,7 @@ The device step makes the same rows from the same history, so it is checked for 
      pathwise, trees grown by the EAGLE head and by a draft model, prompt lookup's chains in
      front, fixed trees the host knows, and a batch mixing them with plain requests; each option
      acts (the tokens are not plain decoding's); preemption mid-answer leaves the counts right;
+     penalised greedy trees a target drafts for itself are plain penalised decoding;
   2. power: a device step that leaves the path's tokens out of a row's counts, or the node's
      own token, or masks min_tokens one token short, gives other tokens than the host step; and
      the chi-square over the whole pipeline rejects the node's own token left out;
@@ -170,6 +171,25 @@ def test_preemption_leaves_the_counts_right(models, monkeypatch):
     llm = LLM(**small)
     assert [o.token_ids for o in llm.generate(prompts, params)] == host
     assert llm.last_metrics.num_preemptions > 0
+
+
+SELF = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=10, repetition_penalty=0.8, frequency_penalty=-1.0)]
+
+
+@pytest.mark.parametrize("params", SELF, ids=["repetition", "min_tokens+negative"])
+def test_penalised_greedy_self_trees_on_the_device_are_plain_decoding(tiny_llama, params, monkeypatch):
+    """A target drafting trees for itself (its trees ignore penalties, so the accepted paths run
+    deep where the penalties agree with its own choice, and node rows decide) with the step
+    on the device: penalised greedy output is plain penalised decoding's, a reference that is not
+    the host tree step (test_sampling_options.py's check, there on the host step)."""
+    prompts = ["the quick brown fox", "to be or not to be, that is"]
+    plain = [o.token_ids for o in LLM(model=tiny_llama, kv_cache_gib=0.01).generate(prompts, params)]
+    force_device(monkeypatch)
+    llm = LLM(model=tiny_llama, draft_model=tiny_llama, num_speculative_tokens=3, draft_tree_budget=8,
+              draft_tree_top_k=3, kv_cache_gib=0.01)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.last_metrics.num_accepted > 0
 
 
 # --- 2. power ------------------------------------------------------------------------------------
