@@ -177,6 +177,7 @@ SELF = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition
         SamplingParams(temperature=0, max_tokens=16, min_tokens=10, repetition_penalty=0.8, frequency_penalty=-1.0)]
 
 
+@pytest.mark.filterwarnings("ignore:draft_model .* is not smaller")  # (a target drafting for itself)
 @pytest.mark.parametrize("params", SELF, ids=["repetition", "min_tokens+negative"])
 def test_penalised_greedy_self_trees_on_the_device_are_plain_decoding(tiny_llama, params, monkeypatch):
     """A target drafting trees for itself (its trees ignore penalties, so the accepted paths run
