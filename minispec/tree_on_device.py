@@ -12,8 +12,11 @@ tokens), moves the path's K/V (`move_path_on_device`: the source slots gathered 
 destination slots known when the step was laid out; speculative_tree.py's `move_path`) and gathers
 the drafter's features of the path (`observed_rows`); ONE copy brings the tokens, the path and the
 trees back. Nothing here changes which token is emitted: the search, the walk and the move are
-the host's, laid out for the device. The host step (speculative_tree.py `host_tree_step`) is the
-reference twin; tests/test_speculative_tree_device.py compares the two.
+the host's, laid out for the device. Penalties, min_tokens and logprobs ride in the same upload
+and download (tree_options_on_device.py: each row penalised with its sequence's counts and its
+path, the path's raw rows' logprobs). The host step (speculative_tree.py `host_tree_step`) is
+the reference twin; tests/test_speculative_tree_device.py and tests/test_tree_options_on_device.py
+compare the two.
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
 from .sampling import WARP_DTYPES, WarpParams
 from .speculative import StepResult, emit_accepted
-from .verification_options import host_logprobs
 from .tree_layout import first_rejected, placeholder_feed, tree_feed
 from .tree_options_on_device import (penalized_tree_on_device, stage_tree_options, staged_penalties,
                                      tree_logprobs_on_device)
 from .tree_walk_on_device import WalkShape, walk_on_device, walk_tables
+from .verification_options import host_logprobs
 
 
 def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, max_depth: list[int],
