@@ -47,8 +47,9 @@ emits at its position after its path, so the walk emits plain decoding's tokens.
 The walk above, on the host, is the reference (`host_tree_step`, `accept_tree`): it reads the
 rows it needs one host copy at a time, with penalties, min_tokens and logprobs. The same step on
 the device, one upload and one download, is tree_on_device.py, and its walk, decision for decision
-the host walk's, is tree_walk_on_device.py. Requests with penalties, min_tokens or logprobs walk on
-the host; on a CPU the host step is the default (no device to wait for, and it warps fewer rows).
+the host walk's, is tree_walk_on_device.py; penalties, min_tokens and logprobs ride in it
+(tree_options_on_device.py). On a CPU the host step is the default (no device to wait for, and it
+warps fewer rows).
 The tree's shared layout (its verification feed, its rows in the flat logits) is tree_layout.py.
 """
 
@@ -84,25 +85,18 @@ def tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, depth
     there, the walk and the K/V move; one upload, one download) or on the host (the drafter's
     `propose_trees`, then `host_tree_step`: the reference twin, the same tokens). None: on the
     device unless the target runs on the CPU, where there is no device to wait for and the host
-    walk warps only the rows a walk reads. Requests with penalties, min_tokens or logprobs always
-    take the host step (`walks_on_host`).
+    walk warps only the rows a walk reads. Penalties, min_tokens and logprobs ride in the device
+    step too (tree_options_on_device.py: the twin of `penalized_tree` and `top_logprobs` here).
     Precondition (kept by the engine): seq.target_table.num_cached <= len(seq) - 1."""
     # 1. Draft: never deeper than the request may still emit (the final token is free).
     max_depth = [min(depth, s.remaining - 1) for s in seqs]
     if on_device is None:
         on_device = target.device.type != "cpu"
-    if on_device and not any(walks_on_host(s) for s in seqs):
+    if on_device:
         return device_tree_step(seqs, target, drafter, max_depth, emit, times)
     with times.timing("draft_s", target.device):
         trees = drafter.propose_trees(seqs, max_depth)
     return host_tree_step(seqs, target, drafter, trees, emit, times)
-
-
-def walks_on_host(seq: Sequence) -> bool:
-    """Whether seq's tree must be walked on the host: its penalties and min_tokens change each
-    node's row by the node's path (`penalized_tree`), its logprobs are read from the path's raw
-    rows (`top_logprobs`); the device walk does neither."""
-    return seq.params.adjusts_logits or seq.params.logprobs is not None
 
 
 def host_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, trees: list[DraftTree],

@@ -12,12 +12,16 @@ tokens), moves the path's K/V (`move_path_on_device`: the source slots gathered 
 destination slots known when the step was laid out; speculative_tree.py's `move_path`) and gathers
 the drafter's features of the path (`observed_rows`); ONE copy brings the tokens, the path and the
 trees back. Nothing here changes which token is emitted: the search, the walk and the move are
-the host's, laid out for the device. The host step (speculative_tree.py `host_tree_step`) is the
-reference twin; tests/test_speculative_tree_device.py compares the two.
+the host's, laid out for the device. Penalties, min_tokens and logprobs ride in the same upload
+and download (tree_options_on_device.py: each row penalised with its sequence's counts and its
+path, the path's raw rows' logprobs). The host step (speculative_tree.py `host_tree_step`) is
+the reference twin; tests/test_speculative_tree_device.py and tests/test_tree_options_on_device.py
+compare the two.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +40,10 @@ from .runtime.transfers import Upload
 from .sampling import WARP_DTYPES, WarpParams
 from .speculative import StepResult, emit_accepted
 from .tree_layout import first_rejected, placeholder_feed, tree_feed
+from .tree_options_on_device import (penalized_tree_on_device, stage_tree_options, staged_penalties,
+                                     tree_logprobs_on_device)
 from .tree_walk_on_device import WalkShape, walk_on_device, walk_tables
+from .verification_options import host_logprobs
 
 
 def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, max_depth: list[int],
@@ -46,10 +53,12 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     verifies, builds the walk's tables (`walk_tables`), walks (`walk_on_device`), moves the path's
     K/V (`move_path_on_device`) and gathers the drafter's features; ONE copy brings the tokens,
     the path and the trees back."""
-    upload = Upload()
+    upload, V = Upload(), target.vocab_size
+    new_tokens = stage_tree_options(upload, seqs, V)  # penalties (each one's new tokens), logprobs
     with times.timing("draft_s", target.device):
         plan = lay_out_tree_step(seqs, target, drafter, max_depth, upload)
     sent = target.staging.send(upload)  # THE upload
+    penalties = staged_penalties(seqs, sent, new_tokens, V)  # (the counts brought up to date first)
     with times.timing("draft_s", target.device):
         tokens, parents, drawn, drawn_tree = drafted_trees(seqs, drafter, plan, sent)  # [B, N], [B, N], ...
     with times.verifying(seqs, target.device):
@@ -63,21 +72,32 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
             sent_warp = {name: sent["tree.warp." + name] for name in WARP_DTYPES}
             warp = WarpParams.of(rows, target.vocab_size, None, sent_warp)
         tables = walk_tables(tokens, parents, sent, shape)
-        walk = walk_on_device(logits, sent, tables, shape, warp)  # 3. Accept / reject
+        adjust = None if penalties is None else functools.partial(
+            penalized_tree_on_device, penalties=penalties, tokens=tokens, parents=parents,
+            slot_depth=tables.slot_depth, depth=shape.depth)
+        walk = walk_on_device(logits, sent, tables, shape, warp, adjust)  # 3. Accept / reject
         move_path_on_device(target, sent, walk.path)  # 4. KV: needs nothing from the host
         if hidden is not None:
             hidden = hidden[observed_rows(sent, walk.path)]  # [sum(widths), F]
-        emitted, num_accepted, path, broken, tree_tokens, tree_parents = target.staging.download(
-            [walk.tokens, walk.num_accepted, walk.path, walk.broken.long(), tokens, parents])  # THE download
+        logprobs = []  # of the raw rows, as the host step's
+        if "tree.logprob_rows" in sent:
+            logprobs = tree_logprobs_on_device(logits, sent, walk.path, walk.tokens, seqs)
+        emitted, num_accepted, path, broken, tree_tokens, tree_parents, *logprobs = target.staging.download(
+            [walk.tokens, walk.num_accepted, walk.path, walk.broken.long(), tokens, parents,
+             *logprobs])  # THE download
     trees = [plan.host_trees[b] if b in plan.host_trees else DraftTree(t[:n], p[:n])
              for b, (t, p, n) in enumerate(zip(tree_tokens, tree_parents, shape.sizes))]
-    paths = [p[: n[0]] for p, n in zip(path, num_accepted)]
-    failures = {b: plan.lengths[b] + n[0] for b, (n, x) in enumerate(zip(num_accepted, broken)) if x[0]}
+    num_accepted = [n[0] for n in num_accepted]
+    paths = [p[:n] for p, n in zip(path, num_accepted)]
+    failures = {b: plan.lengths[b] + n for b, (n, x) in enumerate(zip(num_accepted, broken)) if x[0]}
     drafted = [[t.tokens[i] for i in p] for t, p in zip(trees, paths)]
     depths = [max(t.depths(), default=0) for t in trees]
-    emit_accepted(seqs, emitted, [n[0] for n in num_accepted], depths, [None] * len(seqs), failures, emit)
+    top = host_logprobs(seqs, logprobs, num_accepted)
+    emit_accepted(seqs, emitted, num_accepted, depths, top, failures, emit)
     for s in seqs:
         s.target_table.truncate(len(s) - 1, target.cache.allocator)
+        if s.finish_reason is not None:
+            s.token_counts = None  # (its penalties' counts: penalties.Penalties)
     if hidden is not None:
         drafter.observe(seqs, plan.starts, shape.widths, hidden)
     drafter.rollback(seqs)

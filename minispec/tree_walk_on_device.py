@@ -20,11 +20,14 @@ Greedy and pathwise requests take next[v] = the first child whose token is the t
 Gumbel-max (noise from uploaded NOISE lanes) at v's row (`matching_child`), and the final token is
 that pick at the stopping node. Every row is warped (the host walk warps only the rows it reads):
 a row's warp does not depend on the rows beside it. tests/test_speculative_tree_device.py checks
-that the two walks give identical decisions and tokens.
+that the two walks give identical decisions and tokens. Penalties and min_tokens change the rows
+before the walk reads them (`walk_on_device`'s adjust: tree_options_on_device.py), as the host
+walk reads `penalized_tree`'s rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,15 +114,21 @@ def walk_tables(tokens: torch.Tensor, parents: torch.Tensor, sent: dict[str, tor
 
 
 def walk_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], tables: WalkTables, shape: WalkShape,
-                   warp: WarpParams | None) -> DeviceWalk:
+                   warp: WarpParams | None, adjust: Callable[[torch.Tensor], torch.Tensor] | None = None
+                   ) -> DeviceWalk:
     """Step 3 for every sequence at once, on the device, with no host sync (the module
     docstring): each node's accepted child first (`child_tests`, or
     `matching_child` for greedy and pathwise requests), then `follow` from the root for D
     iterations, then the final token at the node where the walk stopped (`final_draw`, or the
     target's pick there). logits [R, V] the flat verification rows; warp: each slot's row's warp,
-    None when every request is greedy (the argmax, as `accept_tree`'s greedy walk)."""
+    None when every request is greedy (the argmax, as `accept_tree`'s greedy walk); adjust: what
+    changes each slot's row [B, N+1, V] before the walk reads it (the penalties and min_tokens,
+    tree_options_on_device.py `penalized_tree_on_device`; None: nothing)."""
     rows, children, child_tokens = sent["tree.rows"], tables.children, tables.child_tokens  # [B, N+1], [B, N+1, C]
     B, slots = rows.shape
+    if adjust is not None:  # the adjusted rows become the logits the walk reads, slot by slot
+        logits = adjust(logits[rows]).flatten(0, 1)  # [B (N+1), V]
+        rows = torch.arange(B * slots, device=rows.device).view(B, slots)  # [B, N+1]
     if warp is None:
         top, best = logits.max(-1)  # [R], [R] (accept_tree's: the first argmax)
         finite, picks = top.isfinite()[rows], best[rows]  # [B, N+1]

@@ -8,7 +8,8 @@ cumulative counts). The same formula on the same history, so the law is the pena
 
 Logprobs: each verified row's log_softmax of the RAW logits (before penalties and the warp, as
 vLLM's), its top tokens and the emitted token's rank (`top_logprobs` with a host copy per row;
-`logprobs_on_device`, brought back in the step's one download and unpacked by `host_logprobs`).
+`logprobs_on_device`, brought back in the step's one download and unpacked by `host_logprobs`;
+a tree step's path rows go through the same `logprobs_of_rows`, tree_options_on_device.py).
 They only report: no emitted token depends on them. `with_sampled` completes a position's entries
 with the token the step emitted there.
 """
@@ -66,17 +67,26 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
 
 def logprobs_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], tokens: torch.Tensor,
                        seqs: list[Sequence]) -> list[torch.Tensor]:
-    """`top_logprobs` on the device, for the L sequences that asked (logprob_rows [L]): each
-    verified row's log_softmax of the raw logits [R, V] (before penalties and the warp, as vLLM's),
-    its n most likely tokens (n the largest number asked), and the log-probability and rank of
-    the token the step emits there (tokens [B, K+1]; the rank is vLLM's: the tokens at least as
-    likely, itself included). Returns [top ids [L, (K+1) n], top values [L, (K+1) n] fp32, the
-    emitted tokens' logprobs [L, K+1] fp32, their ranks [L, K+1]] for the step's download."""
+    """`top_logprobs` on the device, for the L sequences that asked (logprob_rows [L]): their
+    verified rows (verify_rows) and the tokens the step emits there (tokens [B, K+1]), through
+    `logprobs_of_rows`. Returns its four tensors for the step's download."""
     chosen = sent["logprob_rows"]  # [L]
+    return logprobs_of_rows(logits, sent["verify_rows"][chosen], tokens[chosen], seqs)
+
+
+def logprobs_of_rows(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                     seqs: list[Sequence]) -> list[torch.Tensor]:
+    """For L sequences' K+1 positions each, rows [L, K+1] of the raw logits [R, V] (before
+    penalties and the warp, as vLLM's) and the tokens [L, K+1] emitted there: each row's
+    log_softmax, its n most likely tokens (n the largest number asked), and the emitted token's
+    log-probability and rank (vLLM's: the tokens at least as likely, itself included). Returns
+    [top ids [L, (K+1) n], top values [L, (K+1) n] fp32, the emitted tokens' logprobs [L, K+1]
+    fp32, their ranks [L, K+1]]: the chain's (`logprobs_on_device`) and the tree's
+    (tree_options_on_device.py) downloads."""
     n = min(max(s.params.logprobs for s in seqs if s.params.logprobs is not None), logits.shape[-1])
-    lp = logits[sent["verify_rows"][chosen]].float().log_softmax(-1)  # [L, K+1, V]
+    lp = logits[rows].float().log_softmax(-1)  # [L, K+1, V]
     values, ids = lp.topk(n, dim=-1)  # [L, K+1, n]
-    emitted = lp.gather(-1, tokens[chosen][..., None])  # [L, K+1, 1]
+    emitted = lp.gather(-1, tokens[..., None])  # [L, K+1, 1]
     rank = (lp >= emitted).sum(-1)  # [L, K+1]
     return [ids.flatten(1), values.flatten(1), emitted.squeeze(-1), rank]
 

@@ -22,7 +22,7 @@ import pytest
 
 from minispec import LLM, SamplingParams
 from minispec.drafters.base import AutoregressiveDrafter
-from test_transfers import step_transfers
+from test_transfers import DRAFTER_BACKEND, step_transfers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,7 +43,7 @@ def make_llm(drafter: str, tiny_llama, tiny_llama_draft, tiny_llama_eagle, on_de
              threshold: float | None = THRESHOLD) -> LLM:
     draft = str(tiny_llama_draft if drafter == "draft" else tiny_llama_eagle)
     llm = LLM(model=str(tiny_llama), draft_model=draft, num_speculative_tokens=4, draft_confidence_threshold=threshold,
-              kv_cache_gib=0.01, backend="torch", static_shapes=True)
+              kv_cache_gib=0.01, backend=DRAFTER_BACKEND, static_shapes=True)
     model_drafter(llm).confidence_on_device = on_device
     return llm
 

@@ -197,7 +197,7 @@ def test_the_gpu_bench_arguments_parse_and_plan_the_rows_the_header_names():
 DEVICE_STEP_TESTS = {  # what the GPU's device-step-tests step must run, by file: the device step against the host's
     "test_speculative_tree_device.py": {"test_the_device_walk_decides_as_the_host_walk",
                                         "test_the_device_step_gives_the_host_steps_tokens",
-                                        "test_a_mixed_batch_and_requests_that_need_the_host",
+                                        "test_a_mixed_batch_and_a_penalised_request",
                                         "test_an_interrupted_device_step_ends_every_request_and_leaves_the_llm_usable"},
     "test_transfers_options.py": {"test_a_step_with_the_options_makes_one_upload_and_one_download",
                                   "test_the_device_step_gives_the_host_steps_tokens_and_logprobs",
@@ -210,6 +210,8 @@ DEVICE_STEP_TESTS = {  # what the GPU's device-step-tests step must run, by file
                           "test_a_catch_up_after_looked_up_steps_rides_in_the_same_upload",
                           "test_the_counter_sees_a_transfer"},
     "test_pathwise.py": {"test_steps_laid_out_for_the_device_emit_the_host_paths_tokens"},
+    "test_adaptive_on_device.py": {"test_the_device_stops_where_the_host_loop_stops",
+                                   "test_a_step_stopping_on_the_device_makes_one_upload_and_one_download"},
 }
 
 

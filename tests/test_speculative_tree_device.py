@@ -13,8 +13,9 @@ the host step rather than for its law alone:
   2. end to end, LLM.generate with the step forced on the device against the host step: the same
      tokens and drafted / accepted counts for greedy, seeded sampled and pathwise requests, batch
      1 and 3, trees grown by the EAGLE head and by a draft model (several shapes), prompt lookup
-     in front, a mixed batch; a penalised request takes the host step. On a GPU these run on
-     CUDA (with its CUDA graphs), elsewhere on the CPU (`step_models`);
+     in front, a mixed batch, a penalised request beside them (its options on the device:
+     tests/test_tree_options_on_device.py). On a GPU these run on CUDA (with its CUDA graphs),
+     elsewhere on the CPU (`step_models`);
   3. power: a device walk whose tests keep the full mass (the residual not updated) is caught by 1;
   4. the law as a check of its own: test_speculative_tree.py's chi-square cases and planted bugs
      with the device step forced;
@@ -224,16 +225,16 @@ def test_the_device_step_gives_the_host_steps_tokens(step_models, drafter, rule,
         assert device.looked_up > 0
 
 
-def test_a_mixed_batch_and_requests_that_need_the_host(step_models):
+def test_a_mixed_batch_and_a_penalised_request(step_models):
     """A greedy, a standard and a pathwise request in one batch step on the device together; a
-    batch with a penalised request (penalties read tokens on the host) takes the host step, with
-    the same tokens either way."""
+    batch with a penalised request steps on the device too (its rows penalised there,
+    tree_options_on_device.py), with the host step's tokens and counts."""
     mixed = [RULES["greedy"], dataclasses.replace(RULES["sampled"], seed=3), dataclasses.replace(RULES["pathwise"], seed=4)]
     host, device = generate_both(step_models, "eagle-tree", mixed, BATCH)
     assert device.tokens == host.tokens and device.counts == host.counts and device.device_steps > 0
     penalised = [dataclasses.replace(RULES["sampled"], seed=5, repetition_penalty=1.3)] + mixed[1:]
     host, device = generate_both(step_models, "near-tree", penalised, BATCH)
-    assert device.tokens == host.tokens and device.device_steps == 0
+    assert device.tokens == host.tokens and device.counts == host.counts and device.device_steps > 0
 
 
 @pytest.mark.parametrize("shape", [(4, 12, 3), (5, 9, 1), (2, 3, 4)], ids=lambda s: "d{}-n{}-k{}".format(*s))
@@ -270,13 +271,10 @@ def force_device(monkeypatch) -> None:
     monkeypatch.setattr(minispec.engine, "tree_step", functools.partial(tree_module.tree_step, on_device=True))
 
 
-DEVICE_CASES = [c for c in TREE_CASES if not c[4].adjusts_logits]  # (penalties take the host step)
-
-
-@pytest.mark.parametrize("case", DEVICE_CASES, ids=[f"{c[0]}-d{c[1]}-n{c[2]}-k{c[3]}-T{c[4].temperature}" for c in DEVICE_CASES])
+@pytest.mark.parametrize("case", TREE_CASES, ids=[f"{c[0]}-d{c[1]}-n{c[2]}-k{c[3]}-T{c[4].temperature}" for c in TREE_CASES])
 def test_the_device_step_keeps_the_target_distribution(models, monkeypatch, case):
     """test_speculative_tree.py's chi-square over the whole pipeline, the trees searched and
-    walked on the device."""
+    walked on the device (the penalised cases' rows penalised there too)."""
     force_device(monkeypatch)
     pval, llm = tree_p_value(models, *case)
     assert pval > ALPHA

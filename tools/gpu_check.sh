@@ -130,9 +130,9 @@ if [ "$PART" != bench ]; then
     # timeout still shows which tests passed); on CPU one tree case of the same files.
     PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
     DEVICE_STEP=(tests/test_speculative_tree_device.py tests/test_transfers_options.py tests/test_transfers_tree.py
-                 tests/test_transfers.py tests/test_pathwise.py)
-    DEVICE_STEP_K="device_walk_decides or (host_steps_tokens and not -1]) or mixed_batch_and_requests"
-    DEVICE_STEP_K+=" or (interrupted and walk_on_device)"
+                 tests/test_transfers.py tests/test_pathwise.py tests/test_adaptive_on_device.py)
+    DEVICE_STEP_K="device_walk_decides or (host_steps_tokens and not -1]) or mixed_batch_and_a_penalised"
+    DEVICE_STEP_K+=" or (interrupted and walk_on_device) or stops_where_the_host_loop_stops"
     DEVICE_STEP_K+=" or upload_and_one_download or rides_in_the_same_upload or counter_sees or options_act"
     DEVICE_STEP_K+=" or (laid_out_for_the_device and ([model] or [ngram] or [eagle+lookup]))"
     if [ "$DRY" = 1 ]; then
