@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import minispec.drafters.base
+import minispec.drafters.draft_loop_on_device
 import minispec.pathwise
 import minispec.speculative
 from minispec import LLM, SamplingParams, load_checkpoint
@@ -110,11 +111,11 @@ def test_a_drafter_drawing_with_other_noise_only_lowers_acceptance(pair, plain, 
     # The first request alone (no penalties or min_tokens): its steps are laid out for the device.
     assert honest.generate(PROMPTS[:1], PARAMS[0], use_tqdm=False)[0].token_ids == plain[0]
     coupled_alone = honest.last_metrics.acceptance_rate
-    original, lanes = minispec.drafters.base.gumbel_max, minispec.drafters.base.noise_lanes
+    original, lanes = minispec.drafters.base.gumbel_max, minispec.drafters.draft_loop_on_device.noise_lanes
     other = lambda positions: [p + 1000 for p in positions]  # noqa: E731
     monkeypatch.setattr(minispec.drafters.base, "gumbel_max",
                         lambda probs, keys, positions, ids=None: original(probs, keys, other(positions), ids))
-    monkeypatch.setattr(minispec.drafters.base, "noise_lanes", lambda keys, positions: lanes(keys, other(positions)))
+    monkeypatch.setattr(minispec.drafters.draft_loop_on_device, "noise_lanes", lambda keys, positions: lanes(keys, other(positions)))
     llm = build(pair, "model", 4)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == plain
     assert llm.last_metrics.acceptance_rate < coupled
@@ -299,7 +300,7 @@ def noise_reused_across_positions(monkeypatch):
     at_zero = lambda keys, positions: lanes(keys, [0] * len(positions))  # noqa: E731
     monkeypatch.setattr(minispec.pathwise, "noise", lambda keys, positions, ids: noise(keys, [0] * len(positions), ids))
     monkeypatch.setattr(minispec.speculative, "noise_lanes", at_zero)
-    monkeypatch.setattr(minispec.drafters.base, "noise_lanes", at_zero)
+    monkeypatch.setattr(minispec.drafters.draft_loop_on_device, "noise_lanes", at_zero)
 
 
 def noise_keyed_by_step(monkeypatch):

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import minispec.drafters.base
+import minispec.drafters.draft_loop_on_device
 import minispec.drafters.lookup
 import minispec.core.speculative
 import minispec.speculative
@@ -482,8 +483,13 @@ def target_ignores_temperature(monkeypatch):
     monkeypatch.setattr(minispec.speculative, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
 
 
-def reports_another_q(module):
-    """(d') a drafter in `module` samples at the request's temperature but reports q at
+# Where a model drafter's draft loop looks up its warp and draw: the host loop (base.py) and the
+# loop laid out for the device (draft_loop_on_device.py, the step's default); a mutant plants in both.
+DRAFT_LOOPS = (minispec.drafters.base, minispec.drafters.draft_loop_on_device)
+
+
+def reports_another_q(*modules):
+    """(d') a drafter in `modules` samples at the request's temperature but reports q at
     temperature 1 (HF #32867)."""
     def mutant(monkeypatch):
         tempered = {}
@@ -492,8 +498,9 @@ def reports_another_q(module):
             tempered["q"] = warp_probs(logits, params)
             return warp_probs(logits, _untempered(params))
 
-        monkeypatch.setattr(module, "warp_probs", warp)
-        monkeypatch.setattr(module, "sample", lambda probs, u: sample(tempered["q"], u))
+        for module in modules:
+            monkeypatch.setattr(module, "warp_probs", warp)
+            monkeypatch.setattr(module, "sample", lambda probs, u: sample(tempered["q"], u))
 
     mutant.__name__ = "reports_another_q"
     return mutant
@@ -506,7 +513,8 @@ def eagle_ignores_d2t(monkeypatch):
         target_ids = sample(probs, u)
         return torch.searchsorted(EAGLE_VOCAB.to(target_ids.device), target_ids)
 
-    monkeypatch.setattr(minispec.drafters.base, "sample", sample_draft_id)
+    for module in DRAFT_LOOPS:
+        monkeypatch.setattr(module, "sample", sample_draft_id)
 
 
 def stale_penalty_history(monkeypatch):
@@ -527,8 +535,8 @@ def lookup_reports_no_q(monkeypatch):
 
 
 MUTANTS = [("near", no_residual), ("near", always_accept), ("near", bonus_off_by_one),
-           ("near", target_ignores_temperature), ("near", reports_another_q(minispec.drafters.base)),
-           ("eagle", no_residual), ("eagle", reports_another_q(minispec.drafters.base)), ("eagle", eagle_ignores_d2t),
+           ("near", target_ignores_temperature), ("near", reports_another_q(*DRAFT_LOOPS)),
+           ("eagle", no_residual), ("eagle", reports_another_q(*DRAFT_LOOPS)), ("eagle", eagle_ignores_d2t),
            ("near+lookup", lookup_reports_no_q)]
 
 
@@ -553,7 +561,8 @@ def test_statistic_rejects_a_stale_penalty_history(models, monkeypatch):
 def test_a_draft_that_ignores_temperature_consistently_is_still_exact(models, monkeypatch):
     """Control, not a bug: the draft samples and reports the same (untempered) q; exactness
     holds for any q, only the acceptance rate changes."""
-    monkeypatch.setattr(minispec.drafters.base, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
+    for module in DRAFT_LOOPS:
+        monkeypatch.setattr(module, "warp_probs", lambda logits, params: warp_probs(logits, _untempered(params)))
     pval, _ = p_value(models, "near", MUTANT_K, MUTANT_PARAMS, MUTANT_M["near"])
     assert pval > ALPHA
 
