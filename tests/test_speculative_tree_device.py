@@ -50,6 +50,7 @@ from minispec.tree_layout import tree_feed, tree_offsets
 from minispec.tree_on_device import stage_walk
 from minispec.tree_walk_on_device import walk_on_device, walk_tables
 from test_speculative_statistical import ALPHA, N, PROMPT, models  # noqa: F401
+import test_speculative_tree as host_tests
 from test_speculative_tree import TREE_CASES, TREE_MUTANTS, full_mass_child_tests, tree_p_value
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -414,13 +415,7 @@ def test_a_device_step_at_the_end_of_the_context(models, monkeypatch):
     trees reach key slots past the context (their verification runs dynamically even with static
     shapes), and the tokens are plain decoding's."""
     force_device(monkeypatch)
-    model = (models["target"], models["tok"])
-    params = SP(temperature=0, max_tokens=64 - len(PROMPT), ignore_eos=True)  # prompt + answer = the context (64)
-    plain = LLM(model=model, kv_cache_gib=0.01, page_size=4).generate([PROMPT], params)[0].token_ids
-    for static in (False, True):
-        llm = LLM(model=model, draft_model=models["eagle"], num_speculative_tokens=4, draft_tree_budget=12,
-                  draft_tree_top_k=3, kv_cache_gib=0.01, page_size=4, max_num_seqs=1, static_shapes=static)
-        assert llm.generate([PROMPT], params)[0].token_ids == plain
+    host_tests.test_a_tree_at_the_end_of_the_context(models)
 
 
 def test_a_device_step_with_preemption(models, monkeypatch):
