@@ -126,11 +126,14 @@ class Penalties:
         self.banned = banned.scatter_(1, stop, True)[:, :vocab_size]  # [B, V] (the padding dropped)
 
     @staticmethod
-    def stage(upload, seqs: list, vocab_size: int) -> list[tuple[int, int, int, int]]:
+    def stage(upload, seqs: list, vocab_size: int) -> list[tuple[int, int, int, int]] | None:
         """Lay the step's penalties out in `upload` (`Upload`, runtime/transfers.py): each
         sequence's factors [B, 3] fp64, min_left [B], stop tokens [B, S], and the tokens each
         sequence with penalties gained since its last step (all, new [N]; its output's, new_output
-        [M]). Returns each sequence's slices of new and new_output (for `count`)."""
+        [M]). Returns each sequence's slices of new and new_output (for `from_upload`), or None
+        (nothing staged) when no request adjusts its logits."""
+        if not any(s.params.adjusts_logits for s in seqs):
+            return None
         values, min_left, stops, new, new_output, slices = [], [], [], [], [], []
         for s in seqs:
             p, adjusts = s.params, s.params.adjusts_logits
@@ -156,6 +159,17 @@ class Penalties:
         upload.add("penalty.new", new)  # [N]
         upload.add("penalty.new_output", new_output)  # [M]
         return slices
+
+    @classmethod
+    def from_upload(cls, seqs: list, sent: dict[str, torch.Tensor], slices: list[tuple[int, int, int, int]] | None,
+                    vocab_size: int) -> Penalties | None:
+        """The step's penalties once its upload is sent: each sequence's counts brought up to date
+        with the tokens the upload carried (`count`) before anything reads them; None where `stage`
+        staged nothing."""
+        if slices is None:
+            return None
+        cls.count(seqs, sent, slices, vocab_size)
+        return cls(seqs, sent, vocab_size)
 
     @staticmethod
     def count(seqs: list, sent: dict[str, torch.Tensor], slices: list[tuple[int, int, int, int]],

@@ -45,8 +45,8 @@ from .runtime.runner import Feed, ModelRunner
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
 from .sampling import WARP_DTYPES, WarpParams, finite_rows, warp_probs
-from .verification_options import (host_logprobs, logprobs_on_device, penalized, penalized_on_device,
-                                   top_logprobs, with_sampled)
+from .verification_options import (host_logprobs, logprob_rows, logprobs_on_device, penalized,
+                                   penalized_on_device, top_logprobs, with_sampled)
 
 
 def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, k: int,
@@ -66,8 +66,7 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     if any(needs_host(s) for s in seqs):
         return host_step(seqs, target, drafter, num_draft, emit, times)
     upload, V = Upload(), target.vocab_size
-    adjusting = any(s.params.adjusts_logits for s in seqs)
-    new_tokens = Penalties.stage(upload, seqs, V) if adjusting else None  # (each one's new tokens)
+    new_tokens = Penalties.stage(upload, seqs, V)  # penalties and min_tokens (each one's new tokens), or None
     # 1. Draft, laid out: a model drafter's forwards (their tokens are drawn on the device), a
     # host drafter's tokens.
     staged = drafter.stage(seqs, num_draft, upload)
@@ -79,13 +78,10 @@ def speculative_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     verification = target.prepare(feeds, upload)
     stage_rule(upload, seqs, staged, V)
     sent = target.staging.send(upload)  # THE upload
-    penalties = None
-    if adjusting:  # the tokens' counts on the device, brought up to date before anything reads them
-        Penalties.count(seqs, sent, new_tokens, V)
-        penalties = Penalties(seqs, sent, V)
+    penalties = Penalties.from_upload(seqs, sent, new_tokens, V)  # (the counts brought up to date first)
 
     with times.timing("draft_s", target.device):
-        drafts = drafter.run_staged(seqs, staged, sent)  # [B, K] on the device
+        drafts = drafter.run_staged(seqs, staged, sent, penalties)  # [B, K] on the device
     with times.verifying(seqs, target.device):
         drawn = drafts.tokens.flatten()[sent["drawn_index"]] if any(staged.drawn) else None  # [sum n_b] in feed order
         layers = drafter.target_layers
@@ -179,7 +175,7 @@ def stage_rule(upload: Upload, seqs: list[Sequence], staged: Staged, vocab_size:
         first += n + 1
     upload.add("verify_rows", rows)  # [B, K+1]
     upload.add("drawn_index", drawn)  # [sum drawn n_b]
-    asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+    asking = logprob_rows(seqs)
     if asking:
         upload.add("logprob_rows", asking)  # [L]
     if not all(s.params.greedy for s in seqs):

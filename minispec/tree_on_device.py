@@ -32,6 +32,7 @@ from .drafters.draft_tree import DraftTree
 from .drafters.tree_search_on_device import StagedTrees
 from .pathwise import noise_lanes
 from .randomness import Purpose, row_lanes, uniform
+from .penalties import Penalties
 from .runtime.layout import Prepared
 from .runtime.metrics import StepTimes
 from .runtime.runner import DrawnTree, Feed, ModelRunner
@@ -40,8 +41,7 @@ from .runtime.transfers import Upload
 from .sampling import WARP_DTYPES, WarpParams
 from .speculative import StepResult, emit_accepted
 from .tree_layout import first_rejected, placeholder_feed, tree_feed
-from .tree_options_on_device import (penalized_tree_on_device, stage_tree_options, staged_penalties,
-                                     tree_logprobs_on_device)
+from .tree_options_on_device import penalized_tree_on_device, stage_tree_options, tree_logprobs_on_device
 from .tree_walk_on_device import WalkShape, walk_on_device, walk_tables
 from .verification_options import host_logprobs
 
@@ -58,7 +58,7 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     with times.timing("draft_s", target.device):
         plan = lay_out_tree_step(seqs, target, drafter, max_depth, upload)
     sent = target.staging.send(upload)  # THE upload
-    penalties = staged_penalties(seqs, sent, new_tokens, V)  # (the counts brought up to date first)
+    penalties = Penalties.from_upload(seqs, sent, new_tokens, V)  # (the counts brought up to date first)
     with times.timing("draft_s", target.device):
         tokens, parents, drawn, drawn_tree = drafted_trees(seqs, drafter, plan, sent)  # [B, N], [B, N], ...
     with times.verifying(seqs, target.device):

@@ -36,7 +36,7 @@ import torch
 from .penalties import Penalties
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
-from .verification_options import logprobs_of_rows
+from .verification_options import logprob_rows, logprobs_of_rows
 
 Slices = list[tuple[int, int, int, int]]
 
@@ -45,23 +45,11 @@ def stage_tree_options(upload: Upload, seqs: list[Sequence], vocab_size: int) ->
     """The step's options into its upload: the penalties (`Penalties.stage`: factors, min_left,
     stop tokens and each sequence's new tokens) when a request adjusts its logits, and
     tree.logprob_rows [L] (the batch rows asking for logprobs). Returns the new tokens' slices
-    (for `Penalties.count`), or None when no request adjusts its logits."""
-    asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+    (for `Penalties.from_upload`), or None when no request adjusts its logits."""
+    asking = logprob_rows(seqs)
     if asking:
         upload.add("tree.logprob_rows", asking)  # [L]
-    if not any(s.params.adjusts_logits for s in seqs):
-        return None
     return Penalties.stage(upload, seqs, vocab_size)
-
-
-def staged_penalties(seqs: list[Sequence], sent: dict[str, torch.Tensor], slices: Slices | None,
-                     vocab_size: int) -> Penalties | None:
-    """The step's penalties on the device, each sequence's counts brought up to date with the
-    tokens the upload carried (`Penalties.count`) before anything reads them; None without."""
-    if slices is None:
-        return None
-    Penalties.count(seqs, sent, slices, vocab_size)
-    return Penalties(seqs, sent, vocab_size)
 
 
 def path_counts(tokens: torch.Tensor, parents: torch.Tensor, depth: int, vocab_size: int

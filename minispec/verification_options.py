@@ -65,6 +65,11 @@ def top_logprobs(logits: torch.Tensor, seqs: list[Sequence], num_draft: list[int
     return out
 
 
+def logprob_rows(seqs: list[Sequence]) -> list[int]:
+    """The batch rows of the requests that asked for logprobs (the L rows the device computes)."""
+    return [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+
+
 def logprobs_on_device(logits: torch.Tensor, sent: dict[str, torch.Tensor], tokens: torch.Tensor,
                        seqs: list[Sequence]) -> list[torch.Tensor]:
     """`top_logprobs` on the device, for the L sequences that asked (logprob_rows [L]): their
@@ -98,7 +103,7 @@ def host_logprobs(seqs: list[Sequence], downloaded: list, num_accepted: list[int
     if not downloaded:
         return top
     ids, values, emitted, ranks = downloaded
-    asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+    asking = logprob_rows(seqs)
     n = len(ids[0]) // len(emitted[0])  # the top count computed for every row
     for i, b in enumerate(asking):
         m = min(seqs[b].params.logprobs, n)

@@ -28,8 +28,8 @@ def recording_proposals(drafter):
         asked[id(staged)] = list(num_draft)
         return staged
 
-    def run_staged(seqs, staged, sent):
-        drafts = original_run(seqs, staged, sent)
+    def run_staged(seqs, staged, sent, penalties=None):
+        drafts = original_run(seqs, staged, sent, penalties)
         if staged.proposal is None:  # (a host drafter's was recorded by propose)
             tokens = [row[:n] for row, n in zip(drafts.tokens.tolist(), drafts.num_draft.tolist())]
             record(seqs, asked.pop(id(staged)), tokens, drafts.probs)

@@ -34,7 +34,7 @@ import torch
 from ..core import drafters as core
 from ..core.drafters import Proposal, draft_uniforms, drop_nonfinite
 from ..pathwise import gumbel_max
-from ..penalties import penalize
+from ..penalties import Penalties, penalize
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
@@ -57,8 +57,10 @@ class Drafter(core.Drafter):
         return Staged([len(d) for d in proposal.tokens], proposal.tokens, [False] * len(seqs), inputs=prefix,
                       proposal=proposal)
 
-    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
-        """The device's half of `stage`, once the upload is sent (`sent`: its tensors)."""
+    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor],
+                   penalties: Penalties | None = None) -> Drafts:
+        """The device's half of `stage`, once the upload is sent (`sent`: its tensors); penalties:
+        the step's penalties and min_tokens (penalties.py), for a drafter whose q applies them."""
         p = staged.inputs
         return Drafts(sent[p + "tokens"], sent[p + "num_draft"], staged.proposal.probs)
 

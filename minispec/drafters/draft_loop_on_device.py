@@ -85,23 +85,23 @@ class DraftLoopOnDevice:
             return self.confidence_on_device
         return self.runner.device.type == "cuda"
 
-    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
+    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor],
+                   penalties: Penalties | None = None) -> Drafts:
         """`propose`'s loop on the device: depth i feeds the tokens depth i - 1 drew (never read on
-        the host), penalises the logits as `adjust` does (`adjust_staged`, from the step's
+        the host), penalises the logits as `adjust` does (`adjust_staged`, with the step's
         penalties.Penalties), draws from the warped q as `draw_from` does (the keyed DRAFT uniforms,
         or a pathwise request's Gumbel-max with the uploaded noise lanes; greedy: the argmax), and
         a sequence stops where `propose` would: before an unusable (non-finite) row, after a token
         below the confidence threshold. Its later forwards still run (their K/V are rolled back);
         what they draw is past num_draft."""
         if staged.proposal is not None:  # (drafted on the host: `stage`)
-            return super().run_staged(seqs, staged, sent)
+            return super().run_staged(seqs, staged, sent, penalties)
         p, B, K = staged.inputs, len(seqs), len(staged.forwards)
         device = self.runner.device
         tokens = torch.zeros(B, K, dtype=torch.int64, device=device)  # [B, K]
         num_draft = sent[p + "num_draft"].clone()  # [B]
         greedy = all(s.params.greedy for s in seqs)
         probs = None if greedy else torch.zeros(B, K + 1, self.vocab_size, device=device)  # [B, K+1, V]
-        penalties = Penalties(seqs, sent, self.vocab_size) if "penalty.values" in sent else None
         carry = None
         for prepared, args in staged.ahead:  # a long catch-up's first pieces (their logits are unused)
             self.runner.run(prepared, **args)

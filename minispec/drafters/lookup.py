@@ -29,6 +29,7 @@ import torch
 from ..runtime.sequence import Sequence
 from ..runtime.transfers import Upload
 from ..core.speculative import one_hot_q
+from ..penalties import Penalties
 from .base import AutoregressiveDrafter, Drafter, Drafts, Proposal, Staged
 from .draft_tree import DraftTree
 from .ngram import NgramDrafter
@@ -79,11 +80,12 @@ class LookupFirstDrafter(Drafter):
         host_tokens = [found or placeholders for found, placeholders in zip(looked_up, model.host_tokens)]
         return Staged(lengths, host_tokens, model.drawn, inputs=prefix, inner=model)
 
-    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor]) -> Drafts:
+    def run_staged(self, seqs: list[Sequence], staged: Staged, sent: dict[str, torch.Tensor],
+                   penalties: Penalties | None = None) -> Drafts:
         """The model drafter's drafts on the device, joined with lookup's from the upload: row b
         holds lookup's tokens where it found some, the model's otherwise; q (unless every request
         is greedy) is one-hot at each looked-up token and the model's q elsewhere, as `propose`'s."""
-        model = self.model_drafter.run_staged(seqs, staged.inner, sent)
+        model = self.model_drafter.run_staged(seqs, staged.inner, sent, penalties)
         looked_up, num_looked_up = sent[staged.inputs + "tokens"], sent[staged.inputs + "num_draft"]  # [B, K], [B]
         B, K = looked_up.shape
         from_lookup = torch.arange(K, device=looked_up.device)[None, :] < num_looked_up[:, None]  # [B, K]
