@@ -120,19 +120,26 @@ def host_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, num_d
 
 def conclude(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, verdict: "Verdict", starts: list[int],
              num_fed: list[int], hidden: torch.Tensor | None, emit: Callable[[Sequence, int], bool]) -> list["StepResult"]:
-    """Emit each sequence's tokens, then 4. Roll back: keep the K/V of accepted tokens (the newest
-    token is fed next step); the drafter keeps the target's features of those same positions and
-    forgets the rest."""
+    """Emit each sequence's tokens, then 4. Roll back (`roll_back`)."""
     emit_accepted(seqs, verdict.tokens, verdict.num_accepted, [len(d) for d in verdict.drafts], verdict.top,
                   verdict.failed, emit)
+    roll_back(seqs, target, drafter, starts, num_fed, hidden)
+    return [StepResult(d, n, len(d)) for d, n in zip(verdict.drafts, verdict.num_accepted)]
+
+
+def roll_back(seqs: list[Sequence], target: ModelRunner, drafter: Drafter, starts: list[int],
+              num_fed: list[int], hidden: torch.Tensor | None) -> None:
+    """4. Roll back, once the step emitted (a chain's or a tree's on the device): keep the K/V of
+    the emitted tokens (the newest is fed next step) and drop a finished sequence's penalty counts
+    (penalties.Penalties); the drafter keeps the target's features of the fed positions (hidden,
+    num_fed[b] rows per sequence from starts[b]) and forgets the rest."""
     for s in seqs:
         s.target_table.truncate(len(s) - 1, target.cache.allocator)
         if s.finish_reason is not None:
-            s.token_counts = None  # (its penalties' counts: penalties.Penalties)
+            s.token_counts = None
     if hidden is not None:
         drafter.observe(seqs, starts, num_fed, hidden)
     drafter.rollback(seqs)
-    return [StepResult(d, n, len(d)) for d, n in zip(verdict.drafts, verdict.num_accepted)]
 
 
 @dataclass

@@ -39,7 +39,7 @@ from .runtime.runner import DrawnTree, Feed, ModelRunner
 from .runtime.sequence import Sequence
 from .runtime.transfers import Upload
 from .sampling import WARP_DTYPES, WarpParams
-from .speculative import StepResult, emit_accepted
+from .speculative import StepResult, emit_accepted, roll_back
 from .tree_layout import first_rejected, placeholder_feed, tree_feed
 from .tree_options_on_device import penalized_tree_on_device, stage_tree_options, tree_logprobs_on_device
 from .tree_walk_on_device import WalkShape, walk_on_device, walk_tables
@@ -94,13 +94,7 @@ def device_tree_step(seqs: list[Sequence], target: ModelRunner, drafter: Drafter
     depths = [max(t.depths(), default=0) for t in trees]
     top = host_logprobs(seqs, logprobs, num_accepted)
     emit_accepted(seqs, emitted, num_accepted, depths, top, failures, emit)
-    for s in seqs:
-        s.target_table.truncate(len(s) - 1, target.cache.allocator)
-        if s.finish_reason is not None:
-            s.token_counts = None  # (its penalties' counts: penalties.Penalties)
-    if hidden is not None:
-        drafter.observe(seqs, plan.starts, shape.widths, hidden)
-    drafter.rollback(seqs)
+    roll_back(seqs, target, drafter, plan.starts, shape.widths, hidden)
     return [StepResult(d + first_rejected(t, p), len(d), depth)
             for d, t, p, depth in zip(drafted, trees, paths, depths)]
 
