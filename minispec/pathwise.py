@@ -76,8 +76,8 @@ def gumbel_max(probs: torch.Tensor, keys: list[Key], positions: list[int], token
         values, columns = probs.topk(kept, dim=-1)  # [N, kept]: every kept token (and zeros where a row keeps fewer)
         race = noise(keys, positions, token_ids[columns]).log_().div_(values.double())  # [N, kept] fp64
         return columns.gather(-1, race.argmax(-1, keepdim=True)).squeeze(-1)  # [N]
-    race = noise(keys, positions, token_ids).log_()  # [N, M] fp64, log u < 0
-    return race.div_(probs.double()).argmax(-1)  # [N]
+    lanes = torch.tensor(noise_lanes(keys, positions), dtype=torch.int64, device=probs.device).view(-1, 2)  # [N, 2]
+    return lane_gumbel_max(probs, lanes, token_ids)  # [N]: the race over every column
 
 
 SPARSE = 8  # noise for the kept tokens only when they are at most 1/SPARSE of the columns (topk costs more above)
@@ -94,11 +94,10 @@ def lane_gumbel_max(probs: torch.Tensor, lanes: torch.Tensor, token_ids: torch.T
     """`gumbel_max` on the device, the noise made from uploaded lanes: probs [N, M], lanes [N, 2]
     int64 (`noise_lanes`), token_ids [M] as in gumbel_max. Returns [N] int64 column indices.
 
-    The same race in the same fp64 operations as gumbel_max's noise over every column (u from
-    randomness.finish, then the argmax of log(u) / p: a token with p = 0 gets -inf and never wins,
-    ties go to the lowest column), so the same token. It never takes gumbel_max's kept-tokens
-    shortcut (the same token but for exact ties of the race): counting the kept tokens is a host
-    copy, and a step laid out ahead makes none."""
+    gumbel_max's race over every column (u from randomness.finish, then the argmax of log(u) / p: a
+    token with p = 0 gets -inf and never wins, ties go to the lowest column): gumbel_max runs it
+    here. It never takes gumbel_max's kept-tokens shortcut (the same token but for exact ties of
+    the race): counting the kept tokens is a host copy, and a step laid out ahead makes none."""
     if token_ids is None:
         token_ids = torch.arange(probs.shape[-1], device=probs.device)
     u = finish(lanes[:, :1], lanes[:, 1:], spread(token_ids[None, :]))  # [N, M] fp64 in (0, 1)

@@ -299,6 +299,7 @@ def noise_reused_across_positions(monkeypatch):
     lanes = minispec.pathwise.noise_lanes
     at_zero = lambda keys, positions: lanes(keys, [0] * len(positions))  # noqa: E731
     monkeypatch.setattr(minispec.pathwise, "noise", lambda keys, positions, ids: noise(keys, [0] * len(positions), ids))
+    monkeypatch.setattr(minispec.pathwise, "noise_lanes", at_zero)  # (gumbel_max's race over every column)
     monkeypatch.setattr(minispec.speculative, "noise_lanes", at_zero)
     monkeypatch.setattr(minispec.drafters.draft_loop_on_device, "noise_lanes", at_zero)
 
@@ -314,11 +315,16 @@ def noise_keyed_by_step(monkeypatch):
         def step_noise(keys_, positions, ids):  # every row of sequence b: the noise of lengths[b]
             return noise(keys_, [lengths[keys.index(k)] for k in keys_], ids)
 
+        def step_lanes(keys_, positions):  # (the lanes of gumbel_max's race over every column)
+            return lanes(keys_, [lengths[keys.index(k)] for k in keys_])
+
         monkeypatch.setattr(minispec.pathwise, "noise", step_noise)
+        monkeypatch.setattr(minispec.pathwise, "noise_lanes", step_lanes)
         try:
             return original(logits, params, keys, lengths, draft_lists, first_rows)
         finally:
             monkeypatch.setattr(minispec.pathwise, "noise", noise)
+            monkeypatch.setattr(minispec.pathwise, "noise_lanes", lanes)
 
     monkeypatch.setattr(minispec.speculative, "pathwise_verify", by_step)
     at_first = lambda keys, positions: lanes(keys, positions[:1] * len(positions))  # noqa: E731
